@@ -1,0 +1,65 @@
+"""Compiled-model cache: each distinct MAX graph is compiled once, ever.
+
+A cold MAX compile takes minutes on a small CPU, and MAX's own cache still
+costs seconds per graph (and sometimes misses). So compiled models are
+exported as ``.mef`` files keyed on everything that changes the code:
+the MAX version, the graph's MLIR text (shapes, dtypes, device, constants,
+custom-op names) and the bytes of every kernel library it uses. Loading a
+``.mef`` takes milliseconds; weights are bound at load time, so one file
+serves every checkpoint of the same shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from max import engine
+from max.engine import InferenceSession, Model
+from max.graph import Graph
+
+
+def cache_dir() -> Path:
+    """``$SRM_MAX_CACHE`` or ``~/.cache/srm-max``."""
+    root = os.environ.get("SRM_MAX_CACHE") or Path.home() / ".cache" / "srm-max"
+    return Path(root)
+
+
+def graph_key(graph: Graph, extra: bytes = b"") -> str:
+    digest = hashlib.sha256(engine.__version__.encode())
+    digest.update(str(graph).encode())
+    for lib in sorted(str(p) for p in graph.kernel_libraries_paths):
+        digest.update(Path(lib).read_bytes())
+    digest.update(extra)
+    return digest.hexdigest()[:24]
+
+
+def load_compiled(
+    session: InferenceSession,
+    graph: Graph,
+    weights_registry: Mapping | None = None,
+    extra_key: bytes = b"",
+) -> Model:
+    """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss."""
+    directory = cache_dir() / "mef"
+    mef = directory / f"{graph.name}-{graph_key(graph, extra_key)}.mef"
+    if mef.exists():
+        try:
+            compiled = engine.read(mef)
+        except Exception:  # a stale or damaged cache entry: rebuild it
+            mef.unlink(missing_ok=True)
+            return load_compiled(session, graph, weights_registry, extra_key)
+    else:
+        compiled = session.compile(graph)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".mef.tmp")
+        os.close(fd)
+        try:
+            compiled.export_mef(tmp)
+            os.replace(tmp, mef)  # atomic: concurrent processes never see half a file
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return session.init(compiled, weights_registry=weights_registry)

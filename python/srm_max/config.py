@@ -1,0 +1,122 @@
+"""Model configuration, saved as an HF-style ``config.json``.
+
+The ``architecture`` field selects the model family, so a second architecture
+(PHA) can share the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import CheckpointError
+
+SRM_ARCHITECTURE = "srm"
+
+
+@dataclass(frozen=True)
+class SRMConfig:
+    """Sizes of a Structured Recurrent Mixer (see docs: ``shared/docs/srm.md``).
+
+    ``context_length`` is n: the number of positions the mixer vectors cover.
+    A prompt plus its completion can never be longer.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    context_length: int
+    ffn_expansion: int = 4
+    decay: bool = True
+    layer_norm_eps: float = 1e-5
+    architecture: str = SRM_ARCHITECTURE
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length", "ffn_expansion"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.decay, bool):
+            raise CheckpointError(f"config: decay must be true or false, got {self.decay!r}")
+        if not isinstance(self.layer_norm_eps, (int, float)) or not (0 < self.layer_norm_eps < 1):
+            raise CheckpointError(f"config: layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
+        if self.architecture != SRM_ARCHITECTURE:
+            raise CheckpointError(f"config: architecture {self.architecture!r} is not {SRM_ARCHITECTURE!r}")
+        if self.n_heads % 2:
+            # Half the heads are column-repeat, half row-repeat.
+            raise CheckpointError(f"config: n_heads must be even (column + row heads), got {self.n_heads}")
+        if self.d_model % self.n_heads:
+            raise CheckpointError(
+                f"config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def decay_constant(self) -> int:
+        """c in lam = clip(decay, 0.9, 1) ** (1 / c).
+
+        The reference code uses n // 512, which is 0 (division by zero) for
+        n < 512; max(1, .) keeps n >= 512 bit-compatible and makes small n work.
+        """
+        return max(1, self.context_length // 512)
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_model * self.ffn_expansion
+
+    def num_parameters(self) -> int:
+        d, V, L, n, H = self.d_model, self.vocab_size, self.n_layers, self.context_length, self.n_heads
+        per_layer = (
+            4 * d  # two LayerNorms
+            + (d * self.ffn_dim + self.ffn_dim) + (self.ffn_dim * d + d)  # channel MLP
+            + (d * d + d)  # head projections, all heads together
+            + (d * d + d)  # out_proj
+            + H * (2 * n + (1 if self.decay else 0))  # w, beta, decay per head
+        )
+        return 2 * V * d + L * per_layer
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "SRMConfig":
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise CheckpointError(f"{source}: unknown config field(s) {unknown}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if required:
+            raise CheckpointError(f"{source}: missing config field(s) {required}")
+        try:
+            return cls(**data)
+        except CheckpointError as e:
+            raise CheckpointError(f"{source}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SRMConfig":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: config file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def decay_lambda(decay_value: float, decay_constant: int) -> float:
+    """The per-step decay lam = clip(decay_value, 0.9, 1) ** (1 / c)."""
+    return min(max(decay_value, 0.9), 1.0) ** (1.0 / decay_constant)
+
+
+__all__ = ["SRMConfig", "SRM_ARCHITECTURE", "decay_lambda"]
