@@ -1,6 +1,17 @@
 """srm-max: Structured Recurrent Mixers on MAX."""
 
-from .config import SRMConfig
-from .errors import CheckpointError, ConvertError, GenerationError, SRMError
+__version__ = "0.1.0"
 
-__all__ = ["SRMConfig", "SRMError", "CheckpointError", "ConvertError", "GenerationError"]
+from .config import SRMConfig  # noqa: E402
+from .errors import CheckpointError, ConvertError, GenerationError, SRMError  # noqa: E402
+
+__all__ = ["Generator", "SRMConfig", "SRMError", "CheckpointError", "ConvertError", "GenerationError"]
+
+
+def __getattr__(name: str):
+    # The Generator pulls in MAX (about a second to import): load it on first use only.
+    if name == "Generator":
+        from .generator import Generator
+
+        return Generator
+    raise AttributeError(f"module 'srm_max' has no attribute {name!r}")

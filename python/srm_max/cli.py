@@ -1,0 +1,85 @@
+"""The ``srm-max`` command line: convert, generate, train."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import SRMError
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert, parse_override
+
+    overrides = dict(parse_override(o) for o in args.override)
+    certificate = convert(
+        args.src, args.dst, dtype=args.dtype, tokenizer=args.tokenizer, overrides=overrides,
+        force=args.force, parity_tokens=args.parity_tokens,
+    )
+    print(f"wrote {args.dst}")
+    print(json.dumps({k: certificate[k] for k in ("tokens", "max_abs_delta", "tolerance", "passed")}, indent=2))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .generate_cli import run_generate
+
+    return run_generate(args)
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    from .train import main as train_main
+
+    return train_main(rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="srm-max", description="Structured Recurrent Mixers on MAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a PyTorch/safetensors SRM checkpoint, with a parity certificate")
+    p.add_argument("src", help="state-dict file (.pt/.bin), .safetensors file, or Trainer checkpoint folder")
+    p.add_argument("dst", help="output checkpoint directory")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the source's)")
+    p.add_argument("--tokenizer", help="tokenizer.json to copy into the checkpoint")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="config field to set instead of inferring it (JSON value), repeatable")
+    p.add_argument("--parity-tokens", type=int, default=None, help="tokens per sequence in the parity check (default 256)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+
+    g = sub.add_parser("generate", help="generate text with a model (default: the embedded one)")
+    g.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=None, help="stop string, repeatable")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
+
+    sub.add_parser("train", help="train a reference model (see `srm-max train --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] == "train":
+        return _train(argparse.Namespace(), argv[1:])
+    args = parser.parse_args(argv)
+    try:
+        return {"convert": _convert, "generate": _generate}[args.command](args)
+    except SRMError as e:
+        print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"srm-max {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
