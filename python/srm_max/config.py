@@ -13,6 +13,15 @@ from pathlib import Path
 from .errors import CheckpointError
 
 SRM_ARCHITECTURE = "srm"
+# Far above any real SRM; they stop a hostile config.json from asking for absurd work.
+LIMITS = {
+    "vocab_size": 1 << 24,
+    "d_model": 1 << 16,
+    "n_layers": 1024,
+    "n_heads": 256,
+    "context_length": 1 << 20,
+    "ffn_expansion": 64,
+}
 
 
 @dataclass(frozen=True)
@@ -38,9 +47,12 @@ class SRMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
+            if value > LIMITS[name]:
+                raise CheckpointError(f"config: {name} = {value} is above the supported maximum {LIMITS[name]}")
         if not isinstance(self.decay, bool):
             raise CheckpointError(f"config: decay must be true or false, got {self.decay!r}")
-        if not isinstance(self.layer_norm_eps, (int, float)) or not (0 < self.layer_norm_eps < 1):
+        eps = self.layer_norm_eps
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 < eps < 1):
             raise CheckpointError(f"config: layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
         if self.architecture != SRM_ARCHITECTURE:
             raise CheckpointError(f"config: architecture {self.architecture!r} is not {SRM_ARCHITECTURE!r}")
@@ -109,7 +121,7 @@ class SRMConfig:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{path}: config file not found") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
             raise CheckpointError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(data, source=str(path))
 

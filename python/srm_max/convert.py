@@ -150,20 +150,22 @@ def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.
 def infer_config(tensors: dict[str, np.ndarray], source: str, overrides: dict | None = None) -> SRMConfig:
     """V, d, L, H, n, FFN expansion and decay from the shapes; ``overrides`` win."""
 
-    def shape(key: str) -> tuple[int, ...]:
+    def shape(key: str, rank: int) -> tuple[int, ...]:
         if key not in tensors:
             raise ConvertError(f"{source}: missing key {key!r}; cannot infer the model's size")
+        if tensors[key].ndim != rank or 0 in tensors[key].shape:
+            raise ConvertError(f"{source}: {key!r} has shape {list(tensors[key].shape)}; expected {rank} non-empty dims")
         return tensors[key].shape
 
-    vocab, d = shape("input_layer.weight")
+    vocab, d = shape("input_layer.weight", 2)
     layers = {int(m.group(1)) for k in tensors if (m := _BLOCK.match(k))}
     heads = {int(m.group(1)) for k in tensors if (m := _HEAD.match(k))}
     if not layers:
         raise ConvertError(f"{source}: no mixer_blocks.* keys; not an SRM checkpoint")
     if not heads:
         raise ConvertError(f"{source}: missing key 'mixer_blocks.0.token_mixing_layer.proj_head.0.weight'")
-    ffn = shape("mixer_blocks.0.channel_mixing_layer.0.weight")[0]
-    n = shape("mixer_blocks.0.token_mixing_layer.mixer_heads.0.weight")[-1]
+    ffn = shape("mixer_blocks.0.channel_mixing_layer.0.weight", 2)[0]
+    n = shape("mixer_blocks.0.token_mixing_layer.mixer_heads.0.weight", 2)[-1]
     values = {
         "vocab_size": vocab,
         "d_model": d,

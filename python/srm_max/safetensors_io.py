@@ -71,7 +71,7 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
         try:
             header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
             raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
