@@ -1,0 +1,62 @@
+"""Scoring many samples of a verifiable task: pass@k and balanced GRPO groups.
+
+``pass_at_k`` is the unbiased estimator of Chen et al. (2021): from n samples of
+which c are correct, the probability that at least one of k drawn without
+replacement is correct, 1 - C(n-c, k) / C(n, k), computed as a stable product.
+
+``balanced_group`` is the paper's balanced resampling: from many scored
+completions build a training group of fixed size G that mixes correct and
+incorrect ones (up to G/2 correct, filled with incorrect, and with more
+correct when incorrect ones run short), so group-normalised advantages are
+rarely all zero.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def mean_pass_at_k(correct_counts: Sequence[int], n: int, k: int) -> float:
+    """pass@k averaged over problems, each sampled n times with ``correct_counts[i]`` correct."""
+    return float(np.mean([pass_at_k(n, c, k) for c in correct_counts]))
+
+
+def balanced_group(rewards: Sequence[float], group_size: int, rng: random.Random | None = None) -> list[int]:
+    """Indices of a balanced group drawn from completions scored ``rewards`` (1 = correct).
+
+    Takes up to G/2 correct ones, fills with incorrect ones, and if incorrect
+    ones run short fills the rest with more correct ones. With fewer than G
+    completions in all, every one is used (the group is smaller than G).
+    """
+    if group_size < 1:
+        raise ValueError(f"balanced_group: group_size must be >= 1, got {group_size}")
+    rng = rng or random.Random(0)
+    correct = [i for i, r in enumerate(rewards) if r > 0]
+    wrong = [i for i, r in enumerate(rewards) if r <= 0]
+    rng.shuffle(correct)
+    rng.shuffle(wrong)
+    take_correct = min(len(correct), group_size // 2)
+    take_wrong = min(len(wrong), group_size - take_correct)
+    take_correct = min(len(correct), group_size - take_wrong)  # refill with correct if wrong ran short
+    group = correct[:take_correct] + wrong[:take_wrong]
+    rng.shuffle(group)
+    return group
+
+
+def group_advantages(rewards: Sequence[float], eps: float = 1e-4) -> np.ndarray:
+    """GRPO's group-normalised advantages (r - mean) / (std + eps)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return (r - r.mean()) / (r.std() + eps)
