@@ -13,5 +13,5 @@ if ! .venv/bin/python -c 'import srm_max, torch, pytest, max' 2>/dev/null; then
   # SRM_TORCH_INDEX=https://download.pytorch.org/whl/cpu where no local CPU wheel is configured.
   .venv/bin/pip install --quiet --disable-pip-version-check 'torch==2.13.*' \
     ${SRM_TORCH_INDEX:+--extra-index-url "$SRM_TORCH_INDEX"}
-  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[torch,dev,train]'
+  .venv/bin/pip install --quiet --disable-pip-version-check -e '.[torch,dev,train,bench]'
 fi

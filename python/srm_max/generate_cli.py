@@ -1,0 +1,57 @@
+"""``srm-max generate``: text in, text out, with progress on long runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+class ProgressLine:
+    """``tokens done/total, tok/s`` on stderr, for runs long enough to need it."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        if not self.enabled or elapsed < 1.0:
+            return
+        self.shown = True
+        print(f"\rgenerating: {done}/{total} tokens, {done / elapsed:.0f} tok/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .embedded import default_model_path
+    from .generator import Generator
+
+    path = args.model if args.model is not None else default_model_path()
+    generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype)
+    if generator.tokenizer is None:
+        print(f"srm-max generate: error: {path} has no tokenizer.json; text prompts need one", file=sys.stderr)
+        return 2
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop)
+    if args.stream:
+        if len(args.prompt) != 1:
+            print("srm-max generate: error: --stream takes exactly one prompt", file=sys.stderr)
+            return 2
+        print(args.prompt[0], end="", flush=True)
+        for event in generator.stream(args.prompt, **options):
+            print(event.texts.get(0, ""), end="", flush=True)
+        print()
+        return 0
+    progress = ProgressLine(enabled=sys.stderr.isatty())
+    completions = generator.generate(list(args.prompt), progress=progress, **options)
+    progress.close()
+    for prompt, completion in zip(args.prompt, completions):
+        if len(args.prompt) > 1:
+            print(f"--- [{completion.finish_reason}]")
+        print(prompt + completion.text)
+    return 0
