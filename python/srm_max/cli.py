@@ -1,4 +1,4 @@
-"""The ``srm-max`` command line: convert, generate, train."""
+"""The ``srm-max`` command line: convert, generate, verify, train."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def _generate(args: argparse.Namespace) -> int:
     from .generate_cli import run_generate
 
     return run_generate(args)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    checks = verify(args.path, engine=not args.no_engine)
+    for check in checks:
+        print(f"{'ok  ' if check.passed else 'FAIL'} {check.name}: {check.detail}")
+    return 0 if all(c.passed for c in checks) else 1
 
 
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -61,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
 
+    v = sub.add_parser("verify", help="re-check a model directory: integrity, parity, MAX against the reference")
+    v.add_argument("path", help="checkpoint directory")
+    v.add_argument("--no-engine", action="store_true", help="skip the MAX-against-reference check")
+
     sub.add_parser("train", help="train a reference model (see `srm-max train --help`)", add_help=False)
     return parser
 
@@ -72,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(argparse.Namespace(), argv[1:])
     args = parser.parse_args(argv)
     try:
-        return {"convert": _convert, "generate": _generate}[args.command](args)
+        return {"convert": _convert, "generate": _generate, "verify": _verify}[args.command](args)
     except SRMError as e:
         print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
         return 2
