@@ -195,6 +195,16 @@ def test_scan_rejects_bad_input():
         K.mixer_scan(np.zeros((1, 3, 2, 3)), [4], w, beta, lam)  # length > T
 
 
+def test_scan_kernel_raises_when_t_exceeds_n(scan_model):
+    # bypass the wrapper: the kernel itself refuses T > n (an Error raised in
+    # Mojo arrives as ValueError from execute)
+    rng = np.random.default_rng(0)
+    w, beta, lam = make_params(rng, 2, 4)
+    u = np.zeros((1, 5, 2, 3), np.float32)
+    with pytest.raises(ValueError, match="srm_mixer_scan"):
+        scan_model.execute(u, np.array([5], np.int64), w, beta, lam)
+
+
 # ----------------------------------------------------------------- step
 
 
