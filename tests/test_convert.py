@@ -327,3 +327,34 @@ def test_cli_convert_reports_errors_cleanly(model, tmp_path, capsys):
     assert cli_main(["convert", str(src), str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- PHA checkpoints
+
+
+def test_pha_round_trip_through_convert(tmp_path):
+    from srm_max.pha_config import PHAConfig
+    from srm_max.reference.pha import PHA
+
+    config = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=24, n_q_heads=2, n_kv_heads=1,
+                       dss_state_size=8, tie_embeddings=False)
+    torch.manual_seed(0)
+    model = PHA(config).eval()
+    torch.save(model.state_dict(), tmp_path / "pha.pt")
+    with pytest.raises(ConvertError, match="pha.pt: a PHA checkpoint; pass its config.json with --config"):
+        convert(tmp_path / "pha.pt", tmp_path / "out")
+    config.save(tmp_path / "pha_config.json")
+    certificate = convert(tmp_path / "pha.pt", tmp_path / "out", config=tmp_path / "pha_config.json", dtype="bfloat16")
+    assert certificate["passed"] and set(certificate["max_abs_delta"]) == {
+        "fft_vs_recurrent", "fft_vs_decode", "recurrent_vs_decode"}
+    loaded = load_checkpoint(tmp_path / "out")
+    assert loaded.config == config and loaded.dtype == "bfloat16"
+    ids = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = PHA(config)
+    expected.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(reference_model(config, loaded.weights, torch.float32)(ids), expected.eval()(ids),
+                                   rtol=0, atol=0)
+    # our own format converts again (e.g. back to float32), its config.json found beside the weights
+    convert(tmp_path / "out", tmp_path / "out32", dtype="float32")
+    assert load_checkpoint(tmp_path / "out32").config == config

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import SRMConfig
+from .config import SRMConfig, load_config
 from .errors import CheckpointError
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, write_safetensors
 
@@ -28,8 +28,15 @@ PARITY_FILE = "parity.json"
 _DTYPE_NAMES = {code: name for name, code in FLOAT_DTYPES.items()}
 
 
-def expected_shapes(config: SRMConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of an SRM, by the paper code's key name, with its shape."""
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the model, by key name, with its shape.
+
+    SRM keys are the paper code's (``MLPMixer``); PHA's are in ``pha_config``.
+    """
+    if config.architecture == "pha":
+        from .pha_config import pha_expected_shapes
+
+        return pha_expected_shapes(config)
     d, f, n, hd = config.d_model, config.ffn_dim, config.context_length, config.head_dim
     shapes = {"input_layer.weight": (config.vocab_size, d), "output_layer.weight": (config.vocab_size, d)}
     for l in range(config.n_layers):
@@ -87,7 +94,7 @@ def check_finite(name: str, array: np.ndarray, source: str) -> None:
 @dataclass
 class Checkpoint:
     path: Path
-    config: SRMConfig
+    config: SRMConfig  # or PHAConfig, by its architecture field
     weights: dict[str, np.ndarray]  # float32, the paper's key names
     dtype: str  # as stored: float32, bfloat16 or float16
     tokenizer_path: Path | None
@@ -97,7 +104,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = SRMConfig.load(path / CONFIG_FILE)
+    config = load_config(path / CONFIG_FILE)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.exists():
         raise CheckpointError(f"{weights_path}: weights file not found")

@@ -14,7 +14,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     overrides = dict(parse_override(o) for o in args.override)
     certificate = convert(
-        args.src, args.dst, dtype=args.dtype, tokenizer=args.tokenizer, overrides=overrides,
+        args.src, args.dst, dtype=args.dtype, tokenizer=args.tokenizer, overrides=overrides, config=args.config,
         force=args.force, parity_tokens=args.parity_tokens,
     )
     print(f"wrote {args.dst}")
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output checkpoint directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the source's)")
     p.add_argument("--tokenizer", help="tokenizer.json to copy into the checkpoint")
+    p.add_argument("--config", help="config.json to use instead of inferring it (required for PHA)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="config field to set instead of inferring it (JSON value), repeatable")
     p.add_argument("--parity-tokens", type=int, default=None, help="tokens per sequence in the parity check (default 256)")

@@ -116,14 +116,31 @@ class SRMConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "SRMConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: config file not found") from None
-        except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
+
+
+def read_json(path: str | Path):
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config file not found") from None
+    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+def config_from_dict(data, source: str = "config"):
+    """An ``SRMConfig`` or a ``PHAConfig``, by the ``architecture`` field (default: srm)."""
+    if isinstance(data, dict) and data.get("architecture") == "pha":
+        from .pha_config import PHAConfig
+
+        return PHAConfig.from_dict(data, source)
+    return SRMConfig.from_dict(data, source)
+
+
+def load_config(path: str | Path):
+    """Read any architecture's ``config.json``."""
+    return config_from_dict(read_json(path), source=str(path))
 
 
 def decay_lambda(decay_value: float, decay_constant: int) -> float:
@@ -131,4 +148,4 @@ def decay_lambda(decay_value: float, decay_constant: int) -> float:
     return min(max(decay_value, 0.9), 1.0) ** (1.0 / decay_constant)
 
 
-__all__ = ["SRMConfig", "SRM_ARCHITECTURE", "decay_lambda"]
+__all__ = ["SRMConfig", "SRM_ARCHITECTURE", "config_from_dict", "decay_lambda", "load_config", "read_json"]

@@ -7,6 +7,10 @@ Accepted sources:
     ``pytorch_model.bin``), a Trainer output folder holding ``checkpoint-N`` folders
     (the highest N is taken), or a checkpoint in this project's format.
 
+The config comes from ``--config`` if given, else from a ``config.json`` of this
+project's format beside the weights, else (SRM only) it is inferred from the
+shapes. PHA checkpoints (keys ``embed.weight``, ``blocks.*``) need a config.
+
 Key mapping (the paper code's ``MLPMixer``, all in ``normalize_keys``):
   * ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes are removed;
   * a dropout layer in the channel MLP moves ``channel_mixing_layer.2`` to ``.3``: mapped back;
@@ -34,7 +38,7 @@ from .checkpoint import (
     check_weights,
     write_checkpoint_files,
 )
-from .config import SRMConfig
+from .config import SRMConfig, config_from_dict, load_config
 from .errors import CheckpointError, ConvertError
 from .parity import compute_parity
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
@@ -182,6 +186,31 @@ def infer_config(tensors: dict[str, np.ndarray], source: str, overrides: dict | 
         raise ConvertError(f"{source}: {e}") from None
 
 
+def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_path: Path | None,
+                  overrides: dict | None):
+    """The config to convert with: given, found beside the weights, or inferred (SRM)."""
+    beside = weights_path.parent / "config.json"
+    if config_path is None and beside.is_file() and _is_ours(beside):
+        config_path = beside
+    if config_path is None:
+        if "embed.weight" in tensors or any(k.startswith("blocks.") for k in tensors):
+            raise ConvertError(f"{weights_path}: a PHA checkpoint; pass its config.json with --config")
+        return infer_config(tensors, str(weights_path), overrides)
+    try:
+        base = load_config(config_path).to_dict()
+        return config_from_dict(base | (overrides or {}), source=str(config_path))
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _is_ours(path: Path) -> bool:
+    """A config.json of this project (not, say, a Trainer's own)."""
+    try:
+        return json.loads(path.read_text()).get("architecture") in ("srm", "pha")
+    except (ValueError, AttributeError, OSError, RecursionError):
+        return False
+
+
 def parse_override(text: str) -> tuple[str, object]:
     """``key=value`` with a JSON value (``decay=false``, ``layer_norm_eps=1e-6``)."""
     key, sep, value = text.partition("=")
@@ -199,6 +228,7 @@ def convert(
     dtype: str | None = None,
     tokenizer: str | Path | None = None,
     overrides: dict | None = None,
+    config: str | Path | None = None,
     force: bool = False,
     parity_tokens: int | None = None,
     show_progress: bool | None = None,
@@ -216,7 +246,7 @@ def convert(
         show_progress = sys.stderr.isatty() and weights_path.stat().st_size > 64 * 2**20
     tensors, source_dtype = read_source(weights_path, show_progress)
     tensors = normalize_keys(tensors, str(weights_path))
-    config = infer_config(tensors, str(weights_path), overrides)
+    config = choose_config(tensors, weights_path, Path(config) if config else None, overrides)
     try:
         check_weights(config, {k: v.shape for k, v in tensors.items()}, str(weights_path))
         for key, value in tensors.items():

@@ -237,14 +237,9 @@ class PHAConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "PHAConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: config file not found") from None
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data, source=str(path))
+        from .config import read_json
+
+        return cls.from_dict(read_json(path), source=str(path))
 
 
 def pha_expected_shapes(config: PHAConfig) -> dict[str, tuple[int, ...]]:
