@@ -69,7 +69,7 @@ def parallel_mixer(u, w, beta, lam, lengths=None, chunk: int = CHUNK):
     is_column = _column_mask(H, u).view(1, 1, H, 1)
     wt = w[:, :T].T.reshape(1, T, H, 1)
     v = torch.where(is_column, u, wt * u)  # what enters the state at each step
-    states = torch.empty_like(v)
+    chunks = []
     carry = v.new_zeros(B, H, hd)
     for start in range(0, T, chunk):
         stop = min(start + chunk, T)
@@ -79,8 +79,9 @@ def parallel_mixer(u, w, beta, lam, lengths=None, chunk: int = CHUNK):
         within = torch.where(gap >= 0, lam.view(H, 1, 1) ** gap.clamp(min=0), u.new_zeros(()))
         local = torch.einsum("hji,bihd->bjhd", within, v[:, start:stop])
         carried = lam.view(1, 1, H, 1) ** (k + 1).to(u.dtype).view(1, C, 1, 1) * carry.unsqueeze(1)
-        states[:, start:stop] = local + carried
-        carry = states[:, stop - 1]
+        chunks.append(local + carried)  # a list, not in-place writes: autograd trains through it
+        carry = chunks[-1][:, -1]
+    states = torch.cat(chunks, 1) if chunks else v.new_zeros(B, 0, H, hd)
     y = torch.where(is_column, wt * states, states) + beta[:, :T].T.reshape(1, T, H, 1)
     return y, _final_state(states, lengths)
 
