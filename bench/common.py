@@ -1,0 +1,338 @@
+"""Shared helpers of the benchmarks in ``bench/``.
+
+Model builders at equal parameter counts (SRM, Llama-style Transformer, Mamba),
+the fixed prompts, thread control, wall-clock timing, machine facts, and the
+JSON + PNG writers. Every model is randomly initialised: the benchmarks measure
+speed and memory, which depend only on shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ configs
+def srm_config(d_model=256, n_layers=8, n_heads=4, context_length=1024, vocab_size=4096):
+    from srm_max.config import SRMConfig
+
+    return SRMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                     context_length=context_length)
+
+
+def srm_matmul_params(config) -> int:
+    """Parameters a decode step multiplies with: every matmul weight, the output layer
+    included (the embedding is a gather, the mixer vectors are elementwise)."""
+    d, f, L, V = config.d_model, config.ffn_dim, config.n_layers, config.vocab_size
+    return L * (2 * d * f + d * d + d * d) + V * d
+
+
+def num_params(model) -> int:
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+# ------------------------------------------------------------------ builders
+def build_srm_reference(config, seed: int = 0):
+    """The PyTorch reference SRM, random weights with decays in [0.9, 1) and small biases."""
+    import torch
+
+    from srm_max.reference.srm import SRM
+
+    torch.manual_seed(seed)
+    model = SRM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("decay_value"):
+                p.copy_(0.9 + 0.1 * torch.rand(p.shape, generator=g))
+            elif name.endswith("bias") or "norm" in name:
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def srm_weights(model) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().float().numpy() for k, v in model.state_dict().items()}
+
+
+def llama_config_matching(config, torch_dtype=None):
+    """A Llama (RoPE, SwiGLU MLP, RMSNorm, untied output) with the SRM's vocab, width,
+    depth and heads; the MLP width is chosen so the parameter counts agree."""
+    from transformers import LlamaConfig
+
+    d, L, V = config.d_model, config.n_layers, config.vocab_size
+    target = config.num_parameters()
+    # Llama: 2 V d + L (4 d^2 + 3 d I + 2 d) + d
+    inter = (target - 2 * V * d - d - L * (4 * d * d + 2 * d)) / (3 * d * L)
+    inter = max(8, int(round(inter / 8)) * 8)
+    kw = {}
+    if torch_dtype is not None:
+        kw["dtype"] = torch_dtype
+    return LlamaConfig(
+        vocab_size=V, hidden_size=d, num_hidden_layers=L, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_heads, intermediate_size=inter,
+        max_position_embeddings=max(2048, config.context_length + 128), tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, **kw)
+
+
+def build_llama(config, seed: int = 0, attn: str = "sdpa", torch_dtype=None, device="cpu"):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    lc = llama_config_matching(config)
+    lc._attn_implementation = attn
+    model = LlamaForCausalLM(lc).eval()
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
+    return model.to(device)
+
+
+def mamba_config_matching(config):
+    """A Mamba with the SRM's width and vocab (untied output); layers chosen to match params."""
+    from transformers import MambaConfig
+
+    d, V = config.d_model, config.vocab_size
+    e = 2 * d  # expand 2
+    rank = math.ceil(d / 16)
+    state, kernel = 16, 4
+    per_layer = (d * 2 * e + e * kernel + e + e * (rank + 2 * state) + rank * e + e
+                 + e * state + e + e * d + d)
+    layers = max(1, round((config.num_parameters() - 2 * V * d - d) / per_layer))
+    return MambaConfig(vocab_size=V, hidden_size=d, num_hidden_layers=layers, state_size=state,
+                       conv_kernel=kernel, expand=2, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def build_mamba(config, seed: int = 0):
+    import torch
+    from transformers import MambaForCausalLM
+
+    torch.manual_seed(seed)
+    return MambaForCausalLM(mamba_config_matching(config)).eval()
+
+
+def quiet_transformers() -> None:
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ------------------------------------------------------------------ prompts
+def fixed_prompts(batch: int, length: int, vocab: int, seed: int = 1234) -> np.ndarray:
+    """[batch, length] int64 token ids; the same for every engine (ids 1 .. vocab-1)."""
+    rng = np.random.default_rng(seed + 7919 * length)
+    return rng.integers(1, vocab, size=(batch, length), dtype=np.int64)
+
+
+# ------------------------------------------------------------------ threads, timing
+def set_torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(int(n))
+
+
+class Clock:
+    """Wall-clock marks: start, first token (end of prefill), end."""
+
+    def __init__(self):
+        self.t0 = self.first = self.end = None
+
+    def start(self):
+        self.t0 = time.perf_counter()
+
+    def mark_first(self):
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def stop(self):
+        self.end = time.perf_counter()
+
+    @property
+    def total(self) -> float:
+        return self.end - self.t0
+
+    @property
+    def prefill(self) -> float:
+        return (self.first or self.end) - self.t0
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": _cpu_model(),
+        "mem_total_gib": round(_mem_total() / GiB, 1) if _mem_total() else None,
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    for mod in ("max", "torch", "transformers", "numpy"):
+        with contextlib.suppress(Exception):
+            info[f"{mod}_version"] = __import__(mod).__version__
+    return info
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def _mem_total() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def matmul_flops(n: int = 2048, repeats: int = 5) -> dict:
+    """float32 FLOP/s of a large square numpy matmul, best of ``repeats``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm up (thread pool, pages)
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return {"what": f"numpy float32 {n}x{n} matmul", "n": n, "repeats": repeats, "best_seconds": best,
+            "flops": 2.0 * n ** 3 / best}
+
+
+def matmul_flops_torch(n: int = 8192, device: str = "cuda", dtype: str = "bfloat16", repeats: int = 10) -> dict:
+    """FLOP/s of a large square torch matmul on ``device`` (the GPU roofline), best of ``repeats``."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return {"what": f"torch {dtype} {n}x{n} matmul on {device}", "n": n, "repeats": repeats,
+            "best_seconds": best, "flops": 2.0 * n ** 3 / best}
+
+
+def gpu_info() -> dict:
+    out = {}
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            out = {"gpu_name": p.name, "gpu_memory_gib": round(p.total_memory / GiB, 1),
+                   "cuda_version": torch.version.cuda}
+    return out
+
+
+# ------------------------------------------------------------------ output
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def plot_throughput(rows: list[dict], path: Path, title: str, metric: str = "tokens_per_s") -> Path | None:
+    """tokens/s against batch, one line per engine, one panel per prompt length."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    done = [r for r in rows if r.get("status") == "ok"]
+    prompts = sorted({r["prompt_len"] for r in done})
+    if not prompts:
+        return None
+    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4.2), squeeze=False)
+    engines = sorted({r["engine"] for r in done})
+    for ax, p in zip(axes[0], prompts):
+        for e in engines:
+            pts = sorted((r["batch"], r[metric]) for r in done if r["engine"] == e and r["prompt_len"] == p)
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=e)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("generated tokens/s (whole batch)" if metric == "tokens_per_s" else metric)
+        ax.set_title(f"prompt {p}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, float):
+        if x >= 100:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}g}"
+    return str(x)
