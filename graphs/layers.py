@@ -1,0 +1,257 @@
+"""Graph pieces shared by the prefill and decode graphs (plain MAX ops).
+
+Weights are named ``max.graph.Weight`` objects bound at load time, so one
+compiled graph serves every checkpoint of the same shape. Names are the
+checkpoint's keys, plus a few tensors derived on the host at load time (see
+``derived_weights``): the stacked head projection and the mixer vectors laid
+out per position.
+
+Precision: the residual stream, layer norms, the mixer and its state are
+float32. ``wdtype`` (float32 or bfloat16) is the dtype of the big matrices
+(embedding, channel MLP, projections, output layer); with bfloat16 the
+matmul inputs are cast to bfloat16 and the results back to float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, TensorValue, Weight, ops
+
+F32 = DType.float32
+I64 = DType.int64
+U64 = DType.uint64
+
+# Mixer chunk length of the prefill scan. lam >= 0.9, so lam**(C-1) >= 0.9**31 ~ 0.04:
+# no under- or overflow inside a chunk; between chunks decay only shrinks.
+CHUNK = 32
+
+
+def derived_name(layer: int, what: str) -> str:
+    return f"mixer_blocks.{layer}.token_mixing_layer.{what}"
+
+
+class ModelWeights:
+    """The graph's named weights for one config (created once per graph)."""
+
+    def __init__(self, config, wdtype: DType, device: DeviceRef):
+        self.config = config
+        self.wdtype = wdtype
+        self.device = device
+        self._cache: dict[str, Weight] = {}
+
+    def get(self, name: str, shape, dtype: DType = F32) -> Weight:
+        if name not in self._cache:
+            self._cache[name] = Weight(name, dtype, shape, self.device)
+        return self._cache[name]
+
+    def matrix(self, name: str, shape) -> Weight:
+        return self.get(name, shape, self.wdtype)
+
+    def layer(self, l: int) -> dict[str, Weight]:
+        c = self.config
+        d, f, n, H = c.d_model, c.ffn_dim, c.context_length, c.n_heads
+        p = f"mixer_blocks.{l}."
+        return {
+            "cn_w": self.get(p + "channel_norm.weight", [d]),
+            "cn_b": self.get(p + "channel_norm.bias", [d]),
+            "fc1_w": self.matrix(p + "channel_mixing_layer.0.weight", [f, d]),
+            "fc1_b": self.get(p + "channel_mixing_layer.0.bias", [f]),
+            "fc2_w": self.matrix(p + "channel_mixing_layer.2.weight", [d, f]),
+            "fc2_b": self.get(p + "channel_mixing_layer.2.bias", [d]),
+            "tn_w": self.get(p + "token_norm.weight", [d]),
+            "tn_b": self.get(p + "token_norm.bias", [d]),
+            "proj_w": self.matrix(derived_name(l, "proj.weight"), [d, d]),
+            "proj_b": self.get(derived_name(l, "proj.bias"), [d]),
+            "out_w": self.matrix(p + "token_mixing_layer.out_proj.weight", [d, d]),
+            "out_b": self.get(p + "token_mixing_layer.out_proj.bias", [d]),
+            "w": self.get(derived_name(l, "mixer.w"), [n, H]),
+            "beta": self.get(derived_name(l, "mixer.beta"), [n, H]),
+            "loglam": self.get(derived_name(l, "mixer.loglam"), [H]),
+        }
+
+    def embedding(self) -> Weight:
+        c = self.config
+        return self.matrix("input_layer.weight", [c.vocab_size, c.d_model])
+
+    def output(self) -> Weight:
+        c = self.config
+        return self.matrix("output_layer.weight", [c.vocab_size, c.d_model])
+
+
+def derived_weights(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host-side tensors computed from the checkpoint at load time (float32).
+
+    proj.weight [d, d]: the H head projections stacked (torch layout, out x in);
+    mixer.w / mixer.beta [n, H]: per-position vectors, one column per head;
+    mixer.loglam [H]: log(clip(decay, 0.9, 1) ** (1 / c)) (0 without decay).
+    """
+    c = config
+    out = {}
+    for l in range(c.n_layers):
+        p = f"mixer_blocks.{l}.token_mixing_layer."
+        heads = range(c.n_heads)
+        out[derived_name(l, "proj.weight")] = np.concatenate(
+            [weights[f"{p}proj_head.{h}.weight"] for h in heads], 0)
+        out[derived_name(l, "proj.bias")] = np.concatenate(
+            [weights[f"{p}proj_head.{h}.bias"] for h in heads], 0)
+        out[derived_name(l, "mixer.w")] = np.stack(
+            [weights[f"{p}mixer_heads.{h}.weight"].reshape(-1) for h in heads], 1)
+        out[derived_name(l, "mixer.beta")] = np.stack(
+            [weights[f"{p}mixer_heads.{h}.bias"].reshape(-1) for h in heads], 1)
+        if c.decay:
+            decay = np.array([float(weights[f"{p}mixer_heads.{h}.decay_value"].reshape(-1)[0]) for h in heads])
+            lam = np.clip(decay, 0.9, 1.0) ** (1.0 / c.decay_constant)
+            loglam = np.log(lam)
+        else:
+            loglam = np.zeros(c.n_heads)
+        out[derived_name(l, "mixer.loglam")] = loglam
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def graph_weight_names(config) -> list[str]:
+    """Every checkpoint key a graph reads (derived ones excluded)."""
+    names = ["input_layer.weight", "output_layer.weight"]
+    for l in range(config.n_layers):
+        p = f"mixer_blocks.{l}."
+        for k in ("channel_norm.weight", "channel_norm.bias", "channel_mixing_layer.0.weight",
+                  "channel_mixing_layer.0.bias", "channel_mixing_layer.2.weight",
+                  "channel_mixing_layer.2.bias", "token_norm.weight", "token_norm.bias",
+                  "token_mixing_layer.out_proj.weight", "token_mixing_layer.out_proj.bias"):
+            names.append(p + k)
+    return names
+
+
+def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None) -> TensorValue:
+    """x [..., in] @ w[out, in]^T + b, computed in w's dtype, returned as float32."""
+    h = x if x.dtype == w.dtype else ops.cast(x, w.dtype)
+    y = ops.matmul(h, ops.transpose(w, 0, 1))
+    if y.dtype != F32:
+        y = ops.cast(y, F32)
+    return y if b is None else y + b
+
+
+def embed(weights: ModelWeights, ids: TensorValue) -> TensorValue:
+    x = ops.gather(weights.embedding(), ids, axis=0)
+    return x if x.dtype == F32 else ops.cast(x, F32)
+
+
+def channel_mlp(x: TensorValue, p: dict, eps: float) -> TensorValue:
+    """x + W2 silu(W1 LN_c(x) + b1) + b2."""
+    h = ops.layer_norm(x, p["cn_w"], p["cn_b"], epsilon=eps)
+    h = ops.silu(linear(h, p["fc1_w"], p["fc1_b"]))
+    return x + linear(h, p["fc2_w"], p["fc2_b"])
+
+
+def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
+    """A numpy constant, passed to MAX flat (1-D) and reshaped in the graph.
+
+    MAX 26.7 misread a numpy constant of shape [H, 1] (the column mask came out
+    all ones); 1-D constants are unambiguous.
+    """
+    array = np.asarray(array)
+    flat = ops.constant(np.ascontiguousarray(array.reshape(-1)), dtype, device=device)
+    return flat if array.ndim == 1 else ops.reshape(flat, list(array.shape))
+
+
+def column_mask(n_heads: int, device: DeviceRef) -> TensorValue:
+    """[H, 1] float32: 1 for column-repeat heads (the first half), 0 for row heads.
+
+    Used by multiplication (``select_heads``), not ``ops.where``.
+    """
+    m = (np.arange(n_heads) < n_heads // 2).astype(np.float32).reshape(n_heads, 1)
+    return const(m, F32, device)
+
+
+def select_heads(col: TensorValue, on_column: TensorValue, on_row: TensorValue) -> TensorValue:
+    """col * on_column + (1 - col) * on_row (col: the 0/1 column_mask)."""
+    return col * on_column + (1.0 - col) * on_row
+
+
+def logits_of(weights: ModelWeights, x: TensorValue) -> TensorValue:
+    return linear(x, weights.output())
+
+
+# --------------------------------------------------------------------- sampling
+# Counter-based randomness: every sample's noise is a function of (its seed,
+# the position of the token being drawn, the rank of the candidate), so a
+# sample's tokens depend on nothing else in the batch. The generator is
+# Widynski's "Squares" counter-based RNG (arXiv 2004.06278), written with
+# wrapping uint64 multiply/add and 32-bit rotations as floor division +
+# multiplication (MAX has no bitwise ops). ``sampling.uniform_np`` mirrors it
+# exactly in numpy.
+_K0 = 0xC8E4FD154CE32F6D
+_K1 = 0x9B2D67A3E8F15C47
+_2_32 = 1 << 32
+
+
+def _u64(v, device: DeviceRef) -> TensorValue:
+    return ops.constant(v, U64, device=device)
+
+
+def _rot32(x: TensorValue, device: DeviceRef) -> TensorValue:
+    return ops.floor_div(x, _u64(_2_32, device)) + x * _u64(_2_32, device)
+
+
+def _squares(ctr: TensorValue, key: TensorValue, device: DeviceRef) -> TensorValue:
+    """32 random bits (in a uint64) per (counter, key)."""
+    x = ctr * key
+    y = x
+    z = y + key
+    x = _rot32(x * x + y, device)
+    x = _rot32(x * x + z, device)
+    x = _rot32(x * x + y, device)
+    return ops.floor_div(x * x + z, _u64(_2_32, device))
+
+
+def _key_of(seed: TensorValue, device: DeviceRef) -> TensorValue:
+    k = _squares(seed, _u64(_K0, device), device) * _u64(_2_32, device) + _squares(seed, _u64(_K1, device), device)
+    return ops.floor_div(k, _u64(2, device)) * _u64(2, device) + _u64(1, device)  # odd
+
+
+def hash_uniform(seed: TensorValue, counter: TensorValue, n: int, device: DeviceRef) -> TensorValue:
+    """[B] uint64 seed, [B] int64 counter -> [B, n] float32 uniforms in (0, 1)."""
+    key = ops.unsqueeze(_key_of(seed, device), -1)  # [B, 1]
+    r = const(np.arange(n, dtype=np.uint64).reshape(1, n), U64, device)
+    ctr = ops.unsqueeze(ops.cast(counter, U64) * _u64(n, device), -1) + r  # [B, n]
+    bits = _squares(ctr, key, device)
+    top = ops.cast(ops.floor_div(bits, _u64(256, device)), F32)  # 24 bits
+    return (top + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
+           top_p: TensorValue, seed: TensorValue, counter: TensorValue,
+           device: DeviceRef) -> TensorValue:
+    """Per-sample sampling in the graph: logits [B, V] -> ids [B] int64.
+
+    temperature [B] f32 (0 = greedy), top_k [B] int64 (0 = off), top_p [B] f32
+    (1 = off), seed [B] uint64, counter [B] int64 (position of the new token).
+    Order as in HF: temperature, then top-k, then top-p on the renormalised rest;
+    the draw is Gumbel-max over the kept candidates.
+    """
+    V = int(logits.shape[-1])
+    greedy = ops.squeeze(ops.argmax(logits, axis=-1), -1)
+    t = ops.max(temperature, ops.constant(1e-6, F32, device=device))
+    scaled = logits / ops.unsqueeze(t, -1)
+    vals, idx = ops.top_k(scaled, k=V, axis=-1)  # descending
+    rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
+    # (no ops.where with broadcasting anywhere: see column_mask; masks multiply)
+    k_eff = top_k + ops.cast(top_k <= 0, I64) * V
+    keep = rank < ops.unsqueeze(k_eff, -1)
+    vals = _masked(vals, keep)
+    probs = ops.softmax(vals)
+    before = ops.cumsum(probs, axis=-1, exclusive=True)
+    keep = ops.logical_and(keep, before < ops.unsqueeze(top_p, -1))
+    u = hash_uniform(seed, counter, V, device)
+    gumbel = -ops.log(-ops.log(u))
+    score = _masked(vals + gumbel, keep)
+    choice = ops.argmax(score, axis=-1)  # [B, 1]
+    sampled = ops.gather_nd(idx, choice, batch_dims=1)  # [B]
+    g = ops.cast(temperature <= 0, I64)
+    return g * greedy + (1 - g) * sampled
+
+
+def _masked(x: TensorValue, keep: TensorValue) -> TensorValue:
+    """x where keep, else -1e30 (x finite)."""
+    k = ops.cast(keep, F32)
+    return x * k + (1.0 - k) * -1e30

@@ -1,0 +1,108 @@
+"""Prefill graph: the parallel form over a batch of right-padded prompts.
+
+Inputs (B = batch, N = number of chunks, C = ``layers.CHUNK``; B and N symbolic):
+    ids          [B, N, C] int64   right-padded token ids, reshaped into chunks
+    pos          [N, C]    int64   absolute positions 0 .. N*C-1 (same layout)
+    last         [B, 2]    int64   (chunk, offset) of each prompt's last real token
+    temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
+    counter      [B] int64 (the position of the token to draw = prompt length)
+Outputs:
+    logits       [B, V] f32        at each prompt's last real token
+    next_ids     [B]    int64      the first new token, drawn in the graph
+    states       [L, B, H, hd] f32 recurrent state after the last real token
+
+The token mixer runs as a chunked scan, O(T * C + (T / C)**2) per channel:
+dense decay matrices inside each chunk (exponents < C), and a (T/C) x (T/C)
+matrix of decays lam**(C*(n-1-m)) <= 1 carrying each chunk's final local
+state into every later chunk. No negative powers of lam anywhere, so nothing
+overflows; long-range decays underflow harmlessly to 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
+
+from . import layers
+from .layers import CHUNK, F32, I64, U64, ModelWeights
+
+
+def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: DeviceRef) -> TensorValue:
+    """u [B, N, C, d] -> (y [B, N, C, d], states [B, N, C, H, hd])."""
+    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+    B, N = u.shape[0], u.shape[1]
+    u = ops.reshape(u, [B, N, C, H, hd])
+    is_col = layers.column_mask(H, device)  # [H, 1]
+    posc = ops.min(pos, ops.constant(n - 1, I64, device=device))  # padding past n: any valid index
+    wt = ops.unsqueeze(ops.gather(p["w"], posc, axis=0), -1)  # [N, C, H, 1]
+    bt = ops.unsqueeze(ops.gather(p["beta"], posc, axis=0), -1)
+    v = u * layers.select_heads(is_col, 1.0, wt)  # what enters the state
+    loglam = p["loglam"]  # [H]
+
+    # Inside a chunk: within[h, j, i] = lam_h**(j - i) for j >= i.
+    k = np.arange(C)
+    gap = (k.reshape(C, 1) - k.reshape(1, C)).astype(np.float32)
+    causal = layers.const((gap >= 0).astype(np.float32).reshape(1, C, C), F32, device)
+    gapc = layers.const(np.maximum(gap, 0).reshape(1, C, C), F32, device)
+    lam3 = ops.reshape(loglam, [H, 1, 1])
+    within = ops.exp(gapc * lam3) * causal  # [H, C, C] 
+    # MAX batched matmul is rank <= 4: fold (B, N, hd) into one column axis.
+    vt = ops.reshape(ops.permute(v, [3, 2, 0, 1, 4]), [H, C, -1])  # [H, C(i), B*N*hd]
+    local = ops.reshape(ops.matmul(within, vt), [H, C, B, N, hd])
+    local = ops.permute(local, [2, 3, 1, 0, 4])  # [B, N, C(j), H, hd]
+
+    # Between chunks: carry[n] = sum_{m < n} lam**(C (n-1-m)) S_m, S_m = chunk m's last local state.
+    S = ops.permute(local[:, :, C - 1], [0, 2, 1, 3])  # [B, H, N, hd]
+    cidx = ops.cast(ops.floor_div(pos[:, 0], ops.constant(C, I64, device=device)), F32)  # [N]
+    ci = ops.reshape(cidx, [N, 1])
+    cj = ops.reshape(cidx, [1, N])
+    before = ops.cast(ci > cj, F32)  # [N, N]: 1 where m < n
+    expo = ops.max(ci - cj - 1.0, ops.constant(0.0, F32, device=device)) * float(C)
+    dc = ops.exp(ops.unsqueeze(expo, 0) * lam3)  # [H, N, N]
+    dc = dc * ops.unsqueeze(before, 0)
+    carry = ops.matmul(ops.unsqueeze(dc, 0), S)  # [B, H, N, hd]
+    carry = ops.unsqueeze(ops.permute(carry, [0, 2, 1, 3]), 2)  # [B, N, 1, H, hd]
+    pw = ops.exp(layers.const((k + 1).astype(np.float32).reshape(C, 1), F32, device)
+                 * ops.reshape(loglam, [1, H]))  # [C, H]: lam**(j+1)
+    states = local + ops.reshape(pw, [1, 1, C, H, 1]) * carry  # [B, N, C, H, hd]
+
+    y = states * layers.select_heads(is_col, wt, 1.0) + bt
+    return ops.reshape(y, [B, N, C, H * hd]), states
+
+
+def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
+                        name: str | None = None) -> Graph:
+    device = device or DeviceRef.CPU()
+    c = config
+    C = CHUNK
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    name = name or f"srm_prefill_{dt}"
+    input_types = [
+        TensorType(I64, ["batch", "chunks", C], device),  # ids
+        TensorType(I64, ["chunks", C], device),  # pos
+        TensorType(I64, ["batch", 2], device),  # last
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, ["batch"], device),  # counter
+    ]
+    with Graph(name, input_types=input_types) as g:
+        ids, pos, last, temperature, top_k, top_p, seed, counter = (v.tensor for v in g.inputs)
+        W = ModelWeights(c, wdtype, device)
+        x = layers.embed(W, ids)  # [B, N, C, d]
+        states = []
+        for l in range(c.n_layers):
+            p = W.layer(l)
+            x = layers.channel_mlp(x, p, c.layer_norm_eps)
+            z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
+            u = layers.linear(z, p["proj_w"], p["proj_b"])
+            y, st = _mixer_parallel(u, pos, p, c, device)
+            x = x + layers.linear(y, p["out_w"], p["out_b"])
+            states.append(ops.gather_nd(st, last, batch_dims=1))  # [B, H, hd]
+        xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
+        logits = layers.logits_of(W, xl)
+        nxt = layers.sample(logits, temperature, top_k, top_p, seed, counter, device)
+        g.output(logits, nxt, ops.stack(states, axis=0))
+    return g

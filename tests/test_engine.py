@@ -1,0 +1,214 @@
+"""The MAX prefill and decode graphs against the PyTorch reference (same weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY
+from srm_max.engine import SamplingArrays
+from srm_max.sampling import filtered_probs, uniform_np
+
+# Mixed lengths: 1 token, inside one chunk, across chunk borders, the full context.
+PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in lengths]
+
+
+def ref_prefill(reference, prompts):
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        logits, states = reference.prefill(ids, lengths)
+    last = logits[torch.arange(B), lengths - 1]
+    return last.numpy(), states.numpy()
+
+
+def assert_close_rel(actual, expected, rel=1e-4):
+    scale = np.abs(expected).max()
+    err = np.abs(actual - expected).max()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+def test_prefill_logits_and_states_match_reference(engine, reference):
+    prompts = prompts_of(PROMPT_LENGTHS)
+    res = engine.prefill(prompts)
+    ref_logits, ref_states = ref_prefill(reference, prompts)
+    logits = engine.host(res.logits)
+    assert logits.shape == (len(prompts), TINY.vocab_size)
+    assert_close_rel(logits, ref_logits)
+    states = engine.host(res.states)
+    assert states.shape == (TINY.n_layers, len(prompts), TINY.n_heads, TINY.head_dim)
+    assert_close_rel(states, ref_states)
+    # greedy first token = argmax of the logits
+    assert (res.next_ids == ref_logits.argmax(-1)).all()
+
+
+def test_prefill_is_independent_of_batch_padding(engine):
+    prompts = prompts_of([7, 40])
+    alone = engine.host(engine.prefill(prompts[:1]).logits)
+    batched = engine.host(engine.prefill(prompts).logits)
+    assert_close_rel(batched[:1], alone, rel=1e-6)
+
+
+def ref_greedy(reference, prompts, steps):
+    """Reference: per-sample prefill, then batched recurrent steps with per-sample positions."""
+    logits, states = ref_prefill(reference, prompts)
+    states = torch.tensor(states)
+    tok = torch.tensor(logits.argmax(-1))
+    pos = torch.tensor([len(p) for p in prompts])
+    out = [tok]
+    with torch.no_grad():
+        for _ in range(steps):
+            logits, states = reference.step(tok, pos, states)
+            tok, pos = logits.argmax(-1), pos + 1
+            out.append(tok)
+    return torch.stack(out, 1).numpy(), states.numpy()
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 16])
+def test_greedy_decode_matches_reference(engine, reference, steps_per_call):
+    lengths = [1, 9, 31, 20]
+    steps = 64  # longest: 31 + 1 + 64 = 96 = n
+    prompts = prompts_of(lengths, seed=1)
+    ref_tokens, ref_states = ref_greedy(reference, prompts, steps)
+    pre = engine.prefill(prompts)
+    tokens = [pre.next_ids]
+    ids, pos, states = pre.next_ids, np.array(lengths, np.int64), pre.states
+    sampling = engine.sampling_buffers(SamplingArrays.greedy(len(prompts)))
+    for _ in range(steps // steps_per_call):
+        res = engine.decode(ids, pos, states, sampling, steps_per_call)
+        tokens.extend(res.tokens.T)
+        ids, pos, states = res.ids, res.positions, res.states  # device buffers fed back
+    tokens = np.stack(tokens, 1)
+    assert (tokens == ref_tokens).all(), np.argwhere(tokens != ref_tokens)[:5]
+    assert (engine.host(pos) == np.array(lengths) + steps).all()
+    # the states before the last token was fed: reference stepped one token further
+    assert_close_rel(engine.host(states), ref_step_states(reference, prompts, ref_tokens[:, :-1]))
+
+
+def ref_step_states(reference, prompts, fed):
+    """States after the prompts and then the tokens ``fed`` [B, k], stepped one at a time."""
+    _, states = ref_prefill(reference, prompts)
+    states = torch.tensor(states)
+    pos = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        for k in range(fed.shape[1]):
+            _, states = reference.step(torch.tensor(fed[:, k]), pos + k, states)
+    return states.numpy()
+
+
+def test_prefill_states_equal_stepping(engine):
+    """MAX prefill over a prompt == MAX prefill of its first token + decode steps feeding the rest."""
+    prompts = prompts_of([40, 65, 12], seed=2)
+    full = engine.host(engine.prefill(prompts).states)
+    k = 12  # step the first 12 tokens of each
+    states = engine.prefill([p[:1] for p in prompts]).states
+    sampling = engine.sampling_buffers(SamplingArrays.greedy(len(prompts)))
+    for t in range(1, k):
+        ids = np.array([p[t] for p in prompts], np.int64)
+        res = engine.decode(ids, np.full(len(prompts), t, np.int64), states, sampling, 1)
+        states = res.states
+    stepped = engine.host(states)
+    part = engine.host(engine.prefill([p[:k] for p in prompts]).states)
+    assert_close_rel(stepped, part)
+    assert not np.allclose(full, part)  # sanity: the longer prompts really differ
+
+
+# ------------------------------------------------------------------ sampling
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square; bins expecting < 5 are pooled."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+SAMPLING_CASES = [  # temperature, top_k, top_p
+    (1.0, 0, 1.0),
+    (0.7, 5, 1.0),
+    (1.5, 0, 0.8),
+    (1.0, 8, 0.6),
+]
+N_SAMPLES = 4000
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING_CASES)
+def test_sampled_distribution_matches_reference(engine, reference, temperature, top_k, top_p):
+    prompt = prompts_of([6], seed=3)[0]
+    ref_logits, _ = ref_prefill(reference, [prompt])
+    probs = filtered_probs(ref_logits[0], temperature, top_k, top_p)
+    s = SamplingArrays(np.full(N_SAMPLES, temperature, np.float32), np.full(N_SAMPLES, top_k, np.int64),
+                       np.full(N_SAMPLES, top_p, np.float32), np.arange(N_SAMPLES, dtype=np.uint64) + 1000)
+    ids = engine.prefill([prompt] * N_SAMPLES, s).next_ids  # N samples in one batched call
+    counts = np.bincount(ids, minlength=TINY.vocab_size)
+    assert counts[probs == 0].sum() == 0, "sampled a token the filters exclude"
+    p = chi_square_pvalue(counts, probs)
+    assert p > 1e-3, f"chi-square p = {p:.2g}"
+
+
+def test_decode_sampling_distribution(engine, reference):
+    """The decode graph's sampler, one step from a shared state."""
+    prompt = prompts_of([10], seed=4)[0]
+    pre = engine.prefill([prompt])
+    tok = int(pre.next_ids[0])
+    with torch.no_grad():
+        _, st = ref_prefill(reference, [prompt])
+        logits, _ = reference.step(torch.tensor([tok]), torch.tensor([10]), torch.tensor(st))
+    probs = filtered_probs(logits[0].numpy(), 1.0, 0, 0.9)
+    states = np.repeat(engine.host(pre.states), N_SAMPLES, axis=1)
+    s = SamplingArrays(np.ones(N_SAMPLES, np.float32), np.zeros(N_SAMPLES, np.int64),
+                       np.full(N_SAMPLES, 0.9, np.float32), np.arange(N_SAMPLES, dtype=np.uint64))
+    res = engine.decode(np.full(N_SAMPLES, tok), np.full(N_SAMPLES, 10), engine._dev(states), s, 1)
+    counts = np.bincount(res.tokens[:, 0], minlength=TINY.vocab_size)
+    assert counts[probs == 0].sum() == 0
+    assert chi_square_pvalue(counts, probs) > 1e-3
+
+
+def test_sampler_noise_is_the_documented_hash(engine):
+    """The in-graph draw is Gumbel-max with sampling.uniform_np's uniforms (checked on MAX's logits)."""
+    prompt = prompts_of([6], seed=3)[0]
+    B = 64
+    seeds = np.arange(B, dtype=np.uint64) * 7919 + 5
+    s = SamplingArrays(np.ones(B, np.float32), np.zeros(B, np.int64), np.ones(B, np.float32), seeds)
+    res = engine.prefill([prompt] * B, s)
+    logits = engine.host(res.logits).astype(np.float64)
+    u = uniform_np(seeds, np.full(B, len(prompt)), TINY.vocab_size).astype(np.float64)
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    score = np.take_along_axis(logits, order, -1) - np.log(-np.log(u))
+    expected = order[np.arange(B), score.argmax(-1)]
+    assert (res.next_ids == expected).mean() >= 0.95  # float ties aside, the same draws
+
+
+# ------------------------------------------------------------------ bfloat16
+BF16_LOGIT_BOUND = 0.05  # max |bf16 - f32| logit error, relative to max |f32 logit|
+
+
+def test_bfloat16_logits_close_and_greedy_equal(engine, engine_bf16):
+    prompts = prompts_of([4, 17, 50], seed=5)
+    f32 = engine.prefill(prompts)
+    bf = engine_bf16.prefill(prompts)
+    a, b = engine.host(f32.logits), engine_bf16.host(bf.logits)
+    err = np.abs(a - b).max() / np.abs(a).max()
+    assert err < BF16_LOGIT_BOUND, f"bf16 logits off by {err:.3g} (relative)"
+    steps = 16
+    greedy = SamplingArrays.greedy(len(prompts))
+    r32 = engine.decode(f32.next_ids, [len(p) for p in prompts], f32.states, greedy, steps)
+    r16 = engine_bf16.decode(bf.next_ids, [len(p) for p in prompts], bf.states, greedy, steps)
+    assert (f32.next_ids == bf.next_ids).all()
+    assert (r32.tokens == r16.tokens).all()
