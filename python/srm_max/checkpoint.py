@@ -141,6 +141,9 @@ def atomic_directory(destination: str | Path, force: bool = False):
         raise CheckpointError(f"{destination}: already exists (use --force to overwrite)")
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
     try:
         yield tmp
         if destination.exists():
