@@ -238,8 +238,13 @@ class VLLMRunner(Runner):
                 "threads": "n/a (GPU)", "note": "whole-generate time only (no separate prefill time)"}
 
 
+OOM_WORDS = ("out of memory", "out_of_memory", "outofmemory", "failed to allocate", "cannot allocate",
+             "allocation failed")
+
+
 def is_oom(e: BaseException) -> bool:
-    return isinstance(e, MemoryError) or "out of memory" in str(e).lower() or "OutOfMemory" in type(e).__name__
+    msg = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, MemoryError) or any(w in msg for w in OOM_WORDS)
 
 
 def _sync(device):
@@ -580,7 +585,6 @@ def roofline_flops(a) -> dict:
 def main(argv=None, gpu: bool = False) -> int:
     a = parse_args(argv, gpu)
     t_start = time.perf_counter()
-    deadline = t_start + 60 * a.max_minutes if a.max_minutes else math.inf
     config = common.srm_config(a.d_model, a.layers, a.heads, a.context, a.vocab)
     print(f"# SRM throughput benchmark ({'quick' if a.quick else 'full'}, {'GPU ' if gpu else 'CPU '}{a.dtype}): "
           f"SRM d={config.d_model} L={config.n_layers} H={config.n_heads} n={config.context_length} "
@@ -597,7 +601,12 @@ def main(argv=None, gpu: bool = False) -> int:
           f"uses {p_used / 1e6:.2f} M matmul parameters per token -> at most {roofline_tps:,.0f} tok/s", flush=True)
     print("# building engines ...", flush=True)
     runners = build_runners(a, config)
-    engines = [e for e in a.engines if e in runners]
+    mx = runners.get("srm-max")
+    if mx is not None and sum(mx.gen.engine.compile_seconds.values()) > 30:
+        print(f"# note: the MAX graphs were not in the cache and took {mx.load_seconds:.0f} s to compile "
+              f"(cached now in ~/.cache/srm-max: later runs load them in seconds)", flush=True)
+    # The time limit counts the runs only, not building the engines (a cold MAX compile takes minutes).
+    deadline = time.perf_counter() + 60 * a.max_minutes if a.max_minutes else math.inf
     print(f"# grid: batch {a.batches}, prompt {a.prompts}, {a.new_tokens} new tokens"
           + ("" if gpu else f", torch threads {a.threads}")
           + f", budget {a.budget_s:.0f} s per run" + (f", {a.max_minutes:g} min of runs" if a.max_minutes else ""),

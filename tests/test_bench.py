@@ -1,0 +1,142 @@
+"""Smoke tests of bench/: the benchmarks run end to end on the suite's tiny config.
+
+They check that every engine runs and that the JSON, the markdown table and the plot
+are written, not any speed. The SRM on MAX uses the suite's TINY shapes, so it loads
+the compiled graphs the other tests already cached.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield {name: importlib.import_module(name) for name in ("common", "throughput", "concurrency", "h100")}
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def tiny_args(config) -> list[str]:
+    return ["--d-model", str(config.d_model), "--layers", str(config.n_layers), "--heads", str(config.n_heads),
+            "--vocab", str(config.vocab_size)]
+
+
+def test_throughput_smoke(bench, tiny_config, tmp_path, capsys):
+    out = tmp_path / "tp"
+    rc = bench["throughput"].main([
+        *tiny_args(tiny_config), "--context", str(tiny_config.context_length),
+        "--batches", "1,2", "--prompts", "8", "--new-tokens", "3", "--threads", "1",
+        "--roofline-n", "128", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert "throughput.py" in res["command"] or "pytest" in res["command"]
+    ok = [r for r in res["runs"] if r["status"] == "ok"]
+    engines = {r["engine"] for r in ok}
+    assert engines == {"srm-max", "srm-torch", "llama-hf", "mamba-hf"}, res["runs"]
+    for r in ok:
+        assert r["tokens_per_s"] > 0 and r["seconds"] > 0 and r["new_tokens"] == 3
+    # every engine's parameters within 10% of the SRM's
+    n = tiny_config.num_parameters()
+    for name, d in res["engines"].items():
+        assert abs(d["parameters"] - n) <= 0.1 * n, (name, d["parameters"], n)
+    assert res["engines"]["srm-max"]["threads"].startswith("all cores")
+    assert res["roofline"]["roofline_tokens_per_s"] > 0
+    assert "percent_of_roofline" in res["roofline"]
+    ratio = res["ratios_tokens_per_s"][0]
+    assert {"srm-max/llama-hf", "srm-max/mamba-hf", "srm-max/srm-torch"} <= set(ratio)
+    assert res["srm_max_vs_torch_token_agreement"]
+    assert "| prompt | batch |" in text and "max/llama" in text and "Roofline" in text
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_throughput_quick_grid_and_skips(bench):
+    tp = bench["throughput"]
+    a = tp.parse_args(["--quick"])
+    assert a.batches == [1, 16, 64] and a.prompts == [16, 1024] and a.new_tokens == 32
+    assert a.max_minutes and a.budget_s <= 60 and "vllm" not in a.engines
+    # a run predicted to exceed the budget is skipped, from the engine's own history
+    assert tp.predict([(1, 16, 4, 0.1)], 64, 1024, 32) > tp.predict([(1, 16, 4, 0.1)], 1, 16, 32)
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--engines", "vllm"])  # GPU only
+
+
+def test_concurrency_smoke(bench, tiny_config, tmp_path, capsys):
+    out = tmp_path / "conc"
+    rc = bench["concurrency"].main([*tiny_args(tiny_config), "--budget-gib", "0.01", "--contexts", "48,96",
+                                    "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    by = {(r["model"], r["context"], r["variant"]): r for r in res["results"]}
+    for T in (48, 96):
+        srm, tf = by[("srm-max", T, "state")], by[("llama-hf", T, "state")]
+        assert srm["batch"] > tf["batch"] > 0
+        for r in (srm, tf, by[("srm-torch", T, "state")], by[("mamba-hf", T, "state")]):
+            assert r["allocated_bytes"] <= res["budget_bytes"]
+    # the SRM state does not grow with the context; the KV cache does
+    assert by[("srm-max", 48, "state")]["batch"] == by[("srm-max", 96, "state")]["batch"]
+    assert by[("llama-hf", 48, "state")]["batch"] > by[("llama-hf", 96, "state")]["batch"]
+    c = tiny_config
+    assert by[("srm-torch", 96, "state")]["state_bytes_per_sample"] == 4 * c.n_layers * c.d_model + 16
+    assert "srm-max/llama-hf" in capsys.readouterr().out
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    from max.driver import accelerator_count
+
+    return accelerator_count() > 0
+
+
+@pytest.mark.skipif(_has_gpu(), reason="a GPU is present: bench-h100 would run")
+def test_h100_refuses_without_gpu():
+    env = dict(os.environ)
+    p = subprocess.run([sys.executable, str(BENCH / "h100.py"), "--quick"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "no GPU found" in p.stderr
+
+
+def test_h100_defaults_and_merge(bench):
+    h, tp = bench["h100"], bench["throughput"]
+    argv = h.gpu_defaults(["--quick", "--new-tokens", "8"])
+    a = tp.parse_args(argv, gpu=True)
+    assert (a.d_model, a.layers, a.heads, a.context, a.vocab) == (1024, 16, 4, 1024, 8000)
+    assert a.dtype == "bfloat16" and "vllm" in a.engines and a.new_tokens == 8
+    assert max(a.batches) >= 16384
+    row = {"threads": "all", "batch": 64, "prompt_len": 16, "new_tokens": 8, "status": "ok",
+           "seconds": 1.0, "prefill_seconds": 0.5, "tokens_per_s": 512.0}
+    children = {
+        "srm-max": {"runs": [{**row, "engine": "srm-max", "decode_tokens_per_s": 900.0}],
+                    "engines": {"srm-max": {"parameters": 1}},
+                    "roofline": {"roofline_tokens_per_s": 1000.0, "matmul": {}}},
+        "llama-hf": {"runs": [{**row, "engine": "llama-hf", "tokens_per_s": 64.0, "decode_tokens_per_s": 90.0}],
+                     "engines": {"llama-hf": {"parameters": 1}}},
+        "vllm": {"error": "exit code 1"},
+    }
+    res = h.merge(a, children, 1.0)
+    assert res["ratios_tokens_per_s"][0]["srm-max/llama-hf"] == pytest.approx(8.0)
+    assert res["roofline"]["percent_of_roofline"] == pytest.approx(90.0)
+    assert any(r["engine"] == "vllm" and r["status"] == "error" for r in res["runs"])
+    assert "max/llama" in res["markdown"]
