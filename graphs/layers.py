@@ -143,15 +143,20 @@ def channel_mlp(x: TensorValue, p: dict, eps: float) -> TensorValue:
     return x + linear(h, p["fc2_w"], p["fc2_b"])
 
 
-def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
-    """A numpy constant, passed to MAX flat (1-D) and reshaped in the graph.
+_KEEPALIVE: list[np.ndarray] = []
 
-    MAX 26.7 misread a numpy constant of shape [H, 1] (the column mask came out
-    all ones); 1-D constants are unambiguous.
+
+def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
+    """A numpy array as a graph constant, kept alive for the life of the process.
+
+    ``ops.constant`` takes a numpy array by DLPack without copying it, and the
+    graph reads the memory later (at compile time): a temporary array freed in
+    between gave garbage constants (the column mask came out all ones). So
+    every array constant goes through here and is kept referenced.
     """
-    array = np.asarray(array)
-    flat = ops.constant(np.ascontiguousarray(array.reshape(-1)), dtype, device=device)
-    return flat if array.ndim == 1 else ops.reshape(flat, list(array.shape))
+    array = np.ascontiguousarray(array)
+    _KEEPALIVE.append(array)
+    return ops.constant(array, dtype, device=device)
 
 
 def column_mask(n_heads: int, device: DeviceRef) -> TensorValue:

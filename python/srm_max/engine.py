@@ -30,6 +30,9 @@ from .graphs.decode import build_decode_graph
 from .graphs.prefill import build_prefill_graph
 
 DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
+# Bumped when a compiled model must not be reused although its MLIR text is the same
+# (v2: graphs compiled while numpy constants could be freed before compilation).
+GRAPH_KEY = b"srm-graphs-v2"
 DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -174,7 +177,7 @@ class Engine:
     def _load(self, builder, key: str) -> Model:
         t0 = time.perf_counter()
         graph = builder(self.config, DTYPES[self.dtype], self.device_ref)
-        model = load_compiled(self.session, graph, self._registry)
+        model = load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
         self.compile_seconds[key] = time.perf_counter() - t0
         return model
 
