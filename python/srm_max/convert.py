@@ -257,21 +257,29 @@ def convert(
         _check_tokenizer(Path(tokenizer), config.vocab_size)
     dtype = dtype or source_dtype
 
-    with atomic_directory(dst, force) as tmp:
-        write_checkpoint_files(tmp, config, tensors, dtype, Path(tokenizer) if tokenizer else None)
-        # Certify what was written, read back through the real loader.
-        from .checkpoint import load_checkpoint
+    try:
+        with atomic_directory(dst, force) as tmp:
+            certificate = _write_and_certify(tmp, src, config, tensors, dtype, tokenizer, parity_tokens)
+    except OSError as e:  # a full disk, a read-only folder: the old DST (if any) is untouched
+        raise ConvertError(f"{dst}: cannot write ({e.strerror or e}); nothing was written") from None
+    return certificate
 
-        written = load_checkpoint(tmp)
-        certificate = compute_parity(config, written.weights, tokens=parity_tokens)
-        certificate |= {"source": str(src.resolve()), "dtype": dtype, "srm_max": __version__,
-                        "config": config.to_dict(), "weights_sha256": file_sha256(tmp / WEIGHTS_FILE)}
-        (tmp / PARITY_FILE).write_text(json.dumps(certificate, indent=2) + "\n")
-        if not certificate["passed"]:
-            raise ConvertError(
-                f"{src}: parity check failed: {certificate['max_abs_delta']} exceeds {certificate['tolerance']:.3g}; "
-                "nothing was written"
-            )
+
+def _write_and_certify(tmp: Path, src: Path, config, tensors, dtype, tokenizer, parity_tokens) -> dict:
+    write_checkpoint_files(tmp, config, tensors, dtype, Path(tokenizer) if tokenizer else None)
+    # Certify what was written, read back through the real loader.
+    from .checkpoint import load_checkpoint
+
+    written = load_checkpoint(tmp)
+    certificate = compute_parity(config, written.weights, tokens=parity_tokens)
+    certificate |= {"source": str(src.resolve()), "dtype": dtype, "srm_max": __version__,
+                    "config": config.to_dict(), "weights_sha256": file_sha256(tmp / WEIGHTS_FILE)}
+    (tmp / PARITY_FILE).write_text(json.dumps(certificate, indent=2) + "\n")
+    if not certificate["passed"]:
+        raise ConvertError(
+            f"{src}: parity check failed: {certificate['max_abs_delta']} exceeds {certificate['tolerance']:.3g}; "
+            "nothing was written"
+        )
     return certificate
 
 
