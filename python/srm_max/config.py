@@ -97,19 +97,7 @@ class SRMConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "SRMConfig":
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise CheckpointError(f"{source}: unknown config field(s) {unknown}")
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
-        if required:
-            raise CheckpointError(f"{source}: missing config field(s) {required}")
-        try:
-            return cls(**data)
-        except CheckpointError as e:
-            raise CheckpointError(f"{source}: {e}") from None
+        return dataclass_from_dict(cls, data, source)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -117,6 +105,23 @@ class SRMConfig:
     @classmethod
     def load(cls, path: str | Path) -> "SRMConfig":
         return cls.from_dict(read_json(path), source=str(path))
+
+
+def dataclass_from_dict(cls, data, source: str):
+    """Build a config dataclass from JSON data, naming unknown, missing and bad fields."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise CheckpointError(f"{source}: unknown config field(s) {unknown}")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+    if required:
+        raise CheckpointError(f"{source}: missing config field(s) {required}")
+    try:
+        return cls(**data)
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def read_json(path: str | Path):

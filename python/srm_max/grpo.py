@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .slot_pool import PoolStats, sample_many
 from .verifiable import balanced_group, group_advantages

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -218,19 +218,9 @@ class PHAConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "PHAConfig":
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise CheckpointError(f"{source}: unknown config field(s) {unknown}")
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
-        if required:
-            raise CheckpointError(f"{source}: missing config field(s) {required}")
-        try:
-            return cls(**data)
-        except CheckpointError as e:
-            raise CheckpointError(f"{source}: {e}") from None
+        from .config import dataclass_from_dict
+
+        return dataclass_from_dict(cls, data, source)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
