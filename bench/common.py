@@ -287,8 +287,9 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def plot_throughput(rows: list[dict], path: Path, title: str, metric: str = "tokens_per_s") -> Path | None:
-    """tokens/s against batch, one line per engine, one panel per prompt length."""
+def plot_throughput(rows: list[dict], path: Path, title: str) -> Path | None:
+    """tokens/s against batch, one line per engine (its best thread count), one column per
+    prompt length; top row the whole generate, bottom row the decode phase."""
     try:
         import matplotlib
 
@@ -296,28 +297,42 @@ def plot_throughput(rows: list[dict], path: Path, title: str, metric: str = "tok
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    done = [r for r in rows if r.get("status") == "ok"]
-    prompts = sorted({r["prompt_len"] for r in done})
+    metrics = [("tokens_per_s", "generated tokens/s (whole generate)"),
+               ("decode_tokens_per_s", "decode-phase tokens/s")]
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        for m, _ in metrics:
+            if r.get(m) is None:
+                continue
+            k = (m, r["engine"], r["prompt_len"], r["batch"])
+            if k not in best or r[m] > best[k][m]:
+                best[k] = r
+    prompts = sorted({k[2] for k in best})
     if not prompts:
         return None
-    fig, axes = plt.subplots(1, len(prompts), figsize=(5 * len(prompts), 4.2), squeeze=False)
-    engines = sorted({r["engine"] for r in done})
-    for ax, p in zip(axes[0], prompts):
-        for e in engines:
-            pts = sorted((r["batch"], r[metric]) for r in done if r["engine"] == e and r["prompt_len"] == p)
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=e)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch")
-        ax.set_ylabel("generated tokens/s (whole batch)" if metric == "tokens_per_s" else metric)
-        ax.set_title(f"prompt {p}")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(prompts), figsize=(5 * len(prompts), 8), squeeze=False)
+    engines = sorted({k[1] for k in best})
+    for row, (m, label) in enumerate(metrics):
+        for ax, p in zip(axes[row], prompts):
+            for e in engines:
+                pts = sorted((k[3], r[m]) for k, r in best.items() if k[0] == m and k[1] == e and k[2] == p)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=e)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            xs = sorted({k[3] for k in best if k[0] == m and k[2] == p})
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("batch")
+            ax.set_ylabel(label)
+            ax.set_title(f"prompt {p}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[row][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
