@@ -31,24 +31,32 @@ from .layers import F32, I64, U64, ModelWeights
 
 def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, config,
                 device: DeviceRef):
-    """u [B, d], pos [B] (clamped), state [B, H, hd] -> (y [B, d], new state)."""
+    """u [B, d], pos [B] (clamped), state [B, H, hd] -> (y [B, d], new state [B, H, hd]).
+
+    All per-head vectors are expanded to per-channel [.., d] (one-hot matmul) so
+    nothing broadcasts a size-1 head axis against the projection's output:
+    MAX 26.7 CPU miscompiled that pattern (reshape [B, d] -> [B, H, hd] of a
+    matmul result times a [B, H, 1] factor used head 0's factor for every head).
+    """
     H, hd = config.n_heads, config.head_dim
+    d = H * hd
     B = u.shape[0]
-    u = ops.reshape(u, [B, H, hd])
-    is_col = layers.column_mask(H, device)
-    wt = ops.unsqueeze(ops.gather(p["w"], pos, axis=0), -1)  # [B, H, 1]
-    bt = ops.unsqueeze(ops.gather(p["beta"], pos, axis=0), -1)
-    lam = ops.reshape(ops.exp(p["loglam"]), [H, 1])
-    new = u * layers.select_heads(is_col, 1.0, wt) + lam * state
-    y = new * layers.select_heads(is_col, wt, 1.0) + bt
-    return ops.reshape(y, [B, H * hd]), new
+    E = layers.head_expander(H, hd, device)  # [H, d]
+    col = layers.channel_column_mask(H, hd, device)  # [d]
+    wt = ops.matmul(ops.gather(p["w"], pos, axis=0), E)  # [B, d]
+    bt = ops.matmul(ops.gather(p["beta"], pos, axis=0), E)
+    lam = ops.matmul(ops.reshape(ops.exp(p["loglam"]), [1, H]), E)  # [1, d]
+    s = ops.reshape(state, [B, d])
+    new = u * layers.select_heads(col, 1.0, wt) + lam * s
+    y = new * layers.select_heads(col, wt, 1.0) + bt
+    return y, ops.reshape(new, [B, H, hd])
 
 
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
          device: DeviceRef):
     """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd])."""
     c = config
-    posc = ops.min(pos, ops.constant(c.context_length - 1, I64, device=device))
+    posc = layers.clamp_max(pos, c.context_length - 1)
     x = layers.embed(W, ids)  # [B, d]
     new_states = []
     for l in range(c.n_layers):

@@ -168,6 +168,34 @@ def column_mask(n_heads: int, device: DeviceRef) -> TensorValue:
     return const(m, F32, device)
 
 
+def clamp_max(x: TensorValue, hi: int) -> TensorValue:
+    """min(x, hi) for an int64 tensor, by arithmetic (see ``floor_at``)."""
+    over = ops.cast(x > hi, x.dtype)
+    return x - over * (x - hi)
+
+
+def floor_at(x: TensorValue, lo: float) -> TensorValue:
+    """max(x, lo) for a float tensor, by arithmetic.
+
+    The two-argument ``ops.min``/``ops.max`` with a scalar constant gave wrong
+    results inside our full graphs (MAX 26.7, CPU), so they are not used.
+    """
+    under = ops.cast(x < lo, x.dtype)
+    return x + under * (lo - x)
+
+
+def head_expander(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
+    """[H, d] one-hot: x[..., H] @ E -> the per-head value repeated over its channels."""
+    e = np.repeat(np.eye(n_heads, dtype=np.float32), head_dim, axis=1)
+    return const(e, F32, device)
+
+
+def channel_column_mask(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
+    """[d] float32: 1 on the channels of column-repeat heads, 0 on row heads."""
+    m = np.repeat((np.arange(n_heads) < n_heads // 2).astype(np.float32), head_dim)
+    return const(m, F32, device)
+
+
 def select_heads(col: TensorValue, on_column: TensorValue, on_row: TensorValue) -> TensorValue:
     """col * on_column + (1 - col) * on_row (col: the 0/1 column_mask)."""
     return col * on_column + (1.0 - col) * on_row
@@ -236,7 +264,7 @@ def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
     """
     V = int(logits.shape[-1])
     greedy = ops.squeeze(ops.argmax(logits, axis=-1), -1)
-    t = ops.max(temperature, ops.constant(1e-6, F32, device=device))
+    t = floor_at(temperature, 1e-6)
     scaled = logits / ops.unsqueeze(t, -1)
     vals, idx = ops.top_k(scaled, k=V, axis=-1)  # descending
     rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)

@@ -32,12 +32,13 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     """u [B, N, C, d] -> (y [B, N, C, d], states [B, N, C, H, hd])."""
     H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
     B, N = u.shape[0], u.shape[1]
-    u = ops.reshape(u, [B, N, C, H, hd])
-    is_col = layers.column_mask(H, device)  # [H, 1]
-    posc = ops.min(pos, ops.constant(n - 1, I64, device=device))  # padding past n: any valid index
-    wt = ops.unsqueeze(ops.gather(p["w"], posc, axis=0), -1)  # [N, C, H, 1]
-    bt = ops.unsqueeze(ops.gather(p["beta"], posc, axis=0), -1)
-    v = u * layers.select_heads(is_col, 1.0, wt)  # what enters the state
+    # Per-head vectors expanded per channel [.., d]: see decode._mixer_step.
+    E = layers.head_expander(H, hd, device)  # [H, d]
+    col = layers.channel_column_mask(H, hd, device)  # [d]
+    posc = layers.clamp_max(pos, n - 1)  # padding past n: any valid index
+    wt = ops.matmul(ops.gather(p["w"], posc, axis=0), E)  # [N, C, d]
+    bt = ops.matmul(ops.gather(p["beta"], posc, axis=0), E)
+    v = ops.reshape(u * layers.select_heads(col, 1.0, wt), [B, N, C, H, hd])  # what enters the state
     loglam = p["loglam"]  # [H]
 
     # Inside a chunk: within[h, j, i] = lam_h**(j - i) for j >= i.
@@ -47,28 +48,31 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     gapc = layers.const(np.maximum(gap, 0).reshape(1, C, C), F32, device)
     lam3 = ops.reshape(loglam, [H, 1, 1])
     within = ops.exp(gapc * lam3) * causal  # [H, C, C] 
-    # MAX batched matmul is rank <= 4: fold (B, N, hd) into one column axis.
-    vt = ops.reshape(ops.permute(v, [3, 2, 0, 1, 4]), [H, C, -1])  # [H, C(i), B*N*hd]
-    local = ops.reshape(ops.matmul(within, vt), [H, C, B, N, hd])
-    local = ops.permute(local, [2, 3, 1, 0, 4])  # [B, N, C(j), H, hd]
+    # Everything below is rank-3 matmuls in a [H, rows, X] layout (X = B*N*hd): MAX
+    # batched matmul is rank <= 4, and elementwise ops that broadcast size-1 axes
+    # against reshaped matmul results were miscompiled (see decode._mixer_step).
+    X = ops.reshape(ops.permute(v, [3, 2, 0, 1, 4]), [H, C, -1])  # [H, C(i), B*N*hd]
+    local = ops.matmul(within, X)  # [H, C(j), B*N*hd]
 
     # Between chunks: carry[n] = sum_{m < n} lam**(C (n-1-m)) S_m, S_m = chunk m's last local state.
-    S = ops.permute(local[:, :, C - 1], [0, 2, 1, 3])  # [B, H, N, hd]
+    S = ops.reshape(local[:, C - 1, :], [H, B, N, hd])
+    S = ops.reshape(ops.permute(S, [0, 2, 1, 3]), [H, N, -1])  # [H, N(m), B*hd]
     cidx = ops.cast(ops.floor_div(pos[:, 0], ops.constant(C, I64, device=device)), F32)  # [N]
     ci = ops.reshape(cidx, [N, 1])
     cj = ops.reshape(cidx, [1, N])
     before = ops.cast(ci > cj, F32)  # [N, N]: 1 where m < n
-    expo = ops.max(ci - cj - 1.0, ops.constant(0.0, F32, device=device)) * float(C)
-    dc = ops.exp(ops.unsqueeze(expo, 0) * lam3)  # [H, N, N]
-    dc = dc * ops.unsqueeze(before, 0)
-    carry = ops.matmul(ops.unsqueeze(dc, 0), S)  # [B, H, N, hd]
-    carry = ops.unsqueeze(ops.permute(carry, [0, 2, 1, 3]), 2)  # [B, N, 1, H, hd]
-    pw = ops.exp(layers.const((k + 1).astype(np.float32).reshape(C, 1), F32, device)
-                 * ops.reshape(loglam, [1, H]))  # [C, H]: lam**(j+1)
-    states = local + ops.reshape(pw, [1, 1, C, H, 1]) * carry  # [B, N, C, H, hd]
+    expo = layers.floor_at(ci - cj - 1.0, 0.0) * float(C)
+    dc = ops.exp(ops.unsqueeze(expo, 0) * lam3) * ops.unsqueeze(before, 0)  # [H, N, N]
+    carry = ops.reshape(ops.matmul(dc, S), [H, N, B, hd])  # [H, N(n), B, hd]
+    carry = ops.reshape(ops.permute(carry, [0, 2, 1, 3]), [H, 1, -1])  # [H, 1, B*N*hd]
+    pw = ops.exp(ops.reshape(layers.const((k + 1).astype(np.float32), F32, device), [1, C, 1])
+                 * lam3)  # [H, C, 1]: lam**(j+1)
+    states = local + ops.matmul(pw, carry)  # [H, C, B*N*hd] (outer product as a matmul)
+    states = ops.permute(ops.reshape(states, [H, C, B, N, hd]), [2, 3, 1, 0, 4])  # [B, N, C, H, hd]
 
-    y = states * layers.select_heads(is_col, wt, 1.0) + bt
-    return ops.reshape(y, [B, N, C, H * hd]), states
+    flat = ops.reshape(states, [B, N, C, H * hd])
+    y = flat * layers.select_heads(col, wt, 1.0) + bt
+    return y, states
 
 
 def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,

@@ -135,6 +135,8 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         obs, exp = obs[:-1], exp[:-1]
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = len(obs) - 1
+    if dof == 0:
+        return 1.0  # one possible outcome (checked by the caller's zero-probability test)
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
