@@ -67,3 +67,19 @@ def test_reference_greedy_from_prompt_is_text(embedded):
     with torch.no_grad():
         out = model.generate_greedy(torch.tensor(ids), 16).tolist()
     assert len(tokenizer.decode(out).split()) >= 3
+
+
+def test_max_greedy_equals_reference_on_the_embedded_model(embedded):
+    """Generator.from_pretrained() with no path is the embedded model, and it agrees with torch."""
+    from srm_max import Generator
+
+    generator = Generator.from_pretrained(device="cpu")
+    assert generator.config == embedded.config
+    completion = generator.generate(PROMPT, max_new_tokens=24)
+    model = reference_model(embedded.config, embedded.weights, torch.float32)
+    ids = generator.encode(PROMPT)
+    with torch.no_grad():
+        expected = model.generate_greedy(torch.tensor(ids), 24).tolist()
+    assert completion.ids == expected
+    assert completion.text == generator.decode(expected)
+    assert completion.finish_reason == "length"

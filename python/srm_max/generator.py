@@ -107,19 +107,28 @@ class Generator:
         return self
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "auto", dtype: str | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, device: str = "auto", dtype: str | None = None,
                         tokenizer=None, warmup: bool = True) -> "Generator":
         """Load a checkpoint directory (config.json, model.safetensors, tokenizer.json).
 
-        ``dtype=None`` runs in the stored dtype (float16 checkpoints run as float32);
-        ``tokenizer`` overrides the checkpoint's tokenizer.json.
+        ``path=None`` loads the embedded default model. ``dtype=None`` runs in the
+        stored dtype (float16 checkpoints run as float32); ``tokenizer`` overrides
+        the checkpoint's tokenizer.json.
         """
         resolve_device(device)
+        if path is None:
+            from .embedded import default_model_path
+
+            path = default_model_path()
         if dtype is not None:
             resolve_dtype(dtype)
         from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(path)
+        if ckpt.config.architecture != "srm":
+            raise GenerationError(
+                f"{path}: architecture {ckpt.config.architecture!r} is not served by the MAX engine yet "
+                "(its PyTorch reference is srm_max.reference)")
         if dtype is None:
             dtype = ckpt.dtype if ckpt.dtype in ("float32", "bfloat16") else "float32"
         tok = tokenizer if tokenizer is not None else ckpt.tokenizer_path
@@ -213,6 +222,13 @@ class Generator:
             pass
         results = self._completions(run)
         return results[0] if run["single"] else results
+
+    def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", **options):
+        """``n`` samples of every prompt through a refilled pool of state slots, yielded in
+        order of completion (see ``slot_pool.sample_many`` for the options)."""
+        from .slot_pool import sample_many
+
+        return sample_many(self, prompts, n, verifier=verifier, max_batch=max_batch, **options)
 
     def stream(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
                seed=None, stop=None, steps_per_call: int = 1) -> Iterator[StreamEvent]:
