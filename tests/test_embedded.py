@@ -83,3 +83,11 @@ def test_max_greedy_equals_reference_on_the_embedded_model(embedded):
     assert completion.ids == expected
     assert completion.text == generator.decode(expected)
     assert completion.finish_reason == "length"
+
+
+def test_cli_generate_with_the_embedded_model(capsys):
+    from srm_max.cli import main
+
+    assert main(["generate", PROMPT, "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPT) and len(out) > len(PROMPT) + 1
