@@ -387,18 +387,35 @@ def predict(history, batch, prompt, new):
     return secs * w / work(b, p, n)
 
 
+def dominated(measured: dict, name, t, prompt, batch, factor: float):
+    """(other thread count, batch, slowdown) if thread count ``t`` of engine ``name`` was at
+    least ``factor`` times slower than another at the largest smaller batch of this prompt."""
+    mine = measured.get((name, t, prompt), {})
+    for (n2, t2, p2), theirs in measured.items():
+        if n2 != name or t2 == t or p2 != prompt:
+            continue
+        common_b = [b for b in mine if b in theirs and b < batch]
+        if common_b:
+            b = max(common_b)
+            if mine[b] >= factor * theirs[b]:
+                return t2, b, mine[b] / theirs[b]
+    return None
+
+
 def run_grid(runners: dict, threads: list[int], batches, prompts, new, budget_s, deadline,
-             min_time=1.0, log=print, warm_below=3.0):
+             min_time=1.0, log=print, warm_below=3.0, prune: float | None = None):
     """Every (prompt, batch) point, every engine at every thread count.
 
     A run predicted (from the engine's earlier runs) to take more than ``budget_s`` is
     skipped, and so is everything once ``deadline`` (a perf_counter time) has passed.
     Small runs get a warmup of their own shape and are repeated (best of) up to
-    ``min_time`` seconds.
+    ``min_time`` seconds. With ``prune`` = f, a thread count that was f times slower than
+    another of the same engine at the previous batch (same prompt) is not run again.
     """
     rows, tokens_seen = [], {}
     history: dict[tuple, list] = {}
     oom: dict[tuple, list] = {}  # variant -> (batch, prompt) that ran out of memory
+    measured: dict[tuple, dict] = {}  # (engine, threads, prompt) -> {batch: seconds}
     variants = []
     for name, r in runners.items():
         for t in r.thread_options(threads):
@@ -434,6 +451,14 @@ def run_grid(runners: dict, threads: list[int], batches, prompts, new, budget_s,
                     rows.append({**base, "status": "skipped",
                                  "reason": f"out of memory at batch {big[0][0]}, prompt {big[0][1]}"})
                     continue
+                dom = dominated(measured, name, t, Puse, B, prune) if prune else None
+                if dom:
+                    rows.append({**base, "status": "skipped",
+                                 "reason": f"pruned: {dom[2]:.1f}x slower than threads={dom[0] or 'all'} "
+                                           f"at batch {dom[1]}"})
+                    log(f"  prune  {name:10s} t={t or 'all'} B={B} P={Puse}: {dom[2]:.1f}x slower than "
+                        f"t={dom[0] or 'all'} at B={dom[1]}")
+                    continue
                 est = predict(hist, B, Puse, new)
                 if est is not None and est > budget_s:
                     rows.append({**base, "status": "skipped", "predicted_s": est,
@@ -467,6 +492,7 @@ def run_grid(runners: dict, threads: list[int], batches, prompts, new, budget_s,
                     _empty_cache()
                     continue
                 hist.append((B, Puse, new, best.total))
+                measured.setdefault((name, t, Puse), {})[B] = best.total
                 row = {**base, "status": "ok", "repeats": reps, "seconds": best.total,
                        "prefill_seconds": best.prefill,
                        "tokens_per_s": B * new / best.total,
@@ -580,7 +606,8 @@ def tables(rows, engines, roofline_tps=None):
 def parse_args(argv=None, gpu: bool = False):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="batch 1,16,64 at prompt 16 and 1024, 32 new tokens, 30 s per run, 7.5 min of runs")
+                    help="batch 1,16,64 at prompt 16 and 1024, 32 new tokens, 45 s per run, 7.5 min of runs, "
+                         "--prune-threads 2")
     ap.add_argument("--engines", default=None,
                     help=f"comma list of {', '.join(ENGINES)} (default: all but vllm on CPU)")
     ap.add_argument("--batches", default=None, help="comma list (default 1,16,64,256,1024)")
@@ -588,9 +615,12 @@ def parse_args(argv=None, gpu: bool = False):
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sample (default 64)")
     ap.add_argument("--threads", default="1,2", help="torch thread counts to try (comma list; CPU only)")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="skip a run predicted to take longer (default 150; --quick 30)")
+                    help="skip a run predicted to take longer (default 150; --quick 45)")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="skip whatever is left after this long (default none; --quick 7.5)")
+    ap.add_argument("--prune-threads", type=float, default=None,
+                    help="do not rerun a thread count that was this many times slower than another at the "
+                         "previous batch (default off; --quick 2)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=4)
@@ -614,8 +644,9 @@ def parse_args(argv=None, gpu: bool = False):
     a.prompts = _ints(a.prompts or ("16,1024" if q else "16,512,1024"))
     a.new_tokens = a.new_tokens or (32 if q else 64)
     a.threads = _ints(a.threads) if not gpu else [1]
-    a.budget_s = a.budget_s if a.budget_s is not None else (30.0 if q else 150.0)
+    a.budget_s = a.budget_s if a.budget_s is not None else (45.0 if q else 150.0)
     a.max_minutes = a.max_minutes if a.max_minutes is not None else (7.5 if q else None)
+    a.prune_threads = a.prune_threads if a.prune_threads is not None else (2.0 if q else 0.0)
     default_engines = ENGINES if gpu else tuple(e for e in ENGINES if e != "vllm")
     a.engines = [e.strip() for e in (a.engines or ",".join(default_engines)).split(",") if e.strip()]
     bad = [e for e in a.engines if e not in ENGINES]
@@ -717,7 +748,7 @@ def main(argv=None, gpu: bool = False) -> int:
           flush=True)
     try:
         rows, seen = run_grid(runners, a.threads, a.batches, a.prompts, a.new_tokens, a.budget_s, deadline,
-                              log=lambda m: print(m, flush=True))
+                              log=lambda m: print(m, flush=True), prune=a.prune_threads or None)
     finally:
         for r in runners.values():
             r.close()
@@ -750,7 +781,7 @@ def summarize(a, config, info, mm, runners, rows, seen, elapsed) -> dict:
         "engines": {n: r.describe() for n, r in runners.items()},
         "grid": {"batches": a.batches, "prompts": a.prompts, "new_tokens": a.new_tokens,
                  "torch_threads": None if a.gpu else a.threads, "budget_s": a.budget_s,
-                 "max_minutes": a.max_minutes},
+                 "max_minutes": a.max_minutes, "prune_threads": a.prune_threads},
         "notes": [
             "tokens_per_s = batch * new_tokens / wall time of the whole generate (prefill included)",
             "decode_tokens_per_s = batch * (new_tokens - 1) / time after the first new token",

@@ -78,6 +78,12 @@ def test_throughput_quick_grid_and_skips(bench):
     assert tp.predict([(1, 16, 4, 0.1)], 64, 1024, 32) > tp.predict([(1, 16, 4, 0.1)], 1, 16, 32)
     with pytest.raises(SystemExit):
         tp.parse_args(["--engines", "vllm"])  # GPU only
+    # a thread count 2x slower than another at the previous batch is pruned (quick mode)
+    measured = {("llama-hf", 1, 16): {1: 1.0, 16: 2.0}, ("llama-hf", 2, 16): {1: 3.0, 16: 3.5}}
+    assert tp.dominated(measured, "llama-hf", 2, 16, 64, 2.0) is None  # 3.5 / 2.0 < 2 at batch 16
+    assert tp.dominated(measured, "llama-hf", 2, 16, 16, 2.0)[:2] == (1, 1)  # 3x at batch 1
+    assert tp.dominated(measured, "llama-hf", 1, 16, 64, 2.0) is None
+    assert a.prune_threads == 2.0 and tp.parse_args([]).prune_threads == 0.0
 
 
 def test_concurrency_smoke(bench, tiny_config, tmp_path, capsys):
