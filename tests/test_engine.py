@@ -198,7 +198,7 @@ def test_sampler_noise_is_the_documented_hash(engine):
 
 
 # ------------------------------------------------------------------ bfloat16
-BF16_LOGIT_BOUND = 0.05  # max |bf16 - f32| logit error, relative to max |f32 logit|
+BF16_LOGIT_BOUND = 0.02  # max |bf16 - f32| logit error relative to max |f32 logit| (measured 0.006)
 
 
 def test_bfloat16_logits_close_and_greedy_equal(engine, engine_bf16):
