@@ -147,12 +147,11 @@ _KEEPALIVE: list[np.ndarray] = []
 
 
 def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
-    """A numpy array as a graph constant, kept alive for the life of the process.
+    """A numpy array as a graph constant (kept referenced, as a precaution).
 
-    ``ops.constant`` takes a numpy array by DLPack without copying it, and the
-    graph reads the memory later (at compile time): a temporary array freed in
-    between gave garbage constants (the column mask came out all ones). So
-    every array constant goes through here and is kept referenced.
+    While chasing a miscompile (see ``decode._mixer_step``) constant lifetime was
+    suspected; it was not the cause (the MLIR embeds the values), but keeping
+    the arrays costs nothing.
     """
     array = np.ascontiguousarray(array)
     _KEEPALIVE.append(array)
@@ -177,8 +176,8 @@ def clamp_max(x: TensorValue, hi: int) -> TensorValue:
 def floor_at(x: TensorValue, lo: float) -> TensorValue:
     """max(x, lo) for a float tensor, by arithmetic.
 
-    The two-argument ``ops.min``/``ops.max`` with a scalar constant gave wrong
-    results inside our full graphs (MAX 26.7, CPU), so they are not used.
+    (Written out instead of the two-argument ``ops.max`` while chasing the
+    miscompile of ``decode._mixer_step``; ``ops.max`` was not shown to be at fault.)
     """
     under = ops.cast(x < lo, x.dtype)
     return x + under * (lo - x)
