@@ -49,20 +49,9 @@ def num_params(model) -> int:
 # ------------------------------------------------------------------ builders
 def build_srm_reference(config, seed: int = 0):
     """The PyTorch reference SRM, random weights with decays in [0.9, 1) and small biases."""
-    import torch
+    from srm_max.reference.srm import random_srm
 
-    from srm_max.reference.srm import SRM
-
-    torch.manual_seed(seed)
-    model = SRM(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("decay_value"):
-                p.copy_(0.9 + 0.1 * torch.rand(p.shape, generator=g))
-            elif name.endswith("bias") or "norm" in name:
-                p.add_(0.02 * torch.randn(p.shape, generator=g))
-    return model
+    return random_srm(config, seed, decay_low=0.9, bias_scale=0.02)
 
 
 def srm_weights(model) -> dict[str, np.ndarray]:

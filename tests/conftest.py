@@ -18,20 +18,9 @@ TINY = SRMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, context_lengt
 
 def make_reference(config: SRMConfig = TINY, seed: int = 0):
     """A torch reference SRM with meaningful (non-default) decays and biases."""
-    import torch
+    from srm_max.reference.srm import random_srm
 
-    from srm_max.reference.srm import SRM
-
-    torch.manual_seed(seed)
-    model = SRM(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("decay_value"):
-                p.copy_(0.85 + 0.15 * torch.rand(p.shape, generator=g))
-            elif name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return random_srm(config, seed, decay_low=0.85, bias_scale=0.1)
 
 
 def weights_of(model) -> dict[str, np.ndarray]:

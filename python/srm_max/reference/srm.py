@@ -167,3 +167,17 @@ class SRM(nn.Module):
             out.append(token)
         return torch.cat(out)
 
+
+def random_srm(config: SRMConfig, seed: int = 0, decay_low: float = 0.85, bias_scale: float = 0.1) -> SRM:
+    """A reference SRM with random weights that exercise every path: decay values in
+    [decay_low, 1) and biases and norms away from their defaults (tests, benchmarks)."""
+    torch.manual_seed(seed)
+    model = SRM(config).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("decay_value"):
+                p.copy_(decay_low + (1 - decay_low) * torch.rand(p.shape, generator=g))
+            elif name.endswith("bias") or "norm" in name:
+                p.add_(bias_scale * torch.randn(p.shape, generator=g))
+    return model
