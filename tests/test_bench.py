@@ -60,6 +60,7 @@ def test_throughput_smoke(bench, tiny_config, tmp_path, capsys):
     assert "all" in max_threads
     if len(os.sched_getaffinity(0)) > 1:
         assert 1 in max_threads  # the child process pinned to one core ran too
+    assert res["engines"]["llama-hf"]["cache"] == "static"
     assert res["roofline"]["roofline_tokens_per_s"] > 0
     assert "percent_of_roofline" in res["roofline"]
     ratio = res["ratios_tokens_per_s"][0]
@@ -81,7 +82,10 @@ def test_throughput_quick_grid_and_skips(bench):
     # a thread count 2x slower than another at the previous batch is pruned (quick mode)
     measured = {("llama-hf", 1, 16): {1: 1.0, 16: 2.0}, ("llama-hf", 2, 16): {1: 3.0, 16: 3.5}}
     assert tp.dominated(measured, "llama-hf", 2, 16, 64, 2.0) is None  # 3.5 / 2.0 < 2 at batch 16
-    assert tp.dominated(measured, "llama-hf", 2, 16, 16, 2.0)[:2] == (1, 1)  # 3x at batch 1
+    assert tp.dominated(measured, "llama-hf", 2, 16, 16, 2.0) is None  # batch 1 says nothing of 16
+    assert tp.dominated(measured, "llama-hf", 2, 16, 4, 2.0)[:2] == (1, 1)  # 3x at batch 1
+    measured[("llama-hf", 2, 16)][16] = 5.0
+    assert tp.dominated(measured, "llama-hf", 2, 16, 64, 2.0)[:2] == (1, 16)
     assert tp.dominated(measured, "llama-hf", 1, 16, 64, 2.0) is None
     assert a.prune_threads == 2.0 and tp.parse_args([]).prune_threads == 0.0
 
