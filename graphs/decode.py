@@ -5,6 +5,7 @@ Inputs (B and S symbolic):
     positions    [B]            int64  their absolute positions
     states       [L, B, H, hd]  f32    recurrent state before ``ids``
     temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64
+    mode         []             int64  on the host: ``layers.MODE_*`` for this batch
     steps        [S]            int64  0 .. S-1 (its length is the step count)
     n_steps      []             int64  S, on the host (the loop predicate)
 Outputs:
@@ -86,11 +87,13 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
         TensorType(I64, ["batch"], device),  # top_k
         TensorType(F32, ["batch"], device),  # top_p
         TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], host),  # sampling mode
         TensorType(I64, ["steps"], device),  # steps iota
         TensorType(I64, [], host),  # n_steps
     ]
     with Graph(name, input_types=input_types) as g:
-        ids, pos, states, temperature, top_k, top_p, seed, steps, n_steps = (v.tensor for v in g.inputs)
+        ids, pos, states, temperature, top_k, top_p, seed, mode, steps, n_steps = (
+            v.tensor for v in g.inputs)
         W = ModelWeights(c, wdtype, device)
         acc0 = ops.broadcast_to(ops.unsqueeze(ops.constant(0, I64, device=device), 0),
                                 [ids.shape[0], steps.shape[0]])
@@ -98,17 +101,19 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
         i_host = ops.constant(0, I64, device=host)
         i_dev = ops.constant(0, I64, device=device)
 
-        def pred(ih, idv, t, p, s, acc):
+        # The sampling inputs ride along unchanged: a cond inside the loop body may
+        # only use values of the body (MAX 26.7 rejects graph inputs captured there).
+        def pred(ih, idv, t, p, s, acc, *sampling):
             return ih < n_steps
 
-        def body(ih, idv, t, p, s, acc):
+        def body(ih, idv, t, p, s, acc, temp, k, top, sd):
             logits, s = step(W, c, t, p, s, device)
-            nxt = layers.sample(logits, temperature, top_k, top_p, seed, p + 1, device)
+            nxt = layers.sample(logits, temp, k, top, sd, p + 1, mode, device)
             hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
             acc = acc + hit * ops.unsqueeze(nxt, -1)  # each slot written once
-            return ih + 1, idv + 1, nxt, p + 1, s, acc
+            return ih + 1, idv + 1, nxt, p + 1, s, acc, temp, k, top, sd
 
-        _, _, last, pos_out, s_out, toks = ops.while_loop(
-            [i_host, i_dev, ids, pos, states, acc0], pred, body)
+        _, _, last, pos_out, s_out, toks, *_ = ops.while_loop(
+            [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
         g.output(toks, s_out, last, pos_out)
     return g

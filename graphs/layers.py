@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 from max.dtype import DType
-from max.graph import DeviceRef, TensorValue, Weight, ops
+from max.graph import DeviceRef, TensorType, TensorValue, Weight, ops
 
 F32 = DType.float32
 I64 = DType.int64
@@ -251,39 +251,81 @@ def hash_uniform(seed: TensorValue, counter: TensorValue, n: int, device: Device
     return (top + 0.5) * (1.0 / (1 << 24))
 
 
+# Sampling modes, chosen per call on the host from the batch's parameters: each
+# mode runs only the work it needs, and a sample draws the same token in every
+# mode that serves it (the draw below does not depend on the mode).
+MODE_GREEDY, MODE_PLAIN, MODE_FILTERED = 0, 1, 2
+
+
 def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
-           top_p: TensorValue, seed: TensorValue, counter: TensorValue,
+           top_p: TensorValue, seed: TensorValue, counter: TensorValue, mode: TensorValue,
            device: DeviceRef) -> TensorValue:
     """Per-sample sampling in the graph: logits [B, V] -> ids [B] int64.
 
     temperature [B] f32 (0 = greedy), top_k [B] int64 (0 = off), top_p [B] f32
-    (1 = off), seed [B] uint64, counter [B] int64 (position of the new token).
-    Order as in HF: temperature, then top-k, then top-p on the renormalised rest;
-    the draw is Gumbel-max over the kept candidates.
+    (1 = off), seed [B] uint64, counter [B] int64 (position of the new token),
+    mode [] int64 on the host (``MODE_*``: all greedy / no filters / filters).
+    Order as in HF: temperature, then top-k, then top-p on the renormalised rest.
+    The draw is the inverse CDF in token-id order with ONE uniform per sample, so
+    no sort is needed unless a filter is on (a full sort of [B, V] and V random
+    numbers per sample were most of a decode step at batch 64).
     """
+    B = logits.shape[0]
+    host = DeviceRef.CPU()
+
+    def is_mode(m: int) -> TensorValue:
+        return ops.equal(mode, ops.constant(m, I64, device=host))
+
+    # Two conds one after the other (MAX 26.7 fails to verify a cond nested in a cond).
+    no_threshold = ops.broadcast_to(ops.constant(-3.0e38, F32, device=device), [B])
+    threshold = ops.cond(
+        is_mode(MODE_FILTERED), [TensorType(F32, [B], device)],
+        lambda: _threshold(logits, temperature, top_k, top_p, device), lambda: no_threshold)[0]
+    return ops.cond(
+        is_mode(MODE_GREEDY), [TensorType(I64, [B], device)],
+        lambda: ops.squeeze(ops.argmax(logits, axis=-1), -1),
+        lambda: _draw(logits, temperature, threshold, seed, counter, device))[0]
+
+
+def _scaled(logits: TensorValue, temperature: TensorValue) -> TensorValue:
+    return logits / ops.unsqueeze(floor_at(temperature, 1e-6), -1)
+
+
+def _draw(logits, temperature, threshold, seed, counter, device):
+    """Inverse CDF over the tokens with scaled logit >= threshold [B]."""
     V = int(logits.shape[-1])
-    greedy = ops.squeeze(ops.argmax(logits, axis=-1), -1)
-    t = floor_at(temperature, 1e-6)
-    scaled = logits / ops.unsqueeze(t, -1)
-    vals, idx = ops.top_k(scaled, k=V, axis=-1)  # descending
+    scaled = _scaled(logits, temperature)
+    weight = ops.exp(scaled - ops.max(scaled, axis=-1))  # unnormalised probabilities
+    weight = weight * ops.cast(scaled >= ops.unsqueeze(threshold, -1), F32)
+    cdf = ops.cumsum(weight, axis=-1)
+    target = hash_uniform(seed, counter, 1, device) * cdf[:, V - 1 :]  # [B, 1]
+    below = ops.sum(ops.cast(cdf <= target, I64), axis=-1)  # index of the first cdf > target
+    # Rounding can put target at the total: fall back to the last token with weight.
     rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
-    # (no ops.where with broadcasting anywhere: see column_mask; masks multiply)
-    k_eff = top_k + ops.cast(top_k <= 0, I64) * V
-    keep = rank < ops.unsqueeze(k_eff, -1)
-    vals = _masked(vals, keep)
-    probs = ops.softmax(vals)
-    before = ops.cumsum(probs, axis=-1, exclusive=True)
-    keep = ops.logical_and(keep, before < ops.unsqueeze(top_p, -1))
-    u = hash_uniform(seed, counter, V, device)
-    gumbel = -ops.log(-ops.log(u))
-    score = _masked(vals + gumbel, keep)
-    choice = ops.argmax(score, axis=-1)  # [B, 1]
-    sampled = ops.gather_nd(idx, choice, batch_dims=1)  # [B]
+    last = ops.max(ops.cast(weight > 0.0, I64) * rank, axis=-1)
+    drawn = ops.squeeze(ops.min(below, last), -1)
     g = ops.cast(temperature <= 0, I64)
-    return g * greedy + (1 - g) * sampled
+    return g * ops.squeeze(ops.argmax(logits, axis=-1), -1) + (1 - g) * drawn
 
 
-def _masked(x: TensorValue, keep: TensorValue) -> TensorValue:
-    """x where keep, else -1e30 (x finite)."""
-    k = ops.cast(keep, F32)
-    return x * k + (1.0 - k) * -1e30
+def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
+    """[B] f32: the smallest scaled logit top-k then top-p keep (-3e38: no filter).
+
+    top-k keeps the k largest, top-p the smallest prefix (in descending order) of
+    those whose mass before it is < p; ties with the last kept value are kept too
+    (as in HF's top-k).
+    """
+    scaled = _scaled(logits, temperature)
+    V = int(scaled.shape[-1])
+    vals, _ = ops.top_k(scaled, k=V, axis=-1)  # descending
+    rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
+    k_eff = top_k + ops.cast(top_k <= 0, I64) * V
+    keep = ops.cast(rank < ops.unsqueeze(k_eff, -1), F32)
+    w = ops.exp(vals - vals[:, :1]) * keep
+    before = ops.cumsum(w, axis=-1, exclusive=True)
+    total = ops.sum(w, axis=-1)
+    keep = keep * ops.cast(before < ops.unsqueeze(top_p, -1) * total, F32)
+    m = ops.cast(ops.sum(keep, axis=-1), I64)  # >= 1: the first has nothing before it
+    threshold = ops.gather_nd(vals, m - 1, batch_dims=1)  # [B]
+    off = ops.cast(ops.logical_and(top_k <= 0, top_p >= 1.0), F32)
+    return threshold * (1.0 - off) + off * -3.0e38

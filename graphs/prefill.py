@@ -5,6 +5,7 @@ Inputs (B = batch, N = number of chunks, C = ``layers.CHUNK``; B and N symbolic)
     pos          [N, C]    int64   absolute positions 0 .. N*C-1 (same layout)
     last         [B, 2]    int64   (chunk, offset) of each prompt's last real token
     temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
+    mode         [] int64 on the host (``layers.MODE_*``),
     counter      [B] int64 (the position of the token to draw = prompt length)
 Outputs:
     logits       [B, V] f32        at each prompt's last real token
@@ -90,10 +91,11 @@ def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef
         TensorType(I64, ["batch"], device),  # top_k
         TensorType(F32, ["batch"], device),  # top_p
         TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (layers.MODE_*), on the host
         TensorType(I64, ["batch"], device),  # counter
     ]
     with Graph(name, input_types=input_types) as g:
-        ids, pos, last, temperature, top_k, top_p, seed, counter = (v.tensor for v in g.inputs)
+        ids, pos, last, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
         W = ModelWeights(c, wdtype, device)
         x = layers.embed(W, ids)  # [B, N, C, d]
         states = []
@@ -107,6 +109,6 @@ def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef
             states.append(ops.gather_nd(st, last, batch_dims=1))  # [B, H, hd]
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
         logits = layers.logits_of(W, xl)
-        nxt = layers.sample(logits, temperature, top_k, top_p, seed, counter, device)
+        nxt = layers.sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
         g.output(logits, nxt, ops.stack(states, axis=0))
     return g

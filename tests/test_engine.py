@@ -8,7 +8,8 @@ import torch
 
 from conftest import TINY
 from srm_max.engine import SamplingArrays
-from srm_max.sampling import filtered_probs, uniform_np
+from srm_max.graphs import layers
+from srm_max.sampling import draw_np, filtered_probs
 
 # Mixed lengths: 1 token, inside one chunk, across chunk borders, the full context.
 PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
@@ -182,19 +183,44 @@ def test_decode_sampling_distribution(engine, reference):
     assert chi_square_pvalue(counts, probs) > 1e-3
 
 
-def test_sampler_noise_is_the_documented_hash(engine):
-    """The in-graph draw is Gumbel-max with sampling.uniform_np's uniforms (checked on MAX's logits)."""
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.7)])
+def test_sampler_draw_is_the_documented_inverse_cdf(engine, top_k, top_p):
+    """The in-graph draw is sampling.draw_np on filtered_probs (checked on MAX's logits)."""
     prompt = prompts_of([6], seed=3)[0]
     B = 64
     seeds = np.arange(B, dtype=np.uint64) * 7919 + 5
-    s = SamplingArrays(np.ones(B, np.float32), np.zeros(B, np.int64), np.ones(B, np.float32), seeds)
+    s = SamplingArrays(np.full(B, 0.8, np.float32), np.full(B, top_k, np.int64),
+                       np.full(B, top_p, np.float32), seeds)
     res = engine.prefill([prompt] * B, s)
     logits = engine.host(res.logits).astype(np.float64)
-    u = uniform_np(seeds, np.full(B, len(prompt)), TINY.vocab_size).astype(np.float64)
-    order = np.argsort(-logits, axis=-1, kind="stable")
-    score = np.take_along_axis(logits, order, -1) - np.log(-np.log(u))
-    expected = order[np.arange(B), score.argmax(-1)]
-    assert (res.next_ids == expected).mean() >= 0.95  # float ties aside, the same draws
+    expected = [draw_np(filtered_probs(logits[b], 0.8, top_k, top_p), int(seeds[b]), len(prompt))
+                for b in range(B)]
+    assert (res.next_ids == np.array(expected)).mean() >= 0.95  # float32 vs float64 at cdf edges aside
+
+
+def test_a_sample_draws_the_same_whatever_its_batch_mates(engine):
+    """Greedy / plain / filtered batches run different in-graph branches; the
+    samples without filters must not notice (prefill and multi-step decode)."""
+    prompts = prompts_of([7] * 4, seed=11)
+    seeds = np.array([3, 1, 4, 1], np.uint64)
+    plain = [1.0, 0.0, 1.3, 0.0]  # samples 0, 2 sampled, 1, 3 greedy: plain mode
+
+    def run(temps, top_k):
+        s = SamplingArrays(np.array(temps, np.float32), np.array(top_k, np.int64),
+                           np.ones(4, np.float32), seeds)
+        assert s.mode() == (layers.MODE_FILTERED if any(top_k) else layers.MODE_PLAIN)
+        pre = engine.prefill(prompts, s)
+        dec = engine.decode(pre.next_ids, [7] * 4, pre.states, s, 12)
+        return np.concatenate([pre.next_ids[:, None], dec.tokens], 1)
+
+    a = run(plain, [0, 0, 0, 0])
+    b = run(plain[:3] + [0.9], [0, 0, 0, 3])  # sample 3 now filtered: filtered mode
+    assert (a[:3] == b[:3]).all()
+    greedy = SamplingArrays.greedy(4)
+    assert greedy.mode() == layers.MODE_GREEDY
+    pre = engine.prefill(prompts, greedy)
+    dec = engine.decode(pre.next_ids, [7] * 4, pre.states, greedy, 12)
+    assert (np.concatenate([pre.next_ids[:, None], dec.tokens], 1)[[1, 3]] == a[[1, 3]]).all()
 
 
 # ------------------------------------------------------------------ bfloat16

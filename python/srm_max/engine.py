@@ -142,6 +142,14 @@ class SamplingArrays:
     def take(self, index) -> "SamplingArrays":
         return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index])
 
+    def mode(self) -> int:
+        """The cheapest in-graph sampler that serves every sample (``layers.MODE_*``)."""
+        drawn = self.temperature > 0
+        if not drawn.any():
+            return layers.MODE_GREEDY
+        filtered = (self.top_k[drawn] > 0) | (self.top_p[drawn] < 1)
+        return layers.MODE_FILTERED if filtered.any() else layers.MODE_PLAIN
+
 
 @dataclass
 class PrefillResult:
@@ -207,8 +215,10 @@ class Engine:
         return buf.to_numpy() if buf.is_host else buf.to(CPU()).to_numpy()
 
     def sampling_buffers(self, s: SamplingArrays) -> list[Buffer]:
+        """The graphs' sampling inputs: four per-sample arrays on the device, the mode on the host."""
         return [self._dev(s.temperature.astype(np.float32)), self._dev(s.top_k.astype(np.int64)),
-                self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64))]
+                self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64)),
+                Buffer.from_numpy(np.array(s.mode(), np.int64))]
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config

@@ -124,7 +124,11 @@ def uniform_np(seed: np.ndarray, counter: np.ndarray, n: int) -> np.ndarray:
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """The distribution the sampler draws from: [V] logits -> [V] probabilities."""
+    """The distribution the sampler draws from: [V] logits -> [V] probabilities.
+
+    Temperature, then top-k, then top-p on the renormalised rest, as a threshold
+    on the scaled logits: every token tied with the last kept one is kept too.
+    """
     logits = np.asarray(logits, np.float64)
     V = logits.shape[-1]
     if temperature <= 0:
@@ -132,19 +136,22 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
         p[int(np.argmax(logits))] = 1.0
         return p
     z = logits / max(temperature, 1e-6)
-    order = np.argsort(-z, kind="stable")
-    vals = z[order]
-    keep = np.arange(V) < (top_k if top_k > 0 else V)
-    vals = np.where(keep, vals, -np.inf)
-    pr = np.exp(vals - vals.max())
-    pr /= pr.sum()
-    before = np.cumsum(pr) - pr
-    keep &= before < top_p
-    pr = np.where(keep, pr, 0.0)
-    pr /= pr.sum()
-    out = np.zeros(V)
-    out[order] = pr
-    return out
+    weight = np.exp(z - z.max())
+    if top_k > 0 or top_p < 1:
+        vals = np.sort(z)[::-1]
+        w = np.exp(vals - vals[0]) * (np.arange(V) < (top_k if top_k > 0 else V))
+        before = np.cumsum(w) - w
+        kept = int(((w > 0) & (before < top_p * w.sum())).sum())
+        weight = weight * (z >= vals[kept - 1])
+    return weight / weight.sum()
 
 
-__all__ = ["SamplingParams", "check_max_new_tokens", "uniform_np", "filtered_probs"]
+def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
+    """The graph's draw from ``filtered_probs``: the inverse CDF in token-id order
+    at the sample's one uniform (``uniform_np(seed, counter, 1)``)."""
+    u = float(uniform_np(np.array([seed], np.uint64), np.array([counter]), 1)[0, 0])
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
+
+
+__all__ = ["SamplingParams", "check_max_new_tokens", "uniform_np", "filtered_probs", "draw_np"]
