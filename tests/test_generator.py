@@ -215,3 +215,34 @@ def test_from_pretrained(tmp_path, tiny_weights):
     assert len(out.ids) == 4 and isinstance(out.text, str)
     with pytest.raises(GenerationError, match="unknown device"):
         Generator.from_pretrained(ckpt, device="npu")
+
+
+def test_keeps_working_after_a_rejected_request(generator):
+    p = rnd_prompt(9, 5)
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=[77])
+    before = generator.generate(p, **kw)
+    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(prompts=[1] * 97), dict(stop=[99])):
+        with pytest.raises(GenerationError):
+            generator.generate(**({"prompts": p} | kw | bad))
+        with pytest.raises(GenerationError):
+            generator.stream(**({"prompts": p} | kw | bad))
+    stream = generator.stream(p, **kw)
+    next(stream)  # a request abandoned midway holds nothing either
+    del stream
+    assert generator.generate(p, **kw).ids == before.ids
+
+
+def test_threads_share_a_generator_and_each_gets_its_own_result(generator):
+    """Requests from several threads interleave call by call (the engine's lock)
+    and each gets exactly what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    requests = [(rnd_prompt(3 + 7 * i, i), dict(max_new_tokens=20, temperature=1.0, seed=[i], steps_per_call=1 + i % 3))
+                for i in range(8)]
+    alone = [generator.generate(p, **kw).ids for p, kw in requests]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda r: generator.generate(r[0], **r[1]).ids, requests))
+        streamed = list(pool.map(
+            lambda r: [t for ev in generator.stream(r[0], **r[1]) for t in ev.tokens.values()], requests))
+    assert together == alone
+    assert streamed == alone

@@ -9,10 +9,16 @@ every request. Weights are bound at load time by name.
 States stay on the device: ``prefill`` and ``decode`` return ``Buffer``s that
 are fed straight back; per decode call only the new token ids [B, S] come back
 to the host.
+
+Threads: an Engine may be shared. Each call runs under the engine's lock (MAX
+does not promise concurrent ``execute`` on one model), and a call keeps no state
+between calls, so concurrent requests interleave call by call and each gets the
+result it would get alone.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -180,6 +186,7 @@ class Engine:
         self._prefill: Model | None = None
         self._decode: Model | None = None
         self.compile_seconds: dict[str, float] = {}
+        self._lock = threading.RLock()
 
     # -- compiled models (lazily; from the .mef cache when possible)
     def _load(self, builder, key: str) -> Model:
@@ -191,15 +198,17 @@ class Engine:
 
     @property
     def prefill_model(self) -> Model:
-        if self._prefill is None:
-            self._prefill = self._load(build_prefill_graph, "prefill")
-        return self._prefill
+        with self._lock:
+            if self._prefill is None:
+                self._prefill = self._load(build_prefill_graph, "prefill")
+            return self._prefill
 
     @property
     def decode_model(self) -> Model:
-        if self._decode is None:
-            self._decode = self._load(build_decode_graph, "decode")
-        return self._decode
+        with self._lock:
+            if self._decode is None:
+                self._decode = self._load(build_decode_graph, "decode")
+            return self._decode
 
     def warmup(self) -> "Engine":
         self.prefill_model, self.decode_model  # noqa: B018
@@ -238,9 +247,10 @@ class Engine:
         pos = np.arange(nc * C, dtype=np.int64).reshape(nc, C)
         last = np.stack([(lengths - 1) // C, (lengths - 1) % C], 1).astype(np.int64)
         sampling = sampling or SamplingArrays.greedy(B)
-        logits, nxt, states = self.prefill_model.execute(
-            self._dev(ids.reshape(B, nc, C)), self._dev(pos), self._dev(last),
-            *self.sampling_buffers(sampling), self._dev(lengths))
+        with self._lock:
+            logits, nxt, states = self.prefill_model.execute(
+                self._dev(ids.reshape(B, nc, C)), self._dev(pos), self._dev(last),
+                *self.sampling_buffers(sampling), self._dev(lengths))
         return PrefillResult(logits, self.host(nxt), states)
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
@@ -252,9 +262,10 @@ class Engine:
             positions = self._dev(np.asarray(positions, np.int64))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
-        toks, states, last, pos = self.decode_model.execute(
-            ids, positions, states, *sampling,
-            self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
+        with self._lock:
+            toks, states, last, pos = self.decode_model.execute(
+                ids, positions, states, *sampling,
+                self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
         return DecodeResult(self.host(toks), states, last, pos)
 
 
