@@ -26,6 +26,7 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
+from ..kernels import kernel_library
 from . import layers
 from .layers import F32, I64, U64, ModelWeights
 
@@ -53,8 +54,23 @@ def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, c
     return y, ops.reshape(new, [B, H, hd])
 
 
+def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, config,
+                       device: DeviceRef):
+    """The same update as ``_mixer_step`` as one Mojo custom op (mojo/mixer_step.mojo):
+    the state is read and written once, y comes out of the same pass."""
+    H, hd = config.n_heads, config.head_dim
+    B = u.shape[0]
+    head_type = TensorType(F32, [B, H, hd], device)
+    y, new = ops.custom(
+        "srm_mixer_step_functional", device=device,
+        values=[state, ops.reshape(u, [B, H, hd]), pos, ops.transpose(p["w"], 0, 1),
+                ops.transpose(p["beta"], 0, 1), ops.exp(p["loglam"])],
+        out_types=[head_type, head_type])
+    return ops.reshape(y.tensor, [B, H * hd]), new.tensor
+
+
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
-         device: DeviceRef):
+         device: DeviceRef, kernels: bool = False):
     """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd])."""
     c = config
     posc = layers.clamp_max(pos, c.context_length - 1)
@@ -65,19 +81,20 @@ def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: Te
         x = layers.channel_mlp(x, p, c.layer_norm_eps)
         z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
         u = layers.linear(z, p["proj_w"], p["proj_b"])
-        y, st = _mixer_step(u, posc, states[l], p, c, device)
+        y, st = (_mixer_step_kernel if kernels else _mixer_step)(u, posc, states[l], p, c, device)
         new_states.append(st)
         x = x + layers.linear(y, p["out_w"], p["out_b"])
     return layers.logits_of(W, x), ops.stack(new_states, axis=0)
 
 
 def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                       name: str | None = None) -> Graph:
+                       name: str | None = None, kernels: bool = False) -> Graph:
+    """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops."""
     device = device or DeviceRef.CPU()
     host = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    name = name or f"srm_decode_{dt}"
+    name = name or f"srm_decode_{dt}" + ("_kernels" if kernels else "")
     state_shape = [c.n_layers, "batch", c.n_heads, c.head_dim]
     input_types = [
         TensorType(I64, ["batch"], device),  # ids
@@ -91,7 +108,8 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
         TensorType(I64, ["steps"], device),  # steps iota
         TensorType(I64, [], host),  # n_steps
     ]
-    with Graph(name, input_types=input_types) as g:
+    extensions = [kernel_library()] if kernels else []
+    with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
         ids, pos, states, temperature, top_k, top_p, seed, mode, steps, n_steps = (
             v.tensor for v in g.inputs)
         W = ModelWeights(c, wdtype, device)
@@ -107,7 +125,7 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
             return ih < n_steps
 
         def body(ih, idv, t, p, s, acc, temp, k, top, sd):
-            logits, s = step(W, c, t, p, s, device)
+            logits, s = step(W, c, t, p, s, device, kernels)
             nxt = layers.sample(logits, temp, k, top, sd, p + 1, mode, device)
             hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
             acc = acc + hit * ops.unsqueeze(nxt, -1)  # each slot written once

@@ -95,6 +95,25 @@ def test_greedy_decode_matches_reference(engine, reference, steps_per_call):
     assert_close_rel(engine.host(states), ref_step_states(reference, prompts, ref_tokens[:, :-1]))
 
 
+def test_decode_mixer_kernel_and_plain_ops_agree(engine, tiny_weights, reference):
+    """The decode graph with the Mojo mixer op (the CPU default) and with plain MAX ops
+    (the GPU default): same tokens, same states, both equal to the reference."""
+    from srm_max.engine import Engine
+
+    plain = Engine(TINY, tiny_weights, kernels=False)
+    assert engine.kernels and not plain.kernels
+    lengths = [3, 40, 17]
+    prompts = prompts_of(lengths, seed=8)
+    s = SamplingArrays(np.array([0.0, 1.0, 0.9], np.float32), np.array([0, 0, 4], np.int64),
+                       np.array([1.0, 0.8, 1.0], np.float32), np.array([5, 6, 7], np.uint64))
+    pre = engine.prefill(prompts, s)
+    outs = [e.decode(pre.next_ids, lengths, pre.states, s, 24) for e in (engine, plain)]
+    assert (outs[0].tokens == outs[1].tokens).all()
+    assert_close_rel(engine.host(outs[0].states), plain.host(outs[1].states))
+    fed = np.concatenate([pre.next_ids[:, None], outs[0].tokens[:, :-1]], 1)
+    assert_close_rel(engine.host(outs[0].states), ref_step_states(reference, prompts, fed))
+
+
 def ref_step_states(reference, prompts, fed):
     """States after the prompts and then the tokens ``fed`` [B, k], stepped one at a time."""
     _, states = ref_prefill(reference, prompts)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from max.driver import CPU, Accelerator, Buffer, Device, accelerator_count
@@ -176,10 +177,15 @@ class Engine:
     """Compiled SRM graphs for one config, weight dtype and device."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
-                 device: str = "cpu"):
+                 device: str = "cpu", kernels: bool | None = None):
+        """``kernels``: the decode graph's mixer update as the Mojo custom op
+        (``mojo/mixer_step.mojo``) instead of plain MAX ops. Default: on the CPU,
+        where bench/decode_kernels.py measured it faster; off on a GPU, where it
+        has not been measured."""
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device, self.device_ref = resolve_device(device)
+        self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
         check_weights(config, weights)
         self._registry = weights_registry(config, weights, self.dtype)
         self.session = InferenceSession(devices=[self.device])
@@ -207,7 +213,7 @@ class Engine:
     def decode_model(self) -> Model:
         with self._lock:
             if self._decode is None:
-                self._decode = self._load(build_decode_graph, "decode")
+                self._decode = self._load(partial(build_decode_graph, kernels=self.kernels), "decode")
             return self._decode
 
     def warmup(self) -> "Engine":
