@@ -7,6 +7,8 @@ tests use ``TINY`` and share the compiled engines (cached as .mef files under
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -25,6 +27,36 @@ def make_reference(config: SRMConfig = TINY, seed: int = 0):
 
 def weights_of(model) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+
+
+def suite_graph_jobs(test_files: set[str]) -> list:
+    """The MAX graphs the selected test files compile (CPU; decode with the mixer op,
+    the CPU default, and once with plain ops)."""
+    from srm_max.checkpoint import load_checkpoint
+    from srm_max.embedded import default_model_path
+    from srm_max.precompile import GraphJob
+
+    jobs = []
+    if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
+                     "test_bench.py"}:
+        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY, kernels=True)]
+    if "test_engine.py" in test_files:
+        jobs += [GraphJob.of("decode", TINY), GraphJob.of("prefill", TINY, "bfloat16"),
+                 GraphJob.of("decode", TINY, "bfloat16", kernels=True)]
+    if "test_embedded.py" in test_files:
+        embedded = load_checkpoint(default_model_path()).config
+        jobs += [GraphJob.of("prefill", embedded), GraphJob.of("decode", embedded, kernels=True)]
+    return jobs
+
+
+@pytest.fixture(scope="session", autouse=True)
+def suite_graphs(request):
+    """Compile every graph the run needs up front, side by side (one process per core):
+    a cold compile takes minutes on one core, and CI has two."""
+    from srm_max.precompile import precompile
+
+    files = {Path(str(item.path)).name for item in request.session.items}
+    return precompile(suite_graph_jobs(files))
 
 
 @pytest.fixture(scope="session")

@@ -73,8 +73,12 @@ def test_max_greedy_equals_reference_on_the_embedded_model(embedded):
     """Generator.from_pretrained() with no path is the embedded model, and it agrees with torch."""
     from srm_max import Generator
 
+    from conftest import suite_graph_jobs
+
     generator = Generator.from_pretrained(device="cpu")
     assert generator.config == embedded.config
+    jobs = {generator.engine.graph_job(kind) for kind in ("prefill", "decode")}
+    assert jobs == set(suite_graph_jobs({"test_embedded.py"}))  # precompiled by conftest
     completion = generator.generate(PROMPT, max_new_tokens=24)
     model = reference_model(embedded.config, embedded.weights, torch.float32)
     ids = generator.encode(PROMPT)

@@ -114,6 +114,17 @@ def test_decode_mixer_kernel_and_plain_ops_agree(engine, tiny_weights, reference
     assert_close_rel(engine.host(outs[0].states), ref_step_states(reference, prompts, fed))
 
 
+def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, tiny_weights):
+    """conftest.suite_graph_jobs must name exactly these graphs, or CI compiles twice."""
+    from conftest import suite_graph_jobs
+    from srm_max.engine import Engine
+
+    jobs = set(suite_graph_jobs({"test_engine.py"}))
+    plain = Engine(TINY, tiny_weights, kernels=False)
+    loaded = {e.graph_job(kind) for e in (engine, engine_bf16) for kind in ("prefill", "decode")}
+    assert loaded | {plain.graph_job("decode")} == jobs
+
+
 def ref_step_states(reference, prompts, fed):
     """States after the prompts and then the tokens ``fed`` [B, k], stepped one at a time."""
     _, states = ref_prefill(reference, prompts)

@@ -37,6 +37,26 @@ def graph_key(graph: Graph, extra: bytes = b"") -> str:
     return digest.hexdigest()[:24]
 
 
+def mef_path(graph: Graph, extra_key: bytes = b"") -> Path:
+    """Where the compiled ``graph`` is (or would be) cached."""
+    return cache_dir() / "mef" / f"{graph.name}-{graph_key(graph, extra_key)}.mef"
+
+
+def compile_to_cache(session: InferenceSession, graph: Graph, extra_key: bytes = b""):
+    """Compile ``graph`` and export it to its ``.mef`` path (atomically); -> the compiled model."""
+    mef = mef_path(graph, extra_key)
+    compiled = session.compile(graph)
+    mef.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=mef.parent, suffix=".mef.tmp")
+    os.close(fd)
+    try:
+        compiled.export_mef(tmp)
+        os.replace(tmp, mef)  # atomic: concurrent processes never see half a file
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return compiled
+
+
 def load_compiled(
     session: InferenceSession,
     graph: Graph,
@@ -44,8 +64,7 @@ def load_compiled(
     extra_key: bytes = b"",
 ) -> Model:
     """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss."""
-    directory = cache_dir() / "mef"
-    mef = directory / f"{graph.name}-{graph_key(graph, extra_key)}.mef"
+    mef = mef_path(graph, extra_key)
     if mef.exists():
         try:
             compiled = engine.read(mef)
@@ -53,13 +72,5 @@ def load_compiled(
             mef.unlink(missing_ok=True)
             return load_compiled(session, graph, weights_registry, extra_key)
     else:
-        compiled = session.compile(graph)
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".mef.tmp")
-        os.close(fd)
-        try:
-            compiled.export_mef(tmp)
-            os.replace(tmp, mef)  # atomic: concurrent processes never see half a file
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        compiled = compile_to_cache(session, graph, extra_key)
     return session.init(compiled, weights_registry=weights_registry)

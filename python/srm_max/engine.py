@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 from max.driver import CPU, Accelerator, Buffer, Device, accelerator_count
@@ -30,16 +29,12 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
 from .compile_cache import load_compiled
+from .precompile import GRAPH_KEY, GraphJob, precompile
 from .config import SRMConfig
 from .errors import GenerationError
 from .graphs import layers
-from .graphs.decode import build_decode_graph
-from .graphs.prefill import build_prefill_graph
 
 DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
-# Bumped when a compiled model must not be reused although its MLIR text is the same
-# (v2: graphs compiled while numpy constants could be freed before compilation).
-GRAPH_KEY = b"srm-graphs-v2"
 DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -195,29 +190,39 @@ class Engine:
         self._lock = threading.RLock()
 
     # -- compiled models (lazily; from the .mef cache when possible)
-    def _load(self, builder, key: str) -> Model:
+    def graph_job(self, kind: str) -> GraphJob:
+        device = "cpu" if isinstance(self.device, CPU) else "gpu"
+        return GraphJob.of(kind, self.config, self.dtype, device, self.kernels and kind == "decode")
+
+    def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()
-        graph = builder(self.config, DTYPES[self.dtype], self.device_ref)
+        graph = self.graph_job(kind).graph()
         model = load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
-        self.compile_seconds[key] = time.perf_counter() - t0
+        self.compile_seconds[kind] = time.perf_counter() - t0
         return model
 
     @property
     def prefill_model(self) -> Model:
         with self._lock:
             if self._prefill is None:
-                self._prefill = self._load(build_prefill_graph, "prefill")
+                self._prefill = self._load("prefill")
             return self._prefill
 
     @property
     def decode_model(self) -> Model:
         with self._lock:
             if self._decode is None:
-                self._decode = self._load(partial(build_decode_graph, kernels=self.kernels), "decode")
+                self._decode = self._load("decode")
             return self._decode
 
     def warmup(self) -> "Engine":
-        self.prefill_model, self.decode_model  # noqa: B018
+        """Load both graphs; cold ones compile side by side, one process each."""
+        with self._lock:
+            t0 = time.perf_counter()
+            compiled = precompile([self.graph_job("prefill"), self.graph_job("decode")])
+            if compiled:
+                self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
+            self.prefill_model, self.decode_model  # noqa: B018
         return self
 
     # -- helpers

@@ -1,0 +1,89 @@
+"""Compile several MAX graphs at once, one process each.
+
+A cold MAX compile runs for minutes on ONE core, so a machine with more cores
+compiles an engine's prefill and decode graphs (or a test suite's graphs) side
+by side. A ``GraphJob`` names a graph by picklable facts (kind, config, dtype,
+device, kernels); a child process builds it exactly as the ``Engine`` does,
+compiles it and writes the ``.mef`` file the Engine then loads in milliseconds
+(``compile_cache``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+# Bumped when a compiled model must not be reused although its MLIR text is the same
+# (v2: graphs compiled while numpy constants could be freed before compilation).
+GRAPH_KEY = b"srm-graphs-v2"
+
+
+@dataclass(frozen=True)
+class GraphJob:
+    kind: str  # "prefill" | "decode"
+    config: tuple  # sorted (field, value) pairs of the SRMConfig
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" | "gpu"
+    kernels: bool = False  # the decode graph's Mojo mixer op
+
+    @classmethod
+    def of(cls, kind: str, config, dtype: str = "float32", device: str = "cpu",
+           kernels: bool = False) -> "GraphJob":
+        return cls(kind, tuple(sorted(config.to_dict().items())), dtype, device, kernels)
+
+    def srm_config(self):
+        from .config import SRMConfig
+
+        return SRMConfig(**dict(self.config))
+
+    def graph(self):
+        from max.dtype import DType
+        from max.graph import DeviceRef
+
+        from .graphs.decode import build_decode_graph
+        from .graphs.prefill import build_prefill_graph
+
+        wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
+        device = DeviceRef.GPU() if self.device == "gpu" else DeviceRef.CPU()
+        if self.kind == "prefill":
+            return build_prefill_graph(self.srm_config(), wdtype, device)
+        if self.kind == "decode":
+            return build_decode_graph(self.srm_config(), wdtype, device, kernels=self.kernels)
+        raise ValueError(f"unknown graph kind {self.kind!r}")
+
+    def cached(self) -> bool:
+        from .compile_cache import mef_path
+
+        return mef_path(self.graph(), GRAPH_KEY).exists()
+
+
+def _compile(job: GraphJob) -> float:
+    """Child process: compile ``job`` into the cache; -> seconds."""
+    from max.engine import InferenceSession
+
+    from .compile_cache import compile_to_cache
+    from .engine import resolve_device
+
+    t = time.perf_counter()
+    device, _ = resolve_device(job.device)
+    compile_to_cache(InferenceSession(devices=[device]), job.graph(), GRAPH_KEY)
+    return time.perf_counter() - t
+
+
+def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJob, float]:
+    """Compile the jobs not yet in the cache, ``workers`` at a time (default: one per
+    core); -> seconds per compiled job. With one missing job (or one worker) it runs
+    here, without a child process."""
+    missing = [j for j in dict.fromkeys(jobs) if not j.cached()]
+    workers = min(workers or os.cpu_count() or 1, len(missing))
+    if workers <= 1:
+        return {j: _compile(j) for j in missing}
+    # spawn, not fork: the parent may already run MAX's thread pool
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return dict(zip(missing, pool.map(_compile, missing)))
+
+
+__all__ = ["GRAPH_KEY", "GraphJob", "precompile"]
