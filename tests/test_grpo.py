@@ -122,6 +122,8 @@ def test_arithmetic_task():
     assert p.verify("357<e>99") == 1.0 and p.verify("357") == 1.0
     assert p.verify("3570") == 0.0 and p.verify("") == 0.0 and p.verify("35+7") == 0.0
     assert p.verify(arithmetic.encode("358") + [arithmetic.END_ID]) == 0.0
+    # a model's vocabulary may be larger than the task's: such ids are wrong, not a crash
+    assert p.verify(arithmetic.encode("35") + [arithmetic.VOCAB_SIZE + 1]) == 0.0
     assert tok.decode(p.target_ids()) == "357"
     probs = arithmetic.problems(50, 1, 3, seed=1)
     held = arithmetic.problems(20, 1, 3, seed=2, exclude=set(probs))

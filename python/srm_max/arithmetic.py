@@ -38,14 +38,15 @@ def encode(text: str) -> list[int]:
 
 
 def decode(ids) -> str:
-    """Ids -> text; the end token decodes as nothing and cuts the text."""
+    """Ids -> text; the end token decodes as nothing and cuts the text. A model's
+    vocabulary may be larger than the task's: ids outside it decode as "?" (wrong)."""
     out = []
     for i in ids:
         i = int(i)
         if i == END_ID:
             break
         if i != PAD_ID:
-            out.append(VOCAB[i])
+            out.append(VOCAB[i] if 0 <= i < VOCAB_SIZE else "?")
     return "".join(out)
 
 
