@@ -149,7 +149,7 @@ def main(argv=None):
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--k-max", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=8)
-    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--prompts-per-iter", type=int, default=16)
     ap.add_argument("--samples", type=int, default=32, help="rollouts per prompt (both modes)")
     ap.add_argument("--group", type=int, default=8)
@@ -208,7 +208,8 @@ def main(argv=None):
                       "rollouts": args.iterations * args.prompts_per_iter * args.samples,
                       "updates": args.iterations * 2}
 
-    result = {"task": {"min_digits": args.min_digits, "max_digits": args.max_digits, "heldout": len(heldout),
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "task": {"min_digits": args.min_digits, "max_digits": args.max_digits, "heldout": len(heldout),
                        "train_problems": len(train)},
               "model": cfg.__dict__ | {"parameters": sum(p.numel() for p in model.parameters())},
               "sft": sft, "generator_build_seconds": build_s, "pass_at_k": pk, "grpo": runs,
