@@ -79,8 +79,17 @@ def _check_tokenizer(tokenizer, config: SRMConfig) -> None:
             "mismatched tokenizer")
 
 
+def _engine_for(config, weights: dict[str, np.ndarray], dtype: str, device: str):
+    """The MAX engine for the config's architecture: PHAEngine for "pha", else Engine (SRM)."""
+    if config.architecture == "pha":
+        from .pha_engine import PHAEngine
+
+        return PHAEngine(config, weights, dtype=dtype, device=device)
+    return Engine(config, weights, dtype=dtype, device=device)
+
+
 class Generator:
-    """Batched text generation with an SRM on MAX."""
+    """Batched text generation with an SRM or a PHA model on MAX."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], tokenizer=None,
                  dtype: str | None = "float32", device: str = "cpu", warmup: bool = True):
@@ -88,7 +97,7 @@ class Generator:
         dtype = resolve_dtype(dtype)
         tok = _load_tokenizer(tokenizer)
         _check_tokenizer(tok, config)
-        engine = Engine(config, weights, dtype=dtype, device=device)
+        engine = _engine_for(config, weights, dtype, device)
         self._init(engine, tok)
         if warmup:
             engine.warmup()
@@ -125,9 +134,9 @@ class Generator:
         from .checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(path)
-        if ckpt.config.architecture != "srm":
+        if ckpt.config.architecture not in ("srm", "pha"):
             raise GenerationError(
-                f"{path}: architecture {ckpt.config.architecture!r} is not served by the MAX engine yet "
+                f"{path}: architecture {ckpt.config.architecture!r} is not served by the MAX engine "
                 "(its PyTorch reference is srm_max.reference)")
         if dtype is None:
             dtype = ckpt.dtype if ckpt.dtype in ("float32", "bfloat16") else "float32"

@@ -41,8 +41,16 @@ def plan_max_batch(config, memory_budget_bytes: int = 4 << 30, weight_bytes_per_
                    max_batch: int = 65536) -> int:
     """The largest slot pool whose weights, states and step activations fit the budget."""
     weights = config.num_parameters() * weight_bytes_per_param
-    state = config.n_layers * config.d_model * 4 + 8  # float32 state + position
-    activations = 4 * (_SAMPLER_COPIES * config.vocab_size + _ACTIVATION_COPIES * config.ffn_dim)
+    if config.architecture == "pha":
+        from .graphs.pha import StateLayout
+
+        # GSS state + KV caches; the widest activation: an FFN, the GSS gate, or attention scores.
+        state = config.n_layers * StateLayout.of(config).width * 4 + 8
+        hidden = max(*config.ffn_dims, config.gss_expansion_dim, config.n_q_heads * config.context_length)
+    else:
+        state = config.n_layers * config.d_model * 4 + 8  # float32 state + position
+        hidden = config.ffn_dim
+    activations = 4 * (_SAMPLER_COPIES * config.vocab_size + _ACTIVATION_COPIES * hidden)
     free = memory_budget_bytes - weights
     if free < state + activations:
         raise GenerationError(

@@ -1,0 +1,182 @@
+"""The MAX engine for PHA checkpoints: the same interface as ``engine.Engine``.
+
+Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
+and ``pha_decode_*`` (graphs/pha.py), batch size, prompt length and steps per
+call symbolic; weights bound at load time by name; compiled models cached as
+``.mef`` files (``compile_cache``).
+
+States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
+per-sample state (the GSS state as real pairs, the preallocated KV caches); see
+``graphs.pha.StateLayout``. A sample is the column block ``[:, b]``, so the
+Generator and the slot pool copy, compact and refill slots exactly as for the
+SRM. ``split_states`` unpacks a host copy into the reference's ``PHACache``
+layout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+
+from .compile_cache import load_compiled
+from .engine import (DTYPES, DecodeResult, PrefillResult, SamplingArrays, resolve_device, resolve_dtype,
+                     to_bfloat16_bits)
+from .errors import GenerationError
+from .graphs import pha as pha_graphs
+from .pha_config import PHAConfig, pha_expected_shapes
+
+# Bumped when a compiled model must not be reused although its MLIR text is the same.
+GRAPH_KEY = b"pha-graphs-v1"
+
+
+def check_weights(config: PHAConfig, weights: dict[str, np.ndarray]) -> None:
+    """Every key the graphs read (directly or derived) is present with the right shape."""
+    for key, shape in pha_expected_shapes(config).items():
+        if key not in weights:
+            raise GenerationError(f"weights: missing key {key!r}")
+        got = tuple(np.shape(weights[key]))
+        if got != shape:
+            raise GenerationError(f"weights: {key!r} has shape {got}, expected {shape}")
+
+
+def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
+    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors.
+
+    With ``dtype="bfloat16"`` the big matrices are stored as bfloat16; vectors, the
+    DSS parameters and everything derived stay float32.
+    """
+    matrices = set(pha_graphs.matrix_names(config))
+    full = {k: np.asarray(weights[k]) for k in pha_graphs.graph_weight_names(config)}
+    full |= pha_graphs.derived_weights(config, weights)
+    reg: dict = {}
+    for name, arr in full.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if dtype == "bfloat16" and name in matrices:
+            reg[name] = Buffer.from_numpy(to_bfloat16_bits(arr)).view(DType.bfloat16)
+        else:
+            reg[name] = arr
+    return reg
+
+
+class PHAEngine:
+    """Compiled PHA graphs for one config, weight dtype and device."""
+
+    def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
+                 device: str = "cpu"):
+        if getattr(config, "architecture", None) != "pha":
+            raise GenerationError(f"PHAEngine needs a PHA config, got architecture {config.architecture!r}")
+        self.config = config
+        self.dtype = resolve_dtype(dtype)
+        self.device, self.device_ref = resolve_device(device)
+        check_weights(config, weights)
+        self._registry = weights_registry(config, weights, self.dtype)
+        self.layout = pha_graphs.StateLayout.of(config)
+        self.session = InferenceSession(devices=[self.device])
+        self._prefill: Model | None = None
+        self._decode: Model | None = None
+        self.compile_seconds: dict[str, float] = {}
+        self._lock = threading.RLock()
+
+    # -- compiled models (lazily; from the .mef cache when possible)
+    def _load(self, builder, key: str) -> Model:
+        t0 = time.perf_counter()
+        graph = builder(self.config, DTYPES[self.dtype], self.device_ref)
+        model = load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
+        self.compile_seconds[key] = time.perf_counter() - t0
+        return model
+
+    @property
+    def prefill_model(self) -> Model:
+        with self._lock:
+            if self._prefill is None:
+                self._prefill = self._load(pha_graphs.build_pha_prefill_graph, "prefill")
+            return self._prefill
+
+    @property
+    def decode_model(self) -> Model:
+        with self._lock:
+            if self._decode is None:
+                self._decode = self._load(pha_graphs.build_pha_decode_graph, "decode")
+            return self._decode
+
+    def warmup(self) -> "PHAEngine":
+        self.prefill_model, self.decode_model  # noqa: B018
+        return self
+
+    # -- helpers
+    def _dev(self, a: np.ndarray) -> Buffer:
+        buf = Buffer.from_numpy(np.ascontiguousarray(a))
+        return buf if isinstance(self.device, CPU) else buf.to(self.device)
+
+    @staticmethod
+    def host(buf: Buffer) -> np.ndarray:
+        return buf.to_numpy() if buf.is_host else buf.to(CPU()).to_numpy()
+
+    def sampling_buffers(self, s: SamplingArrays) -> list[Buffer]:
+        """The graphs' sampling inputs: four per-sample arrays on the device, the mode on the host."""
+        return [self._dev(s.temperature.astype(np.float32)), self._dev(s.top_k.astype(np.int64)),
+                self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64)),
+                Buffer.from_numpy(np.array(s.mode(), np.int64))]
+
+    def empty_states(self, batch: int) -> Buffer:
+        return self._dev(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))
+
+    def split_states(self, states) -> dict[str, np.ndarray | None]:
+        """A host copy of ``states`` [L, B, X] in the reference's ``PHACache`` layout:
+        gss_state [L, B, H, N] complex64, keys and values [L, B, Hkv, n, dh] (None where off)."""
+        c, lay = self.config, self.layout
+        s = self.host(states) if isinstance(states, Buffer) else np.asarray(states)
+        L, B = s.shape[:2]
+        out: dict[str, np.ndarray | None] = {"gss_state": None, "keys": None, "values": None}
+        if lay.gss:
+            pairs = s[:, :, : lay.gss].reshape(L, B, 2, c.gss_hidden_dim, c.dss_state_size)
+            out["gss_state"] = (pairs[:, :, 0] + 1j * pairs[:, :, 1]).astype(np.complex64)
+        if lay.kv:
+            shape = (L, B, c.n_kv_heads, c.context_length, c.head_dim)
+            out["keys"] = s[:, :, lay.keys].reshape(shape)
+            out["values"] = s[:, :, lay.values].reshape(shape)
+        return out
+
+    # -- the two calls
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them."""
+        n = self.config.context_length
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) <= n:
+                raise GenerationError(f"prompt {i} has {len(p)} tokens: expected 1 to the context length {n}")
+        B = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        T = int(lengths.max())
+        ids = np.zeros((B, T), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = p
+        sampling = sampling or SamplingArrays.greedy(B)
+        with self._lock:
+            logits, nxt, states = self.prefill_model.execute(
+                self._dev(ids), self._dev(np.arange(T, dtype=np.int64)), self._dev(np.arange(T, dtype=np.int64)),
+                self._dev(lengths),
+                *self.sampling_buffers(sampling))
+        return PrefillResult(logits, self.host(nxt), states)
+
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+        if not isinstance(ids, Buffer):
+            ids = self._dev(np.asarray(ids, np.int64))
+        if not isinstance(positions, Buffer):
+            positions = self._dev(np.asarray(positions, np.int64))
+        if isinstance(sampling, SamplingArrays):
+            sampling = self.sampling_buffers(sampling)
+        with self._lock:
+            toks, states, last, pos = self.decode_model.execute(
+                ids, positions, states, *sampling,
+                self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
+        return DecodeResult(self.host(toks), states, last, pos)
+
+
+__all__ = ["PHAEngine", "weights_registry", "check_weights", "GRAPH_KEY"]

@@ -1,0 +1,232 @@
+"""The MAX PHA engine (graphs/pha.py, PHAEngine) and the Generator serving PHA
+checkpoints, against the PyTorch reference (reference/pha.py) on the same weights.
+
+ONE tiny config for the whole file: its two graphs (prefill, decode; float32,
+CPU) are compiled once and cached as .mef files (see compile_cache), so later
+runs load them in milliseconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from srm_max.engine import SamplingArrays
+from srm_max.errors import GenerationError
+from srm_max.pha_config import PHAConfig
+from srm_max.reference.pha import PHA
+from srm_max.sampling import draw_np, filtered_probs
+
+# Every branch on, GQA with 2 query heads per KV head, context 32.
+CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=32, n_q_heads=4, n_kv_heads=2,
+                   dss_state_size=8)
+
+
+def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
+    """Float32 reference with unequal mixing weights, varied logit scales, non-trivial
+    norms and biases, O(1) logits (as tests/test_pha.py's ``randomized``)."""
+    torch.manual_seed(seed)
+    model = PHA(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ("embed.weight", "lm_head.weight"):
+                p.normal_()
+            elif name.endswith("mixing"):
+                p.normal_()
+            elif name.endswith("logit_scale"):
+                p.uniform_(1.0, 3.0)
+            elif "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def reference() -> PHA:
+    return random_pha()
+
+
+@pytest.fixture(scope="module")
+def weights(reference) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def engine(weights):
+    from srm_max.pha_engine import PHAEngine
+
+    return PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, weights):
+    from srm_max.checkpoint import save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("pha") / "ckpt", CONFIG, weights)
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint):
+    from srm_max.generator import Generator
+
+    return Generator.from_pretrained(checkpoint, device="cpu")
+
+
+def prompts_of(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+
+
+def ref_prefill(reference, prompts):
+    """Reference prefill of right-padded prompts: (last-token logits [B, V], cache)."""
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts])
+    with torch.no_grad():
+        logits, cache = reference.prefill(ids, lengths)
+    return logits[torch.arange(B), lengths - 1].numpy(), cache
+
+
+def assert_close_rel(actual, expected, rel=1e-4):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = np.abs(expected).max()
+    err = np.abs(actual - expected).max()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
+def assert_states_close(engine, states, cache, filled, rel=1e-4):
+    """MAX states against a reference PHACache: GSS states, and the KV caches up to
+    each sample's ``filled`` positions (later rows are padding or unused)."""
+    got = engine.split_states(states)
+    assert_close_rel(got["gss_state"], cache.gss_state.numpy(), rel)
+    for name, ref in (("keys", cache.keys), ("values", cache.values)):
+        for b, f in enumerate(filled):
+            assert_close_rel(got[name][:, b, :, :f], ref[:, b, :, :f].numpy(), rel)
+
+
+# ------------------------------------------------------------------------ engine
+
+
+def test_prefill_logits_and_states_match_reference(engine, reference):
+    lengths = [1, 5, 17, 32]  # mixed, right-padded in one batch, up to the full context
+    prompts = prompts_of(lengths)
+    res = engine.prefill(prompts)
+    ref_logits, cache = ref_prefill(reference, prompts)
+    logits = engine.host(res.logits)
+    assert logits.shape == (len(prompts), CONFIG.vocab_size)
+    assert_close_rel(logits, ref_logits)
+    assert (res.next_ids == ref_logits.argmax(-1)).all()
+    assert engine.host(res.states).shape == (CONFIG.n_layers, len(prompts), engine.layout.width)
+    assert_states_close(engine, res.states, cache, lengths)
+    # a prompt alone gives what it gives in the padded batch
+    alone = engine.host(engine.prefill(prompts[1:2]).logits)
+    assert_close_rel(logits[1:2], alone, rel=1e-6)
+
+
+def ref_greedy(reference, prompts, new_tokens):
+    """Reference: padded prefill, then batched steps at per-sample positions (greedy)."""
+    logits, cache = ref_prefill(reference, prompts)
+    tok = torch.tensor(logits.argmax(-1))
+    pos = torch.tensor([len(p) for p in prompts])
+    out = [tok]
+    with torch.no_grad():
+        for _ in range(new_tokens - 1):
+            logits, cache = reference.step(tok, pos, cache)
+            tok, pos = logits.argmax(-1), pos + 1
+            out.append(tok)
+    return torch.stack(out, 1).numpy(), cache
+
+
+def test_multi_step_greedy_decode_matches_reference(engine, reference):
+    lengths = [1, 6, 20, 13]
+    prompts = prompts_of(lengths, seed=1)
+    calls = [4, 1, 6]  # 12 new tokens: the longest prompt ends at 20 + 12 = 32 = n
+    expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
+    pre = engine.prefill(prompts)
+    tokens, states = [pre.next_ids[:, None]], pre.states
+    ids, pos = pre.next_ids, np.array(lengths)
+    sampling = SamplingArrays.greedy(len(prompts))
+    for steps in calls:
+        res = engine.decode(ids, pos, states, sampling, steps)
+        assert res.tokens.shape == (len(prompts), steps)
+        tokens.append(res.tokens)
+        states, ids, pos = res.states, res.ids, res.positions
+    np.testing.assert_array_equal(np.concatenate(tokens, 1), expected)
+    np.testing.assert_array_equal(engine.host(pos), np.array(lengths) + sum(calls))
+    # the states after the last call: every token but the newest fed in
+    assert_states_close(engine, states, cache, np.array(lengths) + sum(calls))
+
+
+def test_generate_greedy_equals_reference_generate(generator, reference):
+    from srm_max.pha_engine import PHAEngine
+
+    assert isinstance(generator.engine, PHAEngine)
+    prompts = prompts_of([3, 11], seed=2)
+    outs = generator.generate(prompts, max_new_tokens=9, steps_per_call=4)
+    for p, out in zip(prompts, outs):
+        expected = reference.generate_greedy(torch.tensor(p), 9).tolist()
+        assert out.ids == expected and out.finish_reason == "length"
+    # a prompt near the context stops there
+    (p,) = prompts_of([28], seed=3)
+    out = generator.generate(p, max_new_tokens=10)
+    assert out.finish_reason == "context"
+    assert out.ids == reference.generate_greedy(torch.tensor(p), 4).tolist()
+
+
+def test_sampled_tokens_follow_the_seed_and_the_reference_distribution(generator, reference):
+    prompts = prompts_of([4, 9], seed=4)
+    options = dict(max_new_tokens=8, temperature=0.9, top_k=12, top_p=0.9, steps_per_call=3)
+    first = generator.generate(prompts, seed=5, **options)
+    again = generator.generate(prompts, seed=5, **options)
+    other = generator.generate(prompts, seed=6, **options)
+    assert [o.ids for o in first] == [o.ids for o in again]
+    assert [o.ids for o in first] != [o.ids for o in other]
+    # each token is the documented draw (sampling.draw_np) from the reference's logits
+    for i, (p, out) in enumerate(zip(prompts, first)):
+        seq = torch.tensor(p + out.ids)
+        with torch.no_grad():
+            logits = reference(seq.view(1, -1))[0].numpy()
+        for j, token in enumerate(out.ids):
+            t = len(p) + j  # the position of the drawn token is its counter
+            probs = filtered_probs(logits[t - 1], 0.9, 12, 0.9)
+            assert token == draw_np(probs, 5 + i, t), f"prompt {i}, token {j}"
+
+
+def test_slot_pool_refills_pha_states(generator):
+    """sample_many copies prefilled states into slots: each sample equals generating it alone."""
+    prompts = prompts_of([5, 12], seed=7)
+    samples = list(generator.sample_many(prompts, n=3, max_batch=2, max_new_tokens=5, temperature=0.8, seed=1))
+    assert len(samples) == 6
+    for s in samples:
+        alone = generator.generate(prompts[s.prompt_index], max_new_tokens=5, temperature=0.8, seed=s.seed)
+        assert s.ids == alone.ids
+
+
+def test_generator_builds_a_pha_engine_from_config_and_weights(weights):
+    from srm_max.generator import Generator
+    from srm_max.pha_engine import PHAEngine
+
+    gen = Generator(CONFIG, weights, device="cpu", warmup=False)
+    assert isinstance(gen.engine, PHAEngine) and gen.engine.dtype == "float32"
+    states = gen.engine.empty_states(3)
+    split = gen.engine.split_states(states)
+    H, N = CONFIG.gss_hidden_dim, CONFIG.dss_state_size
+    assert split["gss_state"].shape == (2, 3, H, N)
+    assert split["keys"].shape == (2, 3, CONFIG.n_kv_heads, CONFIG.context_length, CONFIG.head_dim)
+    with pytest.raises(GenerationError, match="prompt 0 has 33 tokens"):
+        gen.engine.prefill([[1] * 33])
+    bad = dict(weights)
+    bad.pop("blocks.1.branches.attn.logit_scale")
+    with pytest.raises(GenerationError, match="missing key 'blocks.1.branches.attn.logit_scale'"):
+        Generator(CONFIG, bad, device="cpu", warmup=False)
+
+
+def test_slot_pool_plans_pha_batches_by_their_state_size():
+    from srm_max.graphs.pha import StateLayout
+    from srm_max.slot_pool import plan_max_batch
+
+    budget = 64 << 20
+    per_sample = CONFIG.n_layers * StateLayout.of(CONFIG).width * 4  # GSS state + KV caches
+    assert 1 <= plan_max_batch(CONFIG, memory_budget_bytes=budget) < budget // per_sample
