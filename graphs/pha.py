@@ -21,10 +21,12 @@ rank-3 matmul pair per head on channel slices, the KV-cache write is a rank-3
 outer-product matmul, and the causal mask is applied by multiplication in a
 written-out softmax (``_masked_softmax``).
 
-The prefill takes the positions twice (``pos``, ``pos_cols``): MAX 26.7 folded
-``pos[:, None] - pos[None, :]`` (and ``pos[None, :] > pos[:, None]``) as if both
-sides were the same vector, giving all zeros (all False): the Toeplitz matrix
-became constant and the causal mask vanished. Two distinct inputs cannot be folded.
+The prefill takes the positions twice (``pos``, ``pos_cols``): with one vector on
+both sides, ``pos[:, None] - pos[None, :]`` and ``pos[None, :] > pos[:, None]``
+came out of the compiled graph as all zeros / all False (the Toeplitz matrix was
+constant, the causal mask had no effect), although a small graph of just those
+ops computes them right: it depends on what they fuse with. Built from two
+distinct inputs, both are right (tests/test_pha_engine.py).
 """
 
 from __future__ import annotations
