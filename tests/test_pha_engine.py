@@ -230,3 +230,23 @@ def test_slot_pool_plans_pha_batches_by_their_state_size():
     budget = 64 << 20
     per_sample = CONFIG.n_layers * StateLayout.of(CONFIG).width * 4  # GSS state + KV caches
     assert 1 <= plan_max_batch(CONFIG, memory_budget_bytes=budget) < budget // per_sample
+
+
+def test_a_sample_past_the_context_does_not_disturb_its_batch_mates(generator, reference):
+    """Decode calls of 8 steps: the long prompt hits the context after 2 tokens and runs on
+    past n inside the call (positions >= n write nothing); the short one is unaffected."""
+    short, long = prompts_of([3, 30], seed=8)
+    outs = generator.generate([short, long], max_new_tokens=12, steps_per_call=8)
+    assert outs[0].ids == reference.generate_greedy(torch.tensor(short), 12).tolist()
+    assert outs[1].ids == reference.generate_greedy(torch.tensor(long), 2).tolist()
+    assert [o.finish_reason for o in outs] == ["length", "context"]
+
+
+def test_stream_yields_the_generated_tokens(generator):
+    prompts = prompts_of([6, 2], seed=9)
+    options = dict(max_new_tokens=5, temperature=0.7, seed=3)
+    streamed = {0: [], 1: []}
+    for event in generator.stream(prompts, **options):
+        for b, token in event.tokens.items():
+            streamed[b].append(token)
+    assert [streamed[0], streamed[1]] == [o.ids for o in generator.generate(prompts, **options)]
