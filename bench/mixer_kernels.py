@@ -1,13 +1,15 @@
-"""Decode steps/s with the Mojo mixer kernel against the same graph of plain MAX ops.
+"""The Mojo mixer ops against the same graphs of plain MAX ops: prefill and decode tokens/s.
 
-    python bench/decode_kernels.py [--quick] [--batches 1 16 64 256] [--steps 32]
+    python bench/mixer_kernels.py [--quick] [--batches 1 16 64 256] [--steps 32]
 
-Two engines on the same weights, differing only in the mixer update of the
-decode graph (``Engine(kernels=False)``: plain ops; ``kernels=True``: the
-``srm_mixer_step_functional`` custom op of ``mojo/mixer_step.mojo``). For each
-batch both run the same greedy multi-step decode, alternating, best of
-``--repeats``; the tokens must agree. Prints tokens/s and the ratio per batch;
-writes ``bench/results/decode_kernels.json``.
+Two engines on the same weights, differing only in the token mixer
+(``Engine(kernels=False)``: plain ops, the chunked-scan prefill and the
+elementwise decode update; ``kernels=True``: ``srm_mixer_scan`` of
+``mojo/mixer_scan.mojo`` in prefill and ``srm_mixer_step_functional`` of
+``mojo/mixer_step.mojo`` in decode). Decode: for each batch both run the same
+greedy multi-step decode, alternating, best of ``--repeats``. Prefill: prompts
+of ``--prefill-shapes`` (batch x length). Tokens must agree. Prints tokens/s and
+the ratio; writes ``bench/results/mixer_kernels.json``.
 """
 
 from __future__ import annotations
@@ -38,20 +40,30 @@ def decode_seconds(engine, batch: int, steps: int, position: int) -> tuple[float
     return time.perf_counter() - t, res.tokens
 
 
+def prefill_seconds(engine, batch: int, length: int) -> tuple[float, np.ndarray]:
+    prompts = (np.arange(batch * length, dtype=np.int64).reshape(batch, length) * 7919
+               % engine.config.vocab_size).tolist()
+    t = time.perf_counter()
+    res = engine.prefill(prompts)
+    return time.perf_counter() - t, res.next_ids
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batches 1 16 64, 2 repeats")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--steps", type=int, default=32, help="decode steps per call (one call timed)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill-shapes", nargs="+", default=["1x1024", "16x1024", "64x256"],
+                    help="batch x prompt length")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--n-layers", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--out", type=Path, default=RESULTS / "decode_kernels.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "mixer_kernels.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.batches, args.repeats = [1, 16, 64], 2
+        args.batches, args.repeats, args.prefill_shapes = [1, 16, 64], 2, ["1x1024", "16x256"]
 
     from srm_max.engine import Engine
 
@@ -84,12 +96,33 @@ def main(argv=None) -> int:
         print(f"batch {batch:4d}: plain ops {tps['plain-ops']:9.0f} tok/s   mojo kernel "
               f"{tps['mojo-kernel']:9.0f} tok/s   ratio {row['kernel_over_plain']:.2f}x", flush=True)
 
+    prefill_rows = []
+    for shape in args.prefill_shapes:
+        batch, length = (int(x) for x in shape.split("x"))
+        best = {name: float("inf") for name in engines}
+        first = {}
+        for name, eng in engines.items():  # warm-up call per shape
+            prefill_seconds(eng, batch, length)
+        for _ in range(args.repeats):
+            for name, eng in engines.items():
+                s, first[name] = prefill_seconds(eng, batch, length)
+                best[name] = min(best[name], s)
+        if not (first["plain-ops"] == first["mojo-kernel"]).all():
+            print(f"prefill {shape}: the two graphs' first tokens differ", file=sys.stderr)
+            return 1
+        tps = {name: batch * length / s for name, s in best.items()}
+        row = {"batch": batch, "prompt_len": length, "tokens_per_s": tps,
+               "kernel_over_plain": tps["mojo-kernel"] / tps["plain-ops"]}
+        prefill_rows.append(row)
+        print(f"prefill {batch:3d} x {length:4d}: plain ops {tps['plain-ops']:9.0f} tok/s   mojo scan "
+              f"{tps['mojo-kernel']:9.0f} tok/s   ratio {row['kernel_over_plain']:.2f}x", flush=True)
+
     write_json(args.out, {
-        "what": "SRM decode (greedy, multi-step graph): Mojo mixer kernel vs plain MAX ops, same weights",
+        "what": "SRM prefill and decode (greedy): Mojo mixer ops vs plain MAX ops, same weights",
         "command": command_line(), "machine": machine_info(),
         "config": {"d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads,
                    "context_length": config.context_length, "vocab_size": config.vocab_size},
-        "repeats": args.repeats, "rows": rows,
+        "repeats": args.repeats, "decode": rows, "prefill": prefill_rows,
     })
     print(f"wrote {args.out}")
     return 0

@@ -25,6 +25,7 @@ import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
+from ..kernels import kernel_library
 from . import layers
 from .layers import CHUNK, F32, I64, U64, ModelWeights
 
@@ -76,13 +77,33 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     return y, states
 
 
+def _mixer_scan_kernel(u: TensorValue, pos: TensorValue, last: TensorValue, p: dict, config,
+                       device: DeviceRef) -> tuple[TensorValue, TensorValue]:
+    """The Mojo scan op (mojo/mixer_scan.mojo): u [B, N, C, d] -> (y [B, N, C, d],
+    state after each prompt's last token [B, H, hd]); O(T) per channel, sequential in t."""
+    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+    B, N = u.shape[0], u.shape[1]
+    u4 = ops.reshape(u, [B, -1, H, hd])  # [B, T, H, hd], T = N * C
+    lengths = last[:, 0] * C + last[:, 1] + 1  # [B]
+    # The op indexes w[h, t] for every t < T; padding can run past n, so gather
+    # clamped positions (as the plain graph does) into [H, T].
+    posc = ops.reshape(layers.clamp_max(pos, n - 1), [-1])
+    w = ops.transpose(ops.gather(p["w"], posc, axis=0), 0, 1)
+    beta = ops.transpose(ops.gather(p["beta"], posc, axis=0), 0, 1)
+    y, final = ops.custom(
+        "srm_mixer_scan", device=device, values=[u4, lengths, w, beta, ops.exp(p["loglam"])],
+        out_types=[TensorType(F32, u4.shape, device), TensorType(F32, [B, H, hd], device)])
+    return ops.reshape(y.tensor, [B, N, C, H * hd]), final.tensor
+
+
 def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                        name: str | None = None) -> Graph:
+                        name: str | None = None, kernels: bool = False) -> Graph:
+    """``kernels=True``: the mixer runs as the Mojo scan op instead of the chunked scan."""
     device = device or DeviceRef.CPU()
     c = config
     C = CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    name = name or f"srm_prefill_{dt}"
+    name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")
     input_types = [
         TensorType(I64, ["batch", "chunks", C], device),  # ids
         TensorType(I64, ["chunks", C], device),  # pos
@@ -94,7 +115,8 @@ def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (layers.MODE_*), on the host
         TensorType(I64, ["batch"], device),  # counter
     ]
-    with Graph(name, input_types=input_types) as g:
+    extensions = [kernel_library()] if kernels else []
+    with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
         ids, pos, last, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
         W = ModelWeights(c, wdtype, device)
         x = layers.embed(W, ids)  # [B, N, C, d]
@@ -104,9 +126,12 @@ def build_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef
             x = layers.channel_mlp(x, p, c.layer_norm_eps)
             z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
             u = layers.linear(z, p["proj_w"], p["proj_b"])
-            y, st = _mixer_parallel(u, pos, p, c, device)
+            if kernels:  # st: the state after each prompt's last token [B, H, hd]
+                y, st = _mixer_scan_kernel(u, pos, last, p, c, device)
+            else:  # st: the state after every position
+                y, st = _mixer_parallel(u, pos, p, c, device)
             x = x + layers.linear(y, p["out_w"], p["out_b"])
-            states.append(ops.gather_nd(st, last, batch_dims=1))  # [B, H, hd]
+            states.append(st if kernels else ops.gather_nd(st, last, batch_dims=1))
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
         logits = layers.logits_of(W, xl)
         nxt = layers.sample(logits, temperature, top_k, top_p, seed, counter, mode, device)

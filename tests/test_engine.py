@@ -95,23 +95,30 @@ def test_greedy_decode_matches_reference(engine, reference, steps_per_call):
     assert_close_rel(engine.host(states), ref_step_states(reference, prompts, ref_tokens[:, :-1]))
 
 
-def test_decode_mixer_kernel_and_plain_ops_agree(engine, tiny_weights, reference):
-    """The decode graph with the Mojo mixer op (the CPU default) and with plain MAX ops
-    (the GPU default): same tokens, same states, both equal to the reference."""
+def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
+    """The graphs with the Mojo mixer ops (``kernels=True``: scan in prefill, step in
+    decode) and with plain MAX ops (the default): same tokens, logits and states,
+    both equal to the reference. Lengths cover one token, a chunk border and n."""
     from srm_max.engine import Engine
 
-    plain = Engine(TINY, tiny_weights, kernels=False)
-    assert engine.kernels and not plain.kernels
+    mojo = Engine(TINY, tiny_weights, kernels=True)
+    assert mojo.kernels and not engine.kernels
+    prompts = prompts_of(PROMPT_LENGTHS, seed=8)
+    pres = [e.prefill(prompts) for e in (mojo, engine)]
+    assert (pres[0].next_ids == pres[1].next_ids).all()
+    assert_close_rel(mojo.host(pres[0].logits), engine.host(pres[1].logits))
+    assert_close_rel(mojo.host(pres[0].states), engine.host(pres[1].states))
+
     lengths = [3, 40, 17]
-    prompts = prompts_of(lengths, seed=8)
+    prompts = prompts_of(lengths, seed=9)
     s = SamplingArrays(np.array([0.0, 1.0, 0.9], np.float32), np.array([0, 0, 4], np.int64),
                        np.array([1.0, 0.8, 1.0], np.float32), np.array([5, 6, 7], np.uint64))
     pre = engine.prefill(prompts, s)
-    outs = [e.decode(pre.next_ids, lengths, pre.states, s, 24) for e in (engine, plain)]
+    outs = [e.decode(pre.next_ids, lengths, pre.states, s, 24) for e in (mojo, engine)]
     assert (outs[0].tokens == outs[1].tokens).all()
-    assert_close_rel(engine.host(outs[0].states), plain.host(outs[1].states))
+    assert_close_rel(mojo.host(outs[0].states), engine.host(outs[1].states))
     fed = np.concatenate([pre.next_ids[:, None], outs[0].tokens[:, :-1]], 1)
-    assert_close_rel(engine.host(outs[0].states), ref_step_states(reference, prompts, fed))
+    assert_close_rel(mojo.host(outs[0].states), ref_step_states(reference, prompts, fed))
 
 
 def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, tiny_weights):
@@ -120,9 +127,9 @@ def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, 
     from srm_max.engine import Engine
 
     jobs = set(suite_graph_jobs({"test_engine.py"}))
-    plain = Engine(TINY, tiny_weights, kernels=False)
+    mojo = Engine(TINY, tiny_weights, kernels=True)
     loaded = {e.graph_job(kind) for e in (engine, engine_bf16) for kind in ("prefill", "decode")}
-    assert loaded | {plain.graph_job("decode")} == jobs
+    assert loaded | {mojo.graph_job("prefill"), mojo.graph_job("decode")} == jobs
 
 
 def ref_step_states(reference, prompts, fed):

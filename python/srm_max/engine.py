@@ -172,15 +172,15 @@ class Engine:
     """Compiled SRM graphs for one config, weight dtype and device."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
-                 device: str = "cpu", kernels: bool | None = None):
-        """``kernels``: the decode graph's mixer update as the Mojo custom op
-        (``mojo/mixer_step.mojo``) instead of plain MAX ops. Default: on the CPU,
-        where bench/decode_kernels.py measured it faster; off on a GPU, where it
-        has not been measured."""
+                 device: str = "cpu", kernels: bool = False):
+        """``kernels=True``: the token mixer as the Mojo custom ops (``mojo/``: the scan
+        in prefill, the step update in decode) instead of plain MAX ops. Off by default:
+        bench/mixer_kernels.py measured no clear gain on the CPU (the mixer is a small
+        part of a step next to the matrix products), and they have not run on a GPU."""
         self.config = config
         self.dtype = resolve_dtype(dtype)
         self.device, self.device_ref = resolve_device(device)
-        self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
+        self.kernels = bool(kernels)
         check_weights(config, weights)
         self._registry = weights_registry(config, weights, self.dtype)
         self.session = InferenceSession(devices=[self.device])
@@ -192,7 +192,7 @@ class Engine:
     # -- compiled models (lazily; from the .mef cache when possible)
     def graph_job(self, kind: str) -> GraphJob:
         device = "cpu" if isinstance(self.device, CPU) else "gpu"
-        return GraphJob.of(kind, self.config, self.dtype, device, self.kernels and kind == "decode")
+        return GraphJob.of(kind, self.config, self.dtype, device, self.kernels)
 
     def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ class GraphJob:
     config: tuple  # sorted (field, value) pairs of the SRMConfig
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "gpu"
-    kernels: bool = False  # the decode graph's Mojo mixer op
+    kernels: bool = False  # the Mojo mixer ops (scan in prefill, step in decode)
 
     @classmethod
     def of(cls, kind: str, config, dtype: str = "float32", device: str = "cpu",
@@ -49,7 +49,7 @@ class GraphJob:
         wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
         device = DeviceRef.GPU() if self.device == "gpu" else DeviceRef.CPU()
         if self.kind == "prefill":
-            return build_prefill_graph(self.srm_config(), wdtype, device)
+            return build_prefill_graph(self.srm_config(), wdtype, device, kernels=self.kernels)
         if self.kind == "decode":
             return build_decode_graph(self.srm_config(), wdtype, device, kernels=self.kernels)
         raise ValueError(f"unknown graph kind {self.kind!r}")
