@@ -30,8 +30,8 @@ def weights_of(model) -> dict[str, np.ndarray]:
 
 
 def suite_graph_jobs(test_files: set[str]) -> list:
-    """The MAX graphs the selected test files compile (CPU; decode with plain ops, the
-    default, and once with the Mojo mixer ops)."""
+    """The MAX graphs the selected test files compile (CPU: with the Mojo mixer ops, the
+    default, and once with plain MAX ops)."""
     from srm_max.checkpoint import load_checkpoint
     from srm_max.embedded import default_model_path
     from srm_max.precompile import GraphJob
@@ -39,14 +39,18 @@ def suite_graph_jobs(test_files: set[str]) -> list:
     jobs = []
     if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
                      "test_bench.py"}:
-        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY)]
+        jobs += [GraphJob.of("prefill", TINY, kernels=True), GraphJob.of("decode", TINY, kernels=True)]
     if "test_engine.py" in test_files:
-        jobs += [GraphJob.of("prefill", TINY, kernels=True), GraphJob.of("decode", TINY, kernels=True),
-                 GraphJob.of("prefill", TINY, "bfloat16"),
-                 GraphJob.of("decode", TINY, "bfloat16")]
+        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY),
+                 GraphJob.of("prefill", TINY, "bfloat16", kernels=True),
+                 GraphJob.of("decode", TINY, "bfloat16", kernels=True)]
     if "test_embedded.py" in test_files:
         embedded = load_checkpoint(default_model_path()).config
-        jobs += [GraphJob.of("prefill", embedded), GraphJob.of("decode", embedded)]
+        jobs += [GraphJob.of("prefill", embedded, kernels=True), GraphJob.of("decode", embedded, kernels=True)]
+    if "test_pha_engine.py" in test_files:
+        from test_pha_engine import CONFIG as PHA_CONFIG
+
+        jobs += [GraphJob.of("prefill", PHA_CONFIG), GraphJob.of("decode", PHA_CONFIG)]
     return jobs
 
 

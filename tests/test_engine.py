@@ -96,12 +96,12 @@ def test_greedy_decode_matches_reference(engine, reference, steps_per_call):
 
 
 def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
-    """The graphs with the Mojo mixer ops (``kernels=True``: scan in prefill, step in
-    decode) and with plain MAX ops (the default): same tokens, logits and states,
+    """The graphs with the Mojo mixer ops (the CPU default: scan in prefill, step in
+    decode) and with plain MAX ops (the GPU default): same tokens, logits and states,
     both equal to the reference. Lengths cover one token, a chunk border and n."""
     from srm_max.engine import Engine
 
-    mojo = Engine(TINY, tiny_weights, kernels=True)
+    mojo, engine = engine, Engine(TINY, tiny_weights, kernels=False)
     assert mojo.kernels and not engine.kernels
     prompts = prompts_of(PROMPT_LENGTHS, seed=8)
     pres = [e.prefill(prompts) for e in (mojo, engine)]
@@ -127,9 +127,9 @@ def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, 
     from srm_max.engine import Engine
 
     jobs = set(suite_graph_jobs({"test_engine.py"}))
-    mojo = Engine(TINY, tiny_weights, kernels=True)
-    loaded = {e.graph_job(kind) for e in (engine, engine_bf16) for kind in ("prefill", "decode")}
-    assert loaded | {mojo.graph_job("prefill"), mojo.graph_job("decode")} == jobs
+    plain = Engine(TINY, tiny_weights, kernels=False)
+    loaded = {e.graph_job(kind) for e in (engine, engine_bf16, plain) for kind in ("prefill", "decode")}
+    assert loaded == jobs
 
 
 def ref_step_states(reference, prompts, fed):

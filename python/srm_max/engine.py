@@ -29,7 +29,7 @@ from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
 from .compile_cache import load_compiled
-from .precompile import GRAPH_KEY, GraphJob, precompile
+from .precompile import GraphJob, precompile
 from .config import SRMConfig
 from .errors import GenerationError
 from .graphs import layers
@@ -168,36 +168,33 @@ class DecodeResult:
     positions: Buffer  # [B] = their positions
 
 
-class Engine:
-    """Compiled SRM graphs for one config, weight dtype and device."""
+class CompiledGraphs:
+    """What every engine shares: a prefill and a decode graph for one config, weight
+    dtype and device, loaded lazily (from the ``.mef`` cache when possible) under
+    the engine's lock, plus host/device transfers. Subclasses set ``config``,
+    ``kernels`` and ``_registry`` and call ``_start``."""
 
-    def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
-                 device: str = "cpu", kernels: bool = False):
-        """``kernels=True``: the token mixer as the Mojo custom ops (``mojo/``: the scan
-        in prefill, the step update in decode) instead of plain MAX ops. Off by default:
-        bench/mixer_kernels.py measured no clear gain on the CPU (the mixer is a small
-        part of a step next to the matrix products), and they have not run on a GPU."""
-        self.config = config
+    def _start(self, dtype: str, device: str) -> None:
         self.dtype = resolve_dtype(dtype)
         self.device, self.device_ref = resolve_device(device)
-        self.kernels = bool(kernels)
-        check_weights(config, weights)
-        self._registry = weights_registry(config, weights, self.dtype)
+
+    def _open(self, registry: dict) -> None:
+        self._registry = registry
         self.session = InferenceSession(devices=[self.device])
         self._prefill: Model | None = None
         self._decode: Model | None = None
         self.compile_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
 
-    # -- compiled models (lazily; from the .mef cache when possible)
+    # -- compiled models
     def graph_job(self, kind: str) -> GraphJob:
         device = "cpu" if isinstance(self.device, CPU) else "gpu"
         return GraphJob.of(kind, self.config, self.dtype, device, self.kernels)
 
     def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()
-        graph = self.graph_job(kind).graph()
-        model = load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
+        job = self.graph_job(kind)
+        model = load_compiled(self.session, job.graph(), self._registry, extra_key=job.extra_key)
         self.compile_seconds[kind] = time.perf_counter() - t0
         return model
 
@@ -215,7 +212,7 @@ class Engine:
                 self._decode = self._load("decode")
             return self._decode
 
-    def warmup(self) -> "Engine":
+    def warmup(self):
         """Load both graphs; cold ones compile side by side, one process each."""
         with self._lock:
             t0 = time.perf_counter()
@@ -239,6 +236,22 @@ class Engine:
         return [self._dev(s.temperature.astype(np.float32)), self._dev(s.top_k.astype(np.int64)),
                 self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64)),
                 Buffer.from_numpy(np.array(s.mode(), np.int64))]
+
+
+class Engine(CompiledGraphs):
+    """Compiled SRM graphs for one config, weight dtype and device."""
+
+    def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
+                 device: str = "cpu", kernels: bool | None = None):
+        """``kernels``: the token mixer as the Mojo custom ops (``mojo/``: the scan in
+        prefill, the step update in decode) instead of plain MAX ops. Default: on
+        the CPU, where bench/mixer_kernels.py measured them faster (prefill
+        1.15-1.19x, decode 1.03-1.16x); off on a GPU, where they have not run."""
+        self.config = config
+        self._start(dtype, device)
+        self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
+        check_weights(config, weights)
+        self._open(weights_registry(config, weights, self.dtype))
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
@@ -280,5 +293,5 @@ class Engine:
         return DecodeResult(self.host(toks), states, last, pos)
 
 
-__all__ = ["Engine", "SamplingArrays", "PrefillResult", "DecodeResult", "resolve_device",
+__all__ = ["CompiledGraphs", "Engine", "SamplingArrays", "PrefillResult", "DecodeResult", "resolve_device",
            "resolve_dtype", "to_bfloat16_bits", "bfloat16_round", "weights_registry"]

@@ -15,17 +15,11 @@ layout.
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import Buffer
 from max.dtype import DType
-from max.engine import InferenceSession, Model
 
-from .compile_cache import load_compiled
-from .engine import (DTYPES, DecodeResult, PrefillResult, SamplingArrays, resolve_device, resolve_dtype,
-                     to_bfloat16_bits)
+from .engine import CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, to_bfloat16_bits
 from .errors import GenerationError
 from .graphs import pha as pha_graphs
 from .pha_config import PHAConfig, pha_expected_shapes
@@ -63,65 +57,20 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
     return reg
 
 
-class PHAEngine:
+class PHAEngine(CompiledGraphs):
     """Compiled PHA graphs for one config, weight dtype and device."""
+
+    kernels = False  # the Mojo ops are the SRM mixer's
 
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu"):
         if getattr(config, "architecture", None) != "pha":
             raise GenerationError(f"PHAEngine needs a PHA config, got architecture {config.architecture!r}")
         self.config = config
-        self.dtype = resolve_dtype(dtype)
-        self.device, self.device_ref = resolve_device(device)
+        self._start(dtype, device)
         check_weights(config, weights)
-        self._registry = weights_registry(config, weights, self.dtype)
         self.layout = pha_graphs.StateLayout.of(config)
-        self.session = InferenceSession(devices=[self.device])
-        self._prefill: Model | None = None
-        self._decode: Model | None = None
-        self.compile_seconds: dict[str, float] = {}
-        self._lock = threading.RLock()
-
-    # -- compiled models (lazily; from the .mef cache when possible)
-    def _load(self, builder, key: str) -> Model:
-        t0 = time.perf_counter()
-        graph = builder(self.config, DTYPES[self.dtype], self.device_ref)
-        model = load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
-        self.compile_seconds[key] = time.perf_counter() - t0
-        return model
-
-    @property
-    def prefill_model(self) -> Model:
-        with self._lock:
-            if self._prefill is None:
-                self._prefill = self._load(pha_graphs.build_pha_prefill_graph, "prefill")
-            return self._prefill
-
-    @property
-    def decode_model(self) -> Model:
-        with self._lock:
-            if self._decode is None:
-                self._decode = self._load(pha_graphs.build_pha_decode_graph, "decode")
-            return self._decode
-
-    def warmup(self) -> "PHAEngine":
-        self.prefill_model, self.decode_model  # noqa: B018
-        return self
-
-    # -- helpers
-    def _dev(self, a: np.ndarray) -> Buffer:
-        buf = Buffer.from_numpy(np.ascontiguousarray(a))
-        return buf if isinstance(self.device, CPU) else buf.to(self.device)
-
-    @staticmethod
-    def host(buf: Buffer) -> np.ndarray:
-        return buf.to_numpy() if buf.is_host else buf.to(CPU()).to_numpy()
-
-    def sampling_buffers(self, s: SamplingArrays) -> list[Buffer]:
-        """The graphs' sampling inputs: four per-sample arrays on the device, the mode on the host."""
-        return [self._dev(s.temperature.astype(np.float32)), self._dev(s.top_k.astype(np.int64)),
-                self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64)),
-                Buffer.from_numpy(np.array(s.mode(), np.int64))]
+        self._open(weights_registry(config, weights, self.dtype))
 
     def empty_states(self, batch: int) -> Buffer:
         return self._dev(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))

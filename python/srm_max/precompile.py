@@ -24,7 +24,7 @@ GRAPH_KEY = b"srm-graphs-v2"
 @dataclass(frozen=True)
 class GraphJob:
     kind: str  # "prefill" | "decode"
-    config: tuple  # sorted (field, value) pairs of the SRMConfig
+    config: tuple  # sorted (field, value) pairs of the SRMConfig or PHAConfig
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "gpu"
     kernels: bool = False  # the Mojo mixer ops (scan in prefill, step in decode)
@@ -32,9 +32,26 @@ class GraphJob:
     @classmethod
     def of(cls, kind: str, config, dtype: str = "float32", device: str = "cpu",
            kernels: bool = False) -> "GraphJob":
-        return cls(kind, tuple(sorted(config.to_dict().items())), dtype, device, kernels)
+        items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in config.to_dict().items())
+        return cls(kind, tuple(sorted(items)), dtype, device, kernels)
 
-    def srm_config(self):
+    @property
+    def is_pha(self) -> bool:
+        return dict(self.config).get("architecture") == "pha"
+
+    @property
+    def extra_key(self) -> bytes:
+        if self.is_pha:
+            from .pha_engine import GRAPH_KEY as PHA_GRAPH_KEY
+
+            return PHA_GRAPH_KEY
+        return GRAPH_KEY
+
+    def model_config(self):
+        if self.is_pha:
+            from .pha_config import PHAConfig
+
+            return PHAConfig(**dict(self.config))
         from .config import SRMConfig
 
         return SRMConfig(**dict(self.config))
@@ -48,16 +65,21 @@ class GraphJob:
 
         wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
         device = DeviceRef.GPU() if self.device == "gpu" else DeviceRef.CPU()
+        if self.is_pha:
+            from .graphs import pha
+
+            builder = {"prefill": pha.build_pha_prefill_graph, "decode": pha.build_pha_decode_graph}[self.kind]
+            return builder(self.model_config(), wdtype, device)
         if self.kind == "prefill":
-            return build_prefill_graph(self.srm_config(), wdtype, device, kernels=self.kernels)
+            return build_prefill_graph(self.model_config(), wdtype, device, kernels=self.kernels)
         if self.kind == "decode":
-            return build_decode_graph(self.srm_config(), wdtype, device, kernels=self.kernels)
+            return build_decode_graph(self.model_config(), wdtype, device, kernels=self.kernels)
         raise ValueError(f"unknown graph kind {self.kind!r}")
 
     def cached(self) -> bool:
         from .compile_cache import mef_path
 
-        return mef_path(self.graph(), GRAPH_KEY).exists()
+        return mef_path(self.graph(), self.extra_key).exists()
 
 
 def _compile(job: GraphJob) -> float:
@@ -69,7 +91,7 @@ def _compile(job: GraphJob) -> float:
 
     t = time.perf_counter()
     device, _ = resolve_device(job.device)
-    compile_to_cache(InferenceSession(devices=[device]), job.graph(), GRAPH_KEY)
+    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.extra_key)
     return time.perf_counter() - t
 
 
