@@ -28,7 +28,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..kernels import kernel_library
 from . import layers
-from .layers import F32, I64, U64, ModelWeights
+from .layers import F32, ModelWeights
 
 
 def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, config,
@@ -91,47 +91,14 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
                        name: str | None = None, kernels: bool = False) -> Graph:
     """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops."""
     device = device or DeviceRef.CPU()
-    host = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_decode_{dt}" + ("_kernels" if kernels else "")
-    state_shape = [c.n_layers, "batch", c.n_heads, c.head_dim]
-    input_types = [
-        TensorType(I64, ["batch"], device),  # ids
-        TensorType(I64, ["batch"], device),  # positions
-        TensorType(F32, state_shape, device),  # states
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], host),  # sampling mode
-        TensorType(I64, ["steps"], device),  # steps iota
-        TensorType(I64, [], host),  # n_steps
-    ]
-    extensions = [kernel_library()] if kernels else []
-    with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
-        ids, pos, states, temperature, top_k, top_p, seed, mode, steps, n_steps = (
-            v.tensor for v in g.inputs)
+    state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
+
+    def make_step():
         W = ModelWeights(c, wdtype, device)
-        acc0 = ops.broadcast_to(ops.unsqueeze(ops.constant(0, I64, device=device), 0),
-                                [ids.shape[0], steps.shape[0]])
-        acc0 = acc0 + ops.unsqueeze(ids * 0, -1)  # [B, S] zeros
-        i_host = ops.constant(0, I64, device=host)
-        i_dev = ops.constant(0, I64, device=device)
+        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
 
-        # The sampling inputs ride along unchanged: a cond inside the loop body may
-        # only use values of the body (MAX 26.7 rejects graph inputs captured there).
-        def pred(ih, idv, t, p, s, acc, *sampling):
-            return ih < n_steps
-
-        def body(ih, idv, t, p, s, acc, temp, k, top, sd):
-            logits, s = step(W, c, t, p, s, device, kernels)
-            nxt = layers.sample(logits, temp, k, top, sd, p + 1, mode, device)
-            hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
-            acc = acc + hit * ops.unsqueeze(nxt, -1)  # each slot written once
-            return ih + 1, idv + 1, nxt, p + 1, s, acc, temp, k, top, sd
-
-        _, _, last, pos_out, s_out, toks, *_ = ops.while_loop(
-            [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
-        g.output(toks, s_out, last, pos_out)
-    return g
+    return layers.build_multistep_decode_graph(name, state_type, make_step, device,
+                                               [kernel_library()] if kernels else [])

@@ -157,22 +157,8 @@ def derived_weights(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndar
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
-class PHAWeights:
-    """The graph's named weights for one config (created once per graph)."""
-
-    def __init__(self, config, wdtype: DType, device: DeviceRef):
-        self.config = config
-        self.wdtype = wdtype
-        self.device = device
-        self._cache: dict[str, Weight] = {}
-
-    def get(self, name: str, shape, dtype: DType = F32) -> Weight:
-        if name not in self._cache:
-            self._cache[name] = Weight(name, dtype, list(shape), self.device)
-        return self._cache[name]
-
-    def matrix(self, name: str, shape) -> Weight:
-        return self.get(name, shape, self.wdtype)
+class PHAWeights(layers.NamedWeights):
+    """The PHA graph's named weights."""
 
     def embedding(self) -> Weight:
         c = self.config
@@ -587,43 +573,12 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     steps, n_steps -> tokens [B, S], states, ids, positions), with states [L, B, X].
     """
     device = device or DeviceRef.CPU()
-    host = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = [
-        TensorType(I64, ["batch"], device),  # ids
-        TensorType(I64, ["batch"], device),  # positions
-        TensorType(F32, [c.n_layers, "batch", StateLayout.of(c).width], device),  # states
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], host),  # sampling mode
-        TensorType(I64, ["steps"], device),  # steps iota
-        TensorType(I64, [], host),  # n_steps
-    ]
-    with Graph(name or f"pha_decode_{dt}", input_types=input_types) as g:
-        ids, pos, states, temperature, top_k, top_p, seed, mode, steps, n_steps = (v.tensor for v in g.inputs)
+    state_type = TensorType(F32, [c.n_layers, "batch", StateLayout.of(c).width], device)
+
+    def make_step():
         W = PHAWeights(c, wdtype, device)
-        acc0 = ops.broadcast_to(ops.unsqueeze(ops.constant(0, I64, device=device), 0),
-                                [ids.shape[0], steps.shape[0]])
-        acc0 = acc0 + ops.unsqueeze(ids * 0, -1)  # [B, S] zeros
-        i_host = ops.constant(0, I64, device=host)
-        i_dev = ops.constant(0, I64, device=device)
+        return lambda ids, pos, states: step(W, ids, pos, states, device)
 
-        # As graphs/decode.py: the sampling inputs ride along (a cond inside the loop
-        # body may only use values of the body).
-        def pred(ih, idv, t, p, s, acc, *sampling):
-            return ih < n_steps
-
-        def body(ih, idv, t, p, s, acc, temp, k, top, sd):
-            logits, s = step(W, t, p, s, device)
-            nxt = layers.sample(logits, temp, k, top, sd, p + 1, mode, device)
-            hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
-            acc = acc + hit * ops.unsqueeze(nxt, -1)
-            return ih + 1, idv + 1, nxt, p + 1, s, acc, temp, k, top, sd
-
-        _, _, last, pos_out, s_out, toks, *_ = ops.while_loop(
-            [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
-        g.output(toks, s_out, last, pos_out)
-    return g
+    return layers.build_multistep_decode_graph(name or f"pha_decode_{dt}", state_type, make_step, device)

@@ -18,6 +18,29 @@ from srm_max.config import SRMConfig
 TINY = SRMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, context_length=96)
 
 
+def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+
+
+def padded_batch(prompts):
+    """Right-padded torch ids [B, T] and lengths [B], as the references' prefill takes them."""
+    import torch
+
+    ids = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    return ids, torch.tensor([len(p) for p in prompts])
+
+
+def assert_close_rel(actual, expected, rel=1e-4):
+    """max |actual - expected| <= rel * max |expected|."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    scale = np.abs(expected).max()
+    err = np.abs(actual - expected).max()
+    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+
+
 def make_reference(config: SRMConfig = TINY, seed: int = 0):
     """A torch reference SRM with meaningful (non-default) decays and biases."""
     from srm_max.reference.srm import random_srm

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, assert_close_rel, padded_batch, random_prompts
 from srm_max.engine import SamplingArrays
 from srm_max.graphs import layers
 from srm_max.sampling import draw_np, filtered_probs
@@ -16,26 +16,15 @@ PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
 
 
 def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in lengths]
+    return random_prompts(lengths, TINY.vocab_size, seed)
 
 
 def ref_prefill(reference, prompts):
-    B, T = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p)
-    lengths = torch.tensor([len(p) for p in prompts])
+    ids, lengths = padded_batch(prompts)
     with torch.no_grad():
         logits, states = reference.prefill(ids, lengths)
-    last = logits[torch.arange(B), lengths - 1]
+    last = logits[torch.arange(len(prompts)), lengths - 1]
     return last.numpy(), states.numpy()
-
-
-def assert_close_rel(actual, expected, rel=1e-4):
-    scale = np.abs(expected).max()
-    err = np.abs(actual - expected).max()
-    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
 
 
 def test_prefill_logits_and_states_match_reference(engine, reference):

@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_close_rel, padded_batch, random_prompts
 from srm_max.engine import SamplingArrays
 from srm_max.errors import GenerationError
 from srm_max.pha_config import PHAConfig
 from srm_max.reference.pha import PHA
 from srm_max.sampling import draw_np, filtered_probs
+from test_pha import randomized
 
 # Every branch on, GQA with 2 query heads per KV head, context 32.
 CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=32, n_q_heads=4, n_kv_heads=2,
@@ -25,20 +27,8 @@ CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=32, n_q
 
 def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
     """Float32 reference with unequal mixing weights, varied logit scales, non-trivial
-    norms and biases, O(1) logits (as tests/test_pha.py's ``randomized``)."""
-    torch.manual_seed(seed)
-    model = PHA(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in ("embed.weight", "lm_head.weight"):
-                p.normal_()
-            elif name.endswith("mixing"):
-                p.normal_()
-            elif name.endswith("logit_scale"):
-                p.uniform_(1.0, 3.0)
-            elif "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model.eval()
+    norms and biases, O(1) logits (tests/test_pha.py's ``randomized``)."""
+    return randomized(config, torch.float32, seed)
 
 
 @pytest.fixture(scope="module")
@@ -73,27 +63,15 @@ def generator(checkpoint):
 
 
 def prompts_of(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+    return random_prompts(lengths, CONFIG.vocab_size, seed)
 
 
 def ref_prefill(reference, prompts):
     """Reference prefill of right-padded prompts: (last-token logits [B, V], cache)."""
-    B, T = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.tensor(p)
-    lengths = torch.tensor([len(p) for p in prompts])
+    ids, lengths = padded_batch(prompts)
     with torch.no_grad():
         logits, cache = reference.prefill(ids, lengths)
-    return logits[torch.arange(B), lengths - 1].numpy(), cache
-
-
-def assert_close_rel(actual, expected, rel=1e-4):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    scale = np.abs(expected).max()
-    err = np.abs(actual - expected).max()
-    assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
+    return logits[torch.arange(len(prompts)), lengths - 1].numpy(), cache
 
 
 def assert_states_close(engine, states, cache, filled, rel=1e-4):

@@ -127,6 +127,14 @@ def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: s
     return reg
 
 
+def right_padded(prompts: list, width: int) -> np.ndarray:
+    """[B, width] int64: each prompt's ids, then zeros."""
+    ids = np.zeros((len(prompts), width), np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    return ids
+
+
 @dataclass
 class SamplingArrays:
     """Per-sample sampling parameters, as the graphs take them."""
@@ -237,6 +245,22 @@ class CompiledGraphs:
                 self._dev(s.top_p.astype(np.float32)), self._dev(s.seed.astype(np.uint64)),
                 Buffer.from_numpy(np.array(s.mode(), np.int64))]
 
+    # -- the decode call (every engine's decode graph has the same inputs and outputs)
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+        if not isinstance(ids, Buffer):
+            ids = self._dev(np.asarray(ids, np.int64))
+        if not isinstance(positions, Buffer):
+            positions = self._dev(np.asarray(positions, np.int64))
+        if isinstance(sampling, SamplingArrays):
+            sampling = self.sampling_buffers(sampling)
+        with self._lock:
+            toks, states, last, pos = self.decode_model.execute(
+                ids, positions, states, *sampling,
+                self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
+        return DecodeResult(self.host(toks), states, last, pos)
+
 
 class Engine(CompiledGraphs):
     """Compiled SRM graphs for one config, weight dtype and device."""
@@ -265,9 +289,7 @@ class Engine(CompiledGraphs):
         C = layers.CHUNK
         T = int(lengths.max())
         nc = -(-T // C)
-        ids = np.zeros((B, nc * C), np.int64)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = p
+        ids = right_padded(prompts, nc * C)
         pos = np.arange(nc * C, dtype=np.int64).reshape(nc, C)
         last = np.stack([(lengths - 1) // C, (lengths - 1) % C], 1).astype(np.int64)
         sampling = sampling or SamplingArrays.greedy(B)
@@ -277,21 +299,6 @@ class Engine(CompiledGraphs):
                 *self.sampling_buffers(sampling), self._dev(lengths))
         return PrefillResult(logits, self.host(nxt), states)
 
-    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
-        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
-        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
-        if not isinstance(ids, Buffer):
-            ids = self._dev(np.asarray(ids, np.int64))
-        if not isinstance(positions, Buffer):
-            positions = self._dev(np.asarray(positions, np.int64))
-        if isinstance(sampling, SamplingArrays):
-            sampling = self.sampling_buffers(sampling)
-        with self._lock:
-            toks, states, last, pos = self.decode_model.execute(
-                ids, positions, states, *sampling,
-                self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
-        return DecodeResult(self.host(toks), states, last, pos)
-
 
 __all__ = ["CompiledGraphs", "Engine", "SamplingArrays", "PrefillResult", "DecodeResult", "resolve_device",
-           "resolve_dtype", "to_bfloat16_bits", "bfloat16_round", "weights_registry"]
+           "resolve_dtype", "right_padded", "to_bfloat16_bits", "bfloat16_round", "weights_registry"]

@@ -19,7 +19,7 @@ import numpy as np
 from max.driver import Buffer
 from max.dtype import DType
 
-from .engine import CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, to_bfloat16_bits
+from .engine import CompiledGraphs, PrefillResult, SamplingArrays, right_padded, to_bfloat16_bits
 from .errors import GenerationError
 from .graphs import pha as pha_graphs
 from .pha_config import PHAConfig, pha_expected_shapes
@@ -101,9 +101,7 @@ class PHAEngine(CompiledGraphs):
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int64)
         T = int(lengths.max())
-        ids = np.zeros((B, T), np.int64)
-        for b, p in enumerate(prompts):
-            ids[b, : len(p)] = p
+        ids = right_padded(prompts, T)
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
             logits, nxt, states = self.prefill_model.execute(
@@ -111,21 +109,6 @@ class PHAEngine(CompiledGraphs):
                 self._dev(lengths),
                 *self.sampling_buffers(sampling))
         return PrefillResult(logits, self.host(nxt), states)
-
-    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
-        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
-        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
-        if not isinstance(ids, Buffer):
-            ids = self._dev(np.asarray(ids, np.int64))
-        if not isinstance(positions, Buffer):
-            positions = self._dev(np.asarray(positions, np.int64))
-        if isinstance(sampling, SamplingArrays):
-            sampling = self.sampling_buffers(sampling)
-        with self._lock:
-            toks, states, last, pos = self.decode_model.execute(
-                ids, positions, states, *sampling,
-                self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
-        return DecodeResult(self.host(toks), states, last, pos)
 
 
 __all__ = ["PHAEngine", "weights_registry", "check_weights", "GRAPH_KEY"]
