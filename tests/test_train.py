@@ -166,6 +166,51 @@ def test_cli_end_to_end(tmp_path):
     assert (out / "model.pt").is_file()
 
 
+def test_cli_trains_pha_and_checkpoint_loads_with_same_logits(tmp_path):
+    """--arch pha: loss falls, config.json says "pha", and model.pt converts into a
+    checkpoint whose loader gives the reference PHA the very same logits."""
+    from srm_max.checkpoint import load_checkpoint
+    from srm_max.config import load_config
+    from srm_max.convert import convert
+    from srm_max.parity import reference_model
+    from srm_max.reference.pha import PHA
+    from srm_max.tokenizer_train import train_bpe
+
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
+    tok = train_bpe([text], vocab_size=300)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "train.txt").write_text(text)
+    (tmp_path / "val.txt").write_text(text[:2000])
+    out = tmp_path / "run"
+    rc = train_main(["--out", str(out), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                     "--train-text", str(tmp_path / "train.txt"), "--val-text", str(tmp_path / "val.txt"),
+                     "--arch", "pha", "--d-model", "16", "--n-layers", "2", "--n-heads", "2",
+                     "--n-kv-heads", "1", "--dss-state-size", "8", "--pha-ffn-dims", "24,8",
+                     "--context-length", "16", "--batch-size", "4", "--steps", "20", "--warmup-steps", "2",
+                     "--lr", "3e-3", "--log-every", "5", "--precision", "fp32", "--quiet"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["finished"] and math.isfinite(results["val_loss"])
+    losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(l)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+    config = load_config(out / "config.json")  # the loader picks PHAConfig by "architecture"
+    assert config.architecture == "pha" and config.to_dict() == results["model_config"]
+    assert (config.n_q_heads, config.n_kv_heads, config.dss_state_size, config.ffn_dims) == (2, 1, 8, (24, 8))
+    trained = PHA(config).eval()
+    trained.load_state_dict(torch.load(out / "model.pt", weights_only=True))
+    assert results["num_parameters"] == config.num_parameters()
+
+    convert(out / "model.pt", tmp_path / "ckpt")  # finds config.json beside model.pt
+    ckpt = load_checkpoint(tmp_path / "ckpt")
+    assert ckpt.config == config and ckpt.dtype == "float32"
+    loaded = reference_model(ckpt.config, ckpt.weights, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, config.context_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), trained(ids))
+
+
 # --------------------------------------------------------------------------- Transformer baseline
 
 

