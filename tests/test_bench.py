@@ -154,3 +154,41 @@ def test_h100_defaults_and_merge(bench):
     assert res["roofline"]["percent_of_roofline"] == pytest.approx(90.0)
     assert any(r["engine"] == "vllm" and r["status"] == "error" for r in res["runs"])
     assert "max/llama" in res["markdown"]
+
+
+def test_pha_comparison_pieces(tmp_path):
+    """bench/pha_comparison.py without its training runs: equal parameters, the Transformer's
+    KV-cache decode against its forward, state bytes as the config implies, the sandwich check."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        pc = importlib.import_module("pha_comparison")
+    finally:
+        sys.path.remove(str(BENCH))
+    a = pc.parse_args(["--quick", "--out", str(tmp_path)])
+    V = 300
+    target = pc.srm_config(a, V).num_parameters()
+    widths = {}
+    for arch, branches in (("pha", ("gss", "attn", "ffn")), ("pha-attn", ("attn", "ffn"))):
+        widths[arch] = pc.matched_ffn_width(a, V, branches, target)
+        step_params = 2 * a.n_layers * (2 * a.d_model + 1) * 8  # one step of 8 in both FFN widths
+        assert abs(pc.pha_config(a, V, branches, widths[arch]).num_parameters() - target) <= step_params / 2
+    assert pc.check_transformer_step(a, V) < 1e-5
+
+    n, B = 64, 2
+    for kind in pc.DECODE_MODELS:
+        step, state_bytes, params = pc.build_decoder(a, V, kind, n, B, widths)
+        with torch.no_grad():
+            assert step(torch.zeros(B, dtype=torch.long), n - 1).shape == (B, V)
+        dh = a.d_model // a.n_heads
+        kv = 2 * a.n_layers * n * dh * 4 * (a.n_heads if kind == "transformer" else a.n_kv_heads)
+        gss = a.n_layers * (a.d_model // 4) * a.dss_state_size * 8 if kind == "pha" else 0
+        assert state_bytes == kv + gss, kind
+
+    mixing = {"branches": ["gss", "attn", "ffn_0", "ffn_1"],
+              "weights": [[0.4, 0.2, 0.2, 0.2], [0.2, 0.4, 0.2, 0.2], [0.4, 0.1, 0.3, 0.2]]}
+    check = pc.sandwich_check(mixing)
+    assert check["matches_paper"] and check["largest_branch_per_layer"] == ["gss", "attn", "gss"]
+    mixing["weights"][1] = [0.4, 0.2, 0.2, 0.2]
+    assert not pc.sandwich_check(mixing)["matches_paper"]
