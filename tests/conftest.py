@@ -61,7 +61,7 @@ def suite_graph_jobs(test_files: set[str]) -> list:
 
     jobs = []
     if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
-                     "test_bench.py"}:
+                     "test_bench.py", "test_scale_out.py"}:
         jobs += [GraphJob.of("prefill", TINY, kernels=True), GraphJob.of("decode", TINY, kernels=True)]
     if "test_engine.py" in test_files:
         jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY),
