@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shlex
 import shutil
 import sys
@@ -59,6 +60,8 @@ DEFAULT_TOKENIZER = ROOT / "python" / "srm_max" / "model" / "tokenizer.json"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps: a smoke run of every stage")
+    p.add_argument("--replot", action="store_true",
+                   help="measure nothing: redraw the plots and reprint the tables of an existing --results file")
     p.add_argument("--out", default=None,
                    help="training runs: checkpoints, metrics (default TMPDIR/srm-max/pha_comparison[-quick])")
     p.add_argument("--results", default=None,
@@ -378,6 +381,12 @@ def plot_mixing(runs: dict, path: Path) -> Path | None:
     return path
 
 
+def matplotlib_null_locator():
+    from matplotlib.ticker import NullLocator
+
+    return NullLocator()
+
+
 def plot_long_context(rows: list[dict], path: Path) -> Path | None:
     plt = _pyplot()
     if plt is None or not rows:
@@ -397,7 +406,11 @@ def plot_long_context(rows: list[dict], path: Path) -> Path | None:
                          if r["model"] == model and r["batch"] == b)
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=model)
         ax.set(xscale="log", xlabel="context n", ylabel="decode tokens/s", title=f"decode, batch {b} (PyTorch, CPU)")
+    contexts = sorted({r["context"] for r in rows})
     for ax in axes[0]:
+        ax.set_yscale("log")
+        ax.set_xticks(contexts, [str(n) for n in contexts])
+        ax.xaxis.set_minor_locator(matplotlib_null_locator())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -439,6 +452,14 @@ def tables(results: dict) -> str:
     return "\n\n".join(parts)
 
 
+def plots(args, results: dict) -> None:
+    mixing_png = plot_mixing(results["training"], args.results.with_name(
+        args.results.name.replace("comparison", "mixing")).with_suffix(".png"))
+    lc_png = plot_long_context(results["long_context"]["rows"], args.results.with_name(
+        args.results.name.replace("comparison", "long_context")).with_suffix(".png"))
+    results["plots"] = [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in (mixing_png, lc_png) if p]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -447,18 +468,18 @@ def main(argv=None) -> int:
     results = {"command": command_line(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "machine": machine_info() | {"torch_threads": torch.get_num_threads()},
                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    t0 = time.perf_counter()
-    train_all(args, results)
-    mixing_png = plot_mixing(results["training"], args.results.with_name(
-        args.results.name.replace("comparison", "mixing")).with_suffix(".png"))
-    long_context(args, results)
-    lc_png = plot_long_context(results["long_context"]["rows"], args.results.with_name(
-        args.results.name.replace("comparison", "long_context")).with_suffix(".png"))
-    results["plots"] = [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p in (mixing_png, lc_png) if p]
-    results["wall_s"] = time.perf_counter() - t0
-    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    results["machine"]["load_average_at_end"] = list(__import__("os").getloadavg())
-    write_json(args.results, results)
+    if args.replot:
+        results = json.loads(args.results.read_text())
+        plots(args, results)
+    else:
+        t0 = time.perf_counter()
+        train_all(args, results)
+        long_context(args, results)
+        results["wall_s"] = time.perf_counter() - t0
+        results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        results["machine"]["load_average_at_end"] = list(os.getloadavg())
+        plots(args, results)
+        write_json(args.results, results)
     print(tables(results))
     if "sandwich_check" in results:
         print("\nsandwich check:", json.dumps(results["sandwich_check"]))
