@@ -23,6 +23,7 @@ tokens; a sequence never really goes past n).
 
 from __future__ import annotations
 
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
@@ -69,11 +70,65 @@ def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: 
     return ops.reshape(y.tensor, [B, H * hd]), new.tensor
 
 
+# Batches up to this size take the fused per-layer ops of mojo/decode_layer.mojo
+# (CPU, kernels on): there a step is bound by reading the weights.
+FUSED_MAX_BATCH = 4
+
+
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
-         device: DeviceRef, kernels: bool = False):
-    """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd])."""
+         device: DeviceRef, kernels: bool = False, fused_max_batch: int = FUSED_MAX_BATCH):
+    """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd]).
+
+    With ``kernels`` on a CPU, batches up to ``fused_max_batch`` run ``_step_fused``,
+    larger ones ``_step_ops`` (0: always ``_step_ops``)."""
     c = config
     posc = layers.clamp_max(pos, c.context_length - 1)
+    if not (kernels and device.is_cpu() and fused_max_batch > 0):
+        return _step_ops(W, c, ids, posc, states, device, kernels)
+    # Chosen per call from the batch size (the graph's batch is symbolic).
+    B = ids.shape[0]
+    small = ops.reshape(ops.shape_to_tensor([B]) <= fused_max_batch, [])
+    out_types = [TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device)]
+    # The step runs in a while-loop body that is not yet attached to its loop, so
+    # MAX's eager check of the cond sees the weights (defined at the graph's top)
+    # as out of scope; the whole graph is verified when it is complete.
+    with Graph.current._pause_verification():
+        logits, new_states = ops.cond(
+            small, out_types,
+            lambda: _step_fused(W, c, ids, posc, states, device),
+            lambda: _step_ops(W, c, ids, posc, states, device, kernels))
+    return logits.tensor, new_states.tensor
+
+
+def _step_fused(W: ModelWeights, config, ids: TensorValue, posc: TensorValue, states: TensorValue,
+                device: DeviceRef):
+    """``_step_ops`` as one Mojo op per layer plus one for the logits (batch <= FUSED_MAX_BATCH)."""
+    c = config
+    d, H, hd = c.d_model, c.n_heads, c.head_dim
+    B = ids.shape[0]
+    eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
+    x = layers.embed(W, ids)
+    new_states = []
+    for l in range(c.n_layers):
+        p = W.layer(l)
+        x, st, _ = ops.custom(
+            "srm_decode_layer", device=device,
+            values=[x, states[l], posc, p["cn_w"], p["cn_b"], p["fc1_w"], p["fc1_b"], p["fc2_w"],
+                    p["fc2_b"], p["tn_w"], p["tn_b"], p["proj_w"], p["proj_b"],
+                    ops.transpose(p["w"], 0, 1), ops.transpose(p["beta"], 0, 1), ops.exp(p["loglam"]),
+                    p["out_w"], p["out_b"], eps],
+            out_types=[TensorType(F32, [B, d], device), TensorType(F32, [B, H, hd], device),
+                       TensorType(F32, [B, c.ffn_dim + 2 * d], device)])
+        x = x.tensor
+        new_states.append(st.tensor)
+    logits = ops.custom("srm_linear_small", device=device, values=[x, W.output()],
+                        out_types=[TensorType(F32, [B, c.vocab_size], device)])[0].tensor
+    return logits, ops.stack(new_states, axis=0)
+
+
+def _step_ops(W: ModelWeights, config, ids: TensorValue, posc: TensorValue, states: TensorValue,
+              device: DeviceRef, kernels: bool):
+    c = config
     x = layers.embed(W, ids)  # [B, d]
     new_states = []
     for l in range(c.n_layers):
@@ -88,8 +143,10 @@ def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: Te
 
 
 def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                       name: str | None = None, kernels: bool = False) -> Graph:
-    """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops."""
+                       name: str | None = None, kernels: bool = False,
+                       fused_max_batch: int = FUSED_MAX_BATCH) -> Graph:
+    """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops, and
+    on a CPU batches up to ``fused_max_batch`` take the fused per-layer ops (see ``step``)."""
     device = device or DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
@@ -98,7 +155,7 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
 
     def make_step():
         W = ModelWeights(c, wdtype, device)
-        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
+        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels, fused_max_batch)
 
     return layers.build_multistep_decode_graph(name, state_type, make_step, device,
                                                [kernel_library()] if kernels else [])

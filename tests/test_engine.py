@@ -110,6 +110,38 @@ def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
     assert_close_rel(mojo.host(outs[0].states), ref_step_states(reference, prompts, fed))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_batches_take_the_fused_layers_and_agree_with_the_ops_path(engine, engine_bf16, dtype):
+    """On the CPU with the Mojo kernels, batches of 1..4 run the fused per-layer ops of
+    mojo/decode_layer.mojo and larger ones the graph's plain matmuls and norms: a sample
+    draws the same tokens and ends in the same state on both paths (with bfloat16
+    weights too: the fused ops round the products' inputs and outputs as MAX does)."""
+    from srm_max.graphs.decode import FUSED_MAX_BATCH, build_decode_graph
+
+    engine = engine if dtype == "float32" else engine_bf16
+
+    assert "srm_decode_layer" in str(build_decode_graph(TINY, kernels=True))
+    assert "srm_decode_layer" not in str(build_decode_graph(TINY, kernels=False))
+    lengths = [5, 12, 30, 2, 19]
+    assert len(lengths) == FUSED_MAX_BATCH + 1
+    prompts = prompts_of(lengths, seed=21)
+    s = SamplingArrays(np.array([0.0, 1.0, 0.8, 1.2, 0.0], np.float32), np.array([0, 0, 5, 0, 0], np.int64),
+                       np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32), np.arange(5, dtype=np.uint64) + 40)
+    steps = 24
+
+    def run(index):
+        sub = s.take(index)
+        pre = engine.prefill([prompts[i] for i in index], sub)
+        out = engine.decode(pre.next_ids, [lengths[i] for i in index], pre.states, sub, steps)
+        return out.tokens, engine.host(out.states)
+
+    big_tokens, big_states = run(list(range(5)))  # batch 5: the ops path
+    for index in ([0, 1, 2, 3], [4]):  # batches 4 and 1: the fused path
+        tokens, states = run(index)
+        assert (tokens == big_tokens[index]).all()
+        assert_close_rel(states, big_states[:, index])
+
+
 def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, tiny_weights):
     """conftest.suite_graph_jobs must name exactly these graphs, or CI compiles twice."""
     from conftest import suite_graph_jobs

@@ -308,3 +308,59 @@ def test_gpu_path_compiles_virtual_sm90a():
         timeout=600,
     )
     assert proc.returncode == 0 and "OK sm_90a" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------- fused small-batch decode
+
+
+def ref_decode_layer(x, state, positions, p, eps):
+    """numpy: one SRM block at one position per sample (graphs/decode.py `_step_ops`)."""
+    def ln(v, g, b):
+        mu = v.mean(-1, keepdims=True)
+        return (v - mu) / np.sqrt(((v - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b
+
+    B, H, hd = state.shape
+    h = ln(x, p["cn_w"], p["cn_b"]) @ p["fc1_w"].T + p["fc1_b"]
+    x = x + (h / (1 + np.exp(-h))) @ p["fc2_w"].T + p["fc2_b"]
+    u = (ln(x, p["tn_w"], p["tn_b"]) @ p["proj_w"].T + p["proj_b"]).reshape(B, H, hd)
+    y, new_state = ref_step(u, positions, p["w"], p["beta"], p["lam"], state)
+    return x + y.reshape(B, H * hd) @ p["out_w"].T + p["out_b"], new_state
+
+
+DECODE_LAYER_CASES = [
+    # B, H, hd, f, N: widths below, at and past the SIMD width, odd row counts
+    (1, 2, 3, 7, 5),
+    (2, 4, 5, 37, 19),
+    (3, 2, 16, 64, 33),
+    (4, 4, 24, 200, 101),
+]
+
+
+@pytest.mark.parametrize("B,H,hd,f,N", DECODE_LAYER_CASES)
+def test_fused_decode_layer_matches_reference(B, H, hd, f, N):
+    rng = np.random.default_rng(B * 100 + hd)
+    d, n = H * hd, 11
+    shapes = {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f], "fc2_w": [d, f], "fc2_b": [d],
+              "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d], "out_w": [d, d], "out_b": [d]}
+    p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
+    p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
+    x = rng.standard_normal((B, d)).astype(np.float32)
+    state = rng.standard_normal((B, H, hd)).astype(np.float32)
+    positions = rng.integers(0, n, B)
+    lin_w = rng.standard_normal((N, d)).astype(np.float32)
+    x_out, new_state, y = K.decode_layer(x, state, positions, p, 1e-5, lin_w)
+    ref_x, ref_state = ref_decode_layer(x.astype(np.float64), state, positions, p, 1e-5)
+    close(new_state, ref_state)
+    close(x_out, ref_x)
+    close(y, x_out.astype(np.float64) @ lin_w.T.astype(np.float64))
+
+
+def test_fused_decode_layer_rejects_batches_over_four():
+    rng = np.random.default_rng(0)
+    H, hd, f, d = 2, 4, 8, 8
+    p = {k: np.ones(s, np.float32) for k, s in {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f],
+         "fc2_w": [d, f], "fc2_b": [d], "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d],
+         "out_w": [d, d], "out_b": [d]}.items()}
+    p["w"], p["beta"], p["lam"] = make_params(rng, H, 4)
+    with pytest.raises(Exception, match="batch 5"):
+        K.decode_layer(np.ones((5, d)), np.ones((5, H, hd)), np.zeros(5), p, 1e-5, np.ones((3, d)))

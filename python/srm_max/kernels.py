@@ -1,8 +1,10 @@
 """The SRM token-mixer Mojo custom ops: library location, precompilation, wrappers.
 
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
-package ``srm_max.mojo``. Three ops are registered (see the ``.mojo`` files for
-the exact semantics); all tensors are float32 except positions/lengths (int64).
+package ``srm_max.mojo``. Three mixer ops are registered, plus the fused
+small-batch decode ops of ``decode_layer.mojo`` (``srm_decode_layer``,
+``srm_linear_small``; CPU only, used by graphs/decode.py), see the ``.mojo``
+files for the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
 per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
 
@@ -55,6 +57,8 @@ __all__ = [
     "OP_STEP",
     "OP_STEP_FUNCTIONAL",
     "OP_SCAN",
+    "OP_DECODE_LAYER",
+    "OP_LINEAR_SMALL",
     "mojo_source_dir",
     "kernel_library",
     "session",
@@ -62,12 +66,16 @@ __all__ = [
     "mixer_scan",
     "build_step_graph",
     "build_scan_graph",
+    "build_decode_layer_graph",
+    "decode_layer",
     "compile_for_virtual_gpu",
 ]
 
 OP_STEP = "srm_mixer_step"
 OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
 OP_SCAN = "srm_mixer_scan"
+OP_DECODE_LAYER = "srm_decode_layer"
+OP_LINEAR_SMALL = "srm_linear_small"
 
 _lock = threading.Lock()
 _library: Path | None = None
@@ -348,6 +356,51 @@ def mixer_scan(u, lengths, w, beta, lam):
         raise ValueError(f"lengths must lie in [0, {u.shape[1]}]; got {lengths.tolist()}")
     y, fin = _model("scan").execute(u, lengths, w, beta, lam)
     return y.to_numpy().copy(), fin.to_numpy().copy()
+
+
+# The fused small-batch decode ops (mojo/decode_layer.mojo), CPU only.
+LAYER_PARAMS = ("cn_w", "cn_b", "fc1_w", "fc1_b", "fc2_w", "fc2_b", "tn_w", "tn_b", "proj_w", "proj_b",
+                "w", "beta", "lam", "out_w", "out_b")
+
+
+def build_decode_layer_graph(library: Path | None = None):
+    """Graph (x, state, positions, *LAYER_PARAMS, eps, lin_w) -> (x_out, new_state,
+    x_out @ lin_w^T): one ``srm_decode_layer`` then ``srm_linear_small``; all dims
+    symbolic (B, d, H, hd, f, n, N), CPU."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Dim, Graph, TensorType, ops
+
+    dev, f32 = DeviceRef.CPU(), DType.float32
+    shapes = {"cn_w": ["d"], "cn_b": ["d"], "fc1_w": ["f", "d"], "fc1_b": ["f"], "fc2_w": ["d", "f"],
+              "fc2_b": ["d"], "tn_w": ["d"], "tn_b": ["d"], "proj_w": ["d", "d"], "proj_b": ["d"],
+              "w": ["H", "n"], "beta": ["H", "n"], "lam": ["H"], "out_w": ["d", "d"], "out_b": ["d"]}
+    types = [TensorType(f32, ["B", "d"], dev), TensorType(f32, ["B", "H", "hd"], dev),
+             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in LAYER_PARAMS),
+             TensorType(f32, [1], dev), TensorType(f32, ["N", "d"], dev)]
+    with Graph("srm_decode_layer_ops", input_types=types,
+               custom_extensions=[library or kernel_library()]) as g:
+        x, state, positions, *params = (v.tensor for v in g.inputs)
+        lin_w = params.pop()
+        scratch = TensorType(f32, ["B", Dim("f") + 2 * Dim("d")], dev)
+        x_out, new_state, _ = ops.custom(
+            OP_DECODE_LAYER, device=dev, values=[x, state, positions, *params],
+            out_types=[TensorType(f32, x.shape, dev), TensorType(f32, state.shape, dev), scratch])
+        (y,) = ops.custom(OP_LINEAR_SMALL, device=dev, values=[x_out.tensor, lin_w],
+                          out_types=[TensorType(f32, ["B", "N"], dev)])
+        g.output(x_out.tensor, new_state.tensor, y.tensor)
+    return g
+
+
+def decode_layer(x, state, positions, params: dict, eps: float, lin_w):
+    """One fused SRM decode layer and a small-batch matmul (1 <= B <= 4). ``params``:
+    the LAYER_PARAMS arrays (w, beta [H, n], lam [H] the decay per step).
+    Returns ``(x_out [B, d], new_state [B, H, hd], x_out @ lin_w.T [B, N])``."""
+    if "decode_layer" not in _models:
+        _models["decode_layer"] = load_compiled(session(), build_decode_layer_graph())
+    out = _models["decode_layer"].execute(
+        _f32(x), _f32(state), _i64(positions), *(_f32(params[k]) for k in LAYER_PARAMS),
+        np.array([eps], np.float32), _f32(lin_w))
+    return tuple(t.to_numpy().copy() for t in out)
 
 
 # --------------------------------------------------------------------------- #

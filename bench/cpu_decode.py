@@ -1,0 +1,267 @@
+"""CPU decode speed: srm-max against PyTorch eager, and against the machine's limits.
+
+    python bench/cpu_decode.py [--quick] [--batches 1 2 4 16 64 256] [--steps 32]
+
+One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
+12.6 MFLOP per token), random weights, greedy decode from the same state, timed
+side by side in one run (best of ``--repeats``, engines interleaved):
+
+    srm-max          the project's decode graph (``Engine``, CPU defaults: Mojo
+                     mixer op, and for batch <= 4 the fused per-layer ops of
+                     mojo/decode_layer.mojo), ``--steps`` steps per call
+    srm-max-unfused  the same graph without the fused per-layer ops (plain MAX
+                     matmuls, norms and adds at every batch): what the fused path
+                     replaced
+    torch-eager      the PyTorch reference's recurrent step (same math), the best
+                     of 1 and 2 threads
+
+Limits, measured in the same run:
+    roof (batch >= 64)      numpy float32 2048x2048 matmul FLOP/s / FLOPs per token
+    streaming (batch 1)     read bandwidth of a weights-sized float32 array (the best
+                            of numpy and 2-thread torch sums) / weight bytes per step
+``--profile`` adds where the time of a step goes: a MAX graph of the step's
+matrix products alone (same weights, same matmul ops as the unfused graph), timed
+at each batch against the unfused step: the rest is norms, activations, adds,
+the mixer, sampling and per-op overhead.
+
+The greedy tokens of all engines must agree. Writes bench/results/cpu_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
+                    matmul_flops, srm_config, srm_matmul_params, srm_weights, write_json)
+
+START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
+
+
+def _best(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+# ------------------------------------------------------------------ engines
+class MaxDecode:
+    """``Engine.decode``: ``steps`` greedy steps per call from zero states."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def prepare(self, batch: int, steps: int):
+        from srm_max.engine import SamplingArrays
+
+        e = self.engine
+        self.args = (np.arange(batch, dtype=np.int64) * 7 % e.config.vocab_size,
+                     np.full(batch, START_POSITION, np.int64), e.empty_states(batch),
+                     e.sampling_buffers(SamplingArrays.greedy(batch)), steps)
+        self.run()  # first call at this batch: allocations
+
+    def run(self) -> np.ndarray:
+        return self.engine.decode(*self.args).tokens
+
+
+class TorchDecode:
+    """The reference's recurrent step, ``steps`` greedy steps, at ``threads``."""
+
+    def __init__(self, model, threads: int):
+        self.model, self.threads = model, threads
+
+    def prepare(self, batch: int, steps: int):
+        import torch
+
+        torch.set_num_threads(self.threads)
+        c = self.model.config
+        self.ids = torch.arange(batch, dtype=torch.int64) * 7 % c.vocab_size
+        self.pos = torch.full((batch,), START_POSITION, dtype=torch.int64)
+        self.states = self.model.empty_state(batch)
+        self.steps = steps
+        self.run()
+
+    def run(self) -> np.ndarray:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        ids, pos, states, out = self.ids, self.pos, self.states, []
+        with torch.inference_mode():
+            for _ in range(self.steps):
+                logits, states = self.model.step(ids, pos, states)
+                ids, pos = logits.argmax(-1), pos + 1
+                out.append(ids)
+        return torch.stack(out, 1).numpy()
+
+
+def unfused_engine(config, weights):
+    """An Engine whose decode graph never takes the fused per-layer ops."""
+    from srm_max.compile_cache import load_compiled
+    from srm_max.engine import Engine
+    from srm_max.graphs.decode import build_decode_graph
+    from srm_max.precompile import GRAPH_KEY
+
+    class Unfused(Engine):
+        def _load(self, kind):
+            if kind != "decode":
+                return super()._load(kind)
+            graph = build_decode_graph(self.config, kernels=True, fused_max_batch=0,
+                                       name="srm_decode_f32_kernels_unfused")
+            return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
+
+    return Unfused(config, weights, kernels=True)
+
+
+# ------------------------------------------------------------------ limits
+def read_bandwidth(nbytes: int, repeats: int = 20) -> dict:
+    """Bytes/s of summing a float32 array of ``nbytes`` (it stays in cache when it
+    fits, as the weights do between decode steps): the best of numpy (1 thread)
+    and torch (2 threads)."""
+    import torch
+
+    a = np.ones(nbytes // 4, np.float32)
+    t = torch.from_numpy(a)
+    torch.set_num_threads(2)
+    best = {"numpy": _best(lambda: a.sum(), repeats), "torch-2-threads": _best(lambda: t.sum(), repeats)}
+    who = min(best, key=best.get)
+    return {"bytes": nbytes, "best_of": who, "bytes_per_s": nbytes / best[who],
+            "per_reader_bytes_per_s": {k: nbytes / v for k, v in best.items()}}
+
+
+def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
+    """Seconds per step of a MAX graph holding only the step's matrix products."""
+    from max.driver import Buffer
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, Weight, ops
+    from srm_max.compile_cache import load_compiled
+    from srm_max.graphs.layers import derived_weights
+
+    c, dev = config, DeviceRef.CPU()
+    names = []
+    for l in range(c.n_layers):
+        p = f"mixer_blocks.{l}."
+        names += [p + "channel_mixing_layer.0.weight", p + "channel_mixing_layer.2.weight",
+                  f"mixer_blocks.{l}.token_mixing_layer.proj.weight", p + "token_mixing_layer.out_proj.weight"]
+    names.append("output_layer.weight")
+    all_w = weights | derived_weights(c, weights)
+    with Graph("srm_matmul_chain", input_types=[TensorType(DType.float32, ["batch", c.d_model], dev)]) as g:
+        x = g.inputs[0].tensor
+        for n in names:
+            w = all_w[n]
+            x = ops.matmul(x, ops.transpose(Weight(n, DType.float32, list(w.shape), dev), 0, 1))
+        g.output(x)
+    model = load_compiled(InferenceSession(), g, {n: all_w[n] for n in names})
+    out = {}
+    for b in batches:
+        xb = Buffer.from_numpy(np.ones((b, c.d_model), np.float32))
+        model.execute(xb)
+        out[b] = _best(lambda: [model.execute(xb) for _ in range(steps)], repeats) / steps
+    return out
+
+
+# ------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batches 1 4 64, 3 repeats")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16, 64, 256])
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="also time the step's matmuls alone")
+    ap.add_argument("--out", type=Path, default=RESULTS / "cpu_decode.json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.batches, a.repeats = [1, 4, 64], 3
+
+    import torch
+
+    from srm_max.engine import Engine
+
+    config = srm_config()
+    model = build_srm_reference(config).eval()
+    weights = srm_weights(model)
+    engines = {"srm-max": MaxDecode(Engine(config, weights, kernels=True)),
+               "srm-max-unfused": MaxDecode(unfused_engine(config, weights)),
+               "torch-eager-1": TorchDecode(model, 1), "torch-eager-2": TorchDecode(model, 2)}
+    for name in ("srm-max", "srm-max-unfused"):
+        t = time.perf_counter()
+        engines[name].engine.warmup()
+        print(f"{name}: graphs ready in {time.perf_counter() - t:.1f} s", flush=True)
+
+    params = srm_matmul_params(config)
+    flops_per_token = 2 * params
+    mm = matmul_flops()
+    bw = read_bandwidth(4 * params)
+    roof_tps = mm["flops"] / flops_per_token
+    stream_tps = bw["bytes_per_s"] / (4 * params)
+    print(f"roof {roof_tps:,.0f} tok/s ({mm['flops'] / 1e9:.0f} GFLOP/s); weight streaming "
+          f"{stream_tps:,.0f} steps/s ({bw['bytes_per_s'] / 1e9:.1f} GB/s over {4 * params / 1e6:.1f} MB)",
+          flush=True)
+    chain = matmul_chain_seconds(config, weights, a.batches, a.steps, a.repeats) if a.profile else {}
+
+    rows = []
+    for b in a.batches:
+        for e in engines.values():
+            e.prepare(b, a.steps)
+        best = {name: math.inf for name in engines}
+        tokens = {}
+        for _ in range(a.repeats):
+            for name, e in engines.items():
+                t = time.perf_counter()
+                tokens[name] = e.run()
+                best[name] = min(best[name], time.perf_counter() - t)
+        disagree = [n for n in engines if not (tokens[n] == tokens["srm-max"]).all()]
+        if disagree:
+            print(f"batch {b}: greedy tokens differ from srm-max: {disagree}", file=sys.stderr)
+            return 1
+        tps = {n: b * a.steps / s for n, s in best.items()}
+        torch_best = max(tps["torch-eager-1"], tps["torch-eager-2"])
+        row = {"batch": b, "steps": a.steps, "tokens_per_s": tps,
+               "srm_max_over_torch": tps["srm-max"] / torch_best,
+               "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"],
+               "percent_of_roof": 100 * tps["srm-max"] / roof_tps,
+               "percent_of_streaming": 100 * (tps["srm-max"] / b) / stream_tps}
+        if b in chain:  # the unfused graph's step against its matrix products alone
+            step_s = b / tps["srm-max-unfused"]
+            row["profile"] = {"unfused_step_seconds": step_s, "matmul_chain_seconds": chain[b],
+                              "matmul_share_of_unfused_step": chain[b] / step_s,
+                              "fused_step_seconds": b / tps["srm-max"]}
+        rows.append(row)
+        print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  unfused {tps['srm-max-unfused']:9,.0f}  "
+              f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch   "
+              f"{row['percent_of_roof']:.0f}% roof   {row['percent_of_streaming']:.0f}% streaming", flush=True)
+
+    table = markdown_table(
+        ["batch", "srm-max tok/s", "unfused tok/s", "torch eager tok/s (best threads)", "srm-max / torch",
+         "% of roof", "% of weight streaming"],
+        [[r["batch"], f"{r['tokens_per_s']['srm-max']:,.0f}", f"{r['tokens_per_s']['srm-max-unfused']:,.0f}",
+          f"{max(r['tokens_per_s']['torch-eager-1'], r['tokens_per_s']['torch-eager-2']):,.0f}",
+          f"{r['srm_max_over_torch']:.2f}x", f"{r['percent_of_roof']:.0f}%", f"{r['percent_of_streaming']:.0f}%"]
+         for r in rows])
+    print(table)
+    write_json(a.out, {
+        "what": "SRM greedy decode on the CPU: srm-max vs its unfused graph vs PyTorch eager, one run",
+        "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
+        "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
+        "start_position": START_POSITION, "repeats": a.repeats,
+        "roof": {"matmul": mm, "tokens_per_s": roof_tps},
+        "streaming": {"bandwidth": bw, "steps_per_s": stream_tps},
+        "rows": rows, "markdown": table,
+    })
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
