@@ -24,7 +24,9 @@ matrix products alone (same weights, same matmul ops as the unfused graph), time
 at each batch against the unfused step: the rest is norms, activations, adds,
 the mixer, sampling and per-op overhead.
 
-The greedy tokens of all engines must agree. Writes bench/results/cpu_decode.json.
+Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
+previous one's worker threads still spin. The greedy tokens of all engines must
+agree. Writes bench/results/cpu_decode.json.
 """
 
 from __future__ import annotations
@@ -41,9 +43,12 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
-                    matmul_flops, srm_config, srm_matmul_params, srm_weights, write_json)
+                    matmul_flops, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
+# A pause before each timed run: MAX's and torch's worker threads keep spinning for a
+# while after a call, and must not eat into the next engine's time.
+SETTLE_S = 0.25
 
 
 def _best(fn, repeats: int) -> float:
@@ -103,24 +108,6 @@ class TorchDecode:
                 ids, pos = logits.argmax(-1), pos + 1
                 out.append(ids)
         return torch.stack(out, 1).numpy()
-
-
-def unfused_engine(config, weights):
-    """An Engine whose decode graph never takes the fused per-layer ops."""
-    from srm_max.compile_cache import load_compiled
-    from srm_max.engine import Engine
-    from srm_max.graphs.decode import build_decode_graph
-    from srm_max.precompile import GRAPH_KEY
-
-    class Unfused(Engine):
-        def _load(self, kind):
-            if kind != "decode":
-                return super()._load(kind)
-            graph = build_decode_graph(self.config, kernels=True, fused_max_batch=0,
-                                       name="srm_decode_f32_kernels_unfused")
-            return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
-
-    return Unfused(config, weights, kernels=True)
 
 
 # ------------------------------------------------------------------ limits
@@ -191,6 +178,17 @@ def main(argv=None) -> int:
     config = srm_config()
     model = build_srm_reference(config).eval()
     weights = srm_weights(model)
+    # The limits first, before any MAX session exists (its worker threads spin).
+    params = srm_matmul_params(config)
+    flops_per_token = 2 * params
+    mm = matmul_flops(repeats=10)
+    bw = read_bandwidth(4 * params)
+    roof_tps = mm["flops"] / flops_per_token
+    stream_tps = bw["bytes_per_s"] / (4 * params)
+    print(f"roof {roof_tps:,.0f} tok/s ({mm['flops'] / 1e9:.0f} GFLOP/s); weight streaming "
+          f"{stream_tps:,.0f} steps/s ({bw['bytes_per_s'] / 1e9:.1f} GB/s over {4 * params / 1e6:.1f} MB)",
+          flush=True)
+
     engines = {"srm-max": MaxDecode(Engine(config, weights, kernels=True)),
                "srm-max-unfused": MaxDecode(unfused_engine(config, weights)),
                "torch-eager-1": TorchDecode(model, 1), "torch-eager-2": TorchDecode(model, 2)}
@@ -199,15 +197,6 @@ def main(argv=None) -> int:
         engines[name].engine.warmup()
         print(f"{name}: graphs ready in {time.perf_counter() - t:.1f} s", flush=True)
 
-    params = srm_matmul_params(config)
-    flops_per_token = 2 * params
-    mm = matmul_flops()
-    bw = read_bandwidth(4 * params)
-    roof_tps = mm["flops"] / flops_per_token
-    stream_tps = bw["bytes_per_s"] / (4 * params)
-    print(f"roof {roof_tps:,.0f} tok/s ({mm['flops'] / 1e9:.0f} GFLOP/s); weight streaming "
-          f"{stream_tps:,.0f} steps/s ({bw['bytes_per_s'] / 1e9:.1f} GB/s over {4 * params / 1e6:.1f} MB)",
-          flush=True)
     chain = matmul_chain_seconds(config, weights, a.batches, a.steps, a.repeats) if a.profile else {}
 
     rows = []
@@ -218,6 +207,7 @@ def main(argv=None) -> int:
         tokens = {}
         for _ in range(a.repeats):
             for name, e in engines.items():
+                time.sleep(SETTLE_S)
                 t = time.perf_counter()
                 tokens[name] = e.run()
                 best[name] = min(best[name], time.perf_counter() - t)

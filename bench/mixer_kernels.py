@@ -6,7 +6,8 @@ Two engines on the same weights, differing only in the token mixer
 (``Engine(kernels=False)``: plain ops, the chunked-scan prefill and the
 elementwise decode update; ``kernels=True``: ``srm_mixer_scan`` of
 ``mojo/mixer_scan.mojo`` in prefill and ``srm_mixer_step_functional`` of
-``mojo/mixer_step.mojo`` in decode). Decode: for each batch both run the same
+``mojo/mixer_step.mojo`` in decode, without the fused small-batch ops that the
+engine's default CPU graph also takes at batch <= 4: bench/cpu_decode.py times those). Decode: for each batch both run the same
 greedy multi-step decode, alternating, best of ``--repeats``. Prefill: prompts
 of ``--prefill-shapes`` (batch x length). Tokens must agree. Prints tokens/s and
 the ratio; writes ``bench/results/mixer_kernels.json``.
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info,  # noqa: E402
-                    srm_config, srm_weights, write_json)
+                    srm_config, srm_weights, unfused_engine, write_json)
 
 
 def decode_seconds(engine, batch: int, steps: int, position: int) -> tuple[float, np.ndarray]:
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     config = srm_config(d_model=args.d_model, n_layers=args.n_layers, context_length=args.context,
                         vocab_size=args.vocab)
     weights = srm_weights(build_srm_reference(config))
-    engines = {"plain-ops": Engine(config, weights), "mojo-kernel": Engine(config, weights, kernels=True)}
+    engines = {"plain-ops": Engine(config, weights, kernels=False), "mojo-kernel": unfused_engine(config, weights)}
     for name, eng in engines.items():
         t = time.perf_counter()
         eng.warmup()

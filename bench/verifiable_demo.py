@@ -37,7 +37,7 @@ from srm_max.generator import Generator  # noqa: E402
 from srm_max.grpo import GRPOConfig, pad_sequences, train_grpo, weights_numpy  # noqa: E402
 from srm_max.reference.srm import SRM  # noqa: E402
 from srm_max.slot_pool import PoolStats, sample_many  # noqa: E402
-from srm_max.verifiable import mean_pass_at_k, pass_at_k  # noqa: E402
+from srm_max.verifiable import mean_pass_at_k  # noqa: E402
 
 
 def config(args) -> SRMConfig:

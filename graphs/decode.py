@@ -76,36 +76,30 @@ FUSED_MAX_BATCH = 4
 
 
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
-         device: DeviceRef, kernels: bool = False, fused_max_batch: int = FUSED_MAX_BATCH):
-    """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd]).
-
-    With ``kernels`` on a CPU, batches up to ``fused_max_batch`` run ``_step_fused``,
-    larger ones ``_step_ops`` (0: always ``_step_ops``)."""
+         device: DeviceRef, kernels: bool = False):
+    """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd])."""
     c = config
     posc = layers.clamp_max(pos, c.context_length - 1)
-    if not (kernels and device.is_cpu() and fused_max_batch > 0):
-        return _step_ops(W, c, ids, posc, states, device, kernels)
-    # Chosen per call from the batch size (the graph's batch is symbolic).
-    B = ids.shape[0]
-    small = ops.reshape(ops.shape_to_tensor([B]) <= fused_max_batch, [])
-    out_types = [TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device)]
-    # The step runs in a while-loop body that is not yet attached to its loop, so
-    # MAX's eager check of the cond sees the weights (defined at the graph's top)
-    # as out of scope; the whole graph is verified when it is complete.
-    with Graph.current._pause_verification():
-        logits, new_states = ops.cond(
-            small, out_types,
-            lambda: _step_fused(W, c, ids, posc, states, device),
-            lambda: _step_ops(W, c, ids, posc, states, device, kernels))
-    return logits.tensor, new_states.tensor
+    x = layers.embed(W, ids)  # [B, d]
+    new_states = []
+    for l in range(c.n_layers):
+        p = W.layer(l)
+        x = layers.channel_mlp(x, p, c.layer_norm_eps)
+        z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
+        u = layers.linear(z, p["proj_w"], p["proj_b"])
+        y, st = (_mixer_step_kernel if kernels else _mixer_step)(u, posc, states[l], p, c, device)
+        new_states.append(st)
+        x = x + layers.linear(y, p["out_w"], p["out_b"])
+    return layers.logits_of(W, x), ops.stack(new_states, axis=0)
 
 
-def _step_fused(W: ModelWeights, config, ids: TensorValue, posc: TensorValue, states: TensorValue,
-                device: DeviceRef):
-    """``_step_ops`` as one Mojo op per layer plus one for the logits (batch <= FUSED_MAX_BATCH)."""
+def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
+               device: DeviceRef):
+    """``step`` as one Mojo op per layer plus one for the logits (CPU, batch <= 4)."""
     c = config
     d, H, hd = c.d_model, c.n_heads, c.head_dim
     B = ids.shape[0]
+    posc = layers.clamp_max(pos, c.context_length - 1)
     eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
     x = layers.embed(W, ids)
     new_states = []
@@ -126,27 +120,11 @@ def _step_fused(W: ModelWeights, config, ids: TensorValue, posc: TensorValue, st
     return logits, ops.stack(new_states, axis=0)
 
 
-def _step_ops(W: ModelWeights, config, ids: TensorValue, posc: TensorValue, states: TensorValue,
-              device: DeviceRef, kernels: bool):
-    c = config
-    x = layers.embed(W, ids)  # [B, d]
-    new_states = []
-    for l in range(c.n_layers):
-        p = W.layer(l)
-        x = layers.channel_mlp(x, p, c.layer_norm_eps)
-        z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
-        u = layers.linear(z, p["proj_w"], p["proj_b"])
-        y, st = (_mixer_step_kernel if kernels else _mixer_step)(u, posc, states[l], p, c, device)
-        new_states.append(st)
-        x = x + layers.linear(y, p["out_w"], p["out_b"])
-    return layers.logits_of(W, x), ops.stack(new_states, axis=0)
-
-
 def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                        name: str | None = None, kernels: bool = False,
                        fused_max_batch: int = FUSED_MAX_BATCH) -> Graph:
     """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops, and
-    on a CPU batches up to ``fused_max_batch`` take the fused per-layer ops (see ``step``)."""
+    on a CPU batches up to ``fused_max_batch`` (0: none) run ``step_fused`` instead."""
     device = device or DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
@@ -155,7 +133,13 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
 
     def make_step():
         W = ModelWeights(c, wdtype, device)
-        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels, fused_max_batch)
+        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
 
-    return layers.build_multistep_decode_graph(name, state_type, make_step, device,
-                                               [kernel_library()] if kernels else [])
+    def make_fused_step():
+        W = ModelWeights(c, wdtype, device)
+        return lambda ids, pos, states: step_fused(W, c, ids, pos, states, device)
+
+    fused = kernels and device.is_cpu() and fused_max_batch > 0
+    return layers.build_multistep_decode_graph(
+        name, state_type, make_step, device, [kernel_library()] if kernels else [],
+        small_batch=(fused_max_batch, make_fused_step) if fused else None)

@@ -26,10 +26,12 @@ Positions must lie in [0, n) (the graph clamps them). The four matrices (and
 the logits' w) are float32 or bfloat16, widened to float32 in registers (half
 the bytes to read at batch 1); everything else, the accumulation and the state
 are float32. Contiguous row-major tensors, 1 <= B <= MAX_BATCH (the graph
-routes larger batches to its plain ops). CPU only: single-threaded by design, because a
-fork-join per matrix cost more than it saved at these sizes (bench/cpu_decode.py).
+routes larger batches to its plain ops). CPU only. Matrices of PARALLEL_MIN
+elements or more are read by two threads (two halves of the rows), smaller
+ones by one (a fork-join costs more than it saves there).
 """
 from std.memory import stack_allocation
+from max.algorithm import sync_parallelize
 from std.math import exp, sqrt
 from std.sys import simd_width_of
 
@@ -40,6 +42,7 @@ comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutAnyOrigin]
 comptime MAX_BATCH = 4
+comptime PARALLEL_MIN = 1 << 18  # elements of a matrix split across two cores
 
 
 def _in(t: InputTensor[dtype=F32, ...]) -> F32P:
@@ -114,29 +117,52 @@ def _rows[NB: Int, R: Int, WD: DType](
 
 def _matvec_nb[NB: Int, WD: DType](
     y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
-    K: Int, N: Int,
+    K: Int, N: Int, j0: Int, j1: Int,
 ):
-    var j = 0
-    while j + 2 <= N:
+    """Rows j0 .. j1 of y (j1 - j0 even unless j1 == N)."""
+    var j = j0
+    while j + 2 <= j1:
         _rows[NB, 2, WD](y, x, w, bias, has_bias, j, K, N)
         j += 2
-    if j < N:
+    if j < j1:
         _rows[NB, 1, WD](y, x, w, bias, has_bias, j, K, N)
+
+
+def _matvec_part[WD: DType](
+    y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
+    B: Int, K: Int, N: Int, j0: Int, j1: Int,
+):
+    if B == 1:
+        _matvec_nb[1, WD](y, x, w, bias, has_bias, K, N, j0, j1)
+    elif B == 2:
+        _matvec_nb[2, WD](y, x, w, bias, has_bias, K, N, j0, j1)
+    elif B == 3:
+        _matvec_nb[3, WD](y, x, w, bias, has_bias, K, N, j0, j1)
+    else:
+        _matvec_nb[4, WD](y, x, w, bias, has_bias, K, N, j0, j1)
 
 
 def _matvec[WD: DType](
     y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
     B: Int, K: Int, N: Int,
 ):
-    """y [B, N] = x [B, K] @ w[N, K]^T (+ bias [N]), B in 1 .. MAX_BATCH."""
-    if B == 1:
-        _matvec_nb[1, WD](y, x, w, bias, has_bias, K, N)
-    elif B == 2:
-        _matvec_nb[2, WD](y, x, w, bias, has_bias, K, N)
-    elif B == 3:
-        _matvec_nb[3, WD](y, x, w, bias, has_bias, K, N)
-    else:
-        _matvec_nb[4, WD](y, x, w, bias, has_bias, K, N)
+    """y [B, N] = x [B, K] @ w[N, K]^T (+ bias [N]), B in 1 .. MAX_BATCH.
+
+    A matrix of PARALLEL_MIN elements or more is split in two halves of rows run
+    side by side (one read stream per core: one core alone does not saturate the
+    memory bandwidth); smaller ones are not worth the fork-join."""
+    if N * K < PARALLEL_MIN or N < 4:
+        _matvec_part[WD](y, x, w, bias, has_bias, B, K, N, 0, N)
+        return
+    var half = (N // 4) * 2  # even: each half runs whole row pairs
+
+    def part(i: Int) {var y, var x, var w, var bias, var has_bias, var B, var K, var N, var half}:
+        if i == 0:
+            _matvec_part[WD](y, x, w, bias, has_bias, B, K, N, 0, half)
+        else:
+            _matvec_part[WD](y, x, w, bias, has_bias, B, K, N, half, N)
+
+    sync_parallelize(part, 2)
 
 
 def _layer_norm(y: F32P, x: F32P, g: F32P, b: F32P, eps: Float32, B: Int, d: Int):
