@@ -58,11 +58,11 @@ def srm_weights(model) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().float().numpy() for k, v in model.state_dict().items()}
 
 
-def unfused_engine(config, weights):
+def unfused_engine(config, weights, dtype: str = "float32"):
     """An SRM Engine with the Mojo mixer ops whose decode graph never takes the fused
     small-batch ops (mojo/decode_layer.mojo): the graph before them."""
     from srm_max.compile_cache import load_compiled
-    from srm_max.engine import Engine
+    from srm_max.engine import DTYPES, Engine
     from srm_max.graphs.decode import build_decode_graph
     from srm_max.precompile import GRAPH_KEY
 
@@ -70,11 +70,12 @@ def unfused_engine(config, weights):
         def _load(self, kind):
             if kind != "decode":
                 return super()._load(kind)
-            graph = build_decode_graph(self.config, kernels=True, fused_max_batch=0,
-                                       name="srm_decode_f32_kernels_unfused")
+            dt = "f32" if dtype == "float32" else "bf16"
+            graph = build_decode_graph(self.config, DTYPES[dtype], kernels=True, fused_max_batch=0,
+                                       name=f"srm_decode_{dt}_kernels_unfused")
             return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
 
-    return Unfused(config, weights, kernels=True)
+    return Unfused(config, weights, dtype, kernels=True)
 
 
 def llama_config_matching(config, torch_dtype=None):
