@@ -1,6 +1,7 @@
 """CPU decode speed: srm-max against PyTorch eager, and against the machine's limits.
 
-    python bench/cpu_decode.py [--quick] [--batches 1 2 4 16 64 256] [--steps 32]
+    python bench/cpu_decode.py [--quick] [--profile] [--dtype float32|bfloat16]
+                               [--batches 1 2 4 16 64 256] [--steps 32]
 
 One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
 12.6 MFLOP per token), random weights, greedy decode from the same state, timed
@@ -26,7 +27,8 @@ the mixer, sampling and per-op overhead.
 
 Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
 previous one's worker threads still spin. The greedy tokens of all engines must
-agree. Writes bench/results/cpu_decode.json.
+agree (with ``--dtype bfloat16``, where torch stays float32, the agreement is
+recorded instead). Writes bench/results/cpu_decode[_bf16].json.
 """
 
 from __future__ import annotations
