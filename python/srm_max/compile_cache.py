@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from max import engine
@@ -59,18 +59,25 @@ def compile_to_cache(session: InferenceSession, graph: Graph, extra_key: bytes =
 
 def load_compiled(
     session: InferenceSession,
-    graph: Graph,
+    graph: Graph | Callable[[], Graph],
     weights_registry: Mapping | None = None,
     extra_key: bytes = b"",
+    mef: Path | None = None,
 ) -> Model:
-    """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss."""
-    mef = mef_path(graph, extra_key)
+    """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss.
+
+    ``graph`` may be a function that builds it; with ``mef``, its cache path when
+    already known, a hit loads without building the graph at all.
+    """
+    if mef is None:
+        graph = graph if isinstance(graph, Graph) else graph()
+        mef = mef_path(graph, extra_key)
+    compiled = None
     if mef.exists():
         try:
             compiled = engine.read(mef)
         except Exception:  # a stale or damaged cache entry: rebuild it
             mef.unlink(missing_ok=True)
-            return load_compiled(session, graph, weights_registry, extra_key)
-    else:
-        compiled = compile_to_cache(session, graph, extra_key)
+    if compiled is None:
+        compiled = compile_to_cache(session, graph if isinstance(graph, Graph) else graph(), extra_key)
     return session.init(compiled, weights_registry=weights_registry)

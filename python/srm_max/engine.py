@@ -202,7 +202,8 @@ class CompiledGraphs:
     def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()
         job = self.graph_job(kind)
-        model = load_compiled(self.session, job.graph(), self._registry, extra_key=job.extra_key)
+        model = load_compiled(self.session, job.graph, self._registry, extra_key=job.extra_key,
+                              mef=job.mef_path())
         self.compile_seconds[kind] = time.perf_counter() - t0
         return model
 

@@ -10,6 +10,7 @@ compiles it and writes the ``.mef`` file the Engine then loads in milliseconds
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import time
@@ -76,10 +77,22 @@ class GraphJob:
             return build_decode_graph(self.model_config(), wdtype, device, kernels=self.kernels)
         raise ValueError(f"unknown graph kind {self.kind!r}")
 
-    def cached(self) -> bool:
-        from .compile_cache import mef_path
+    def mef_path(self):
+        """Where the compiled graph is cached (the graph is built once per process and
+        cache directory for this)."""
+        from .compile_cache import cache_dir
 
-        return mef_path(self.graph(), self.extra_key).exists()
+        return _mef_path(self, str(cache_dir()))
+
+    def cached(self) -> bool:
+        return self.mef_path().exists()
+
+
+@functools.lru_cache(maxsize=None)
+def _mef_path(job: GraphJob, directory: str):  # directory: part of the memo key only
+    from .compile_cache import mef_path
+
+    return mef_path(job.graph(), job.extra_key)
 
 
 def _compile(job: GraphJob) -> float:
