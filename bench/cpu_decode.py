@@ -8,7 +8,7 @@ One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
 side by side in one run (best of ``--repeats``, engines interleaved):
 
     srm-max          the project's decode graph (``Engine``, CPU defaults: Mojo
-                     mixer op, and for batch <= 4 the fused per-layer ops of
+                     mixer op, and for batch <= 16 the fused per-layer ops of
                      mojo/decode_layer.mojo), ``--steps`` steps per call
     srm-max-unfused  the same graph without the fused per-layer ops (plain MAX
                      matmuls, norms and adds at every batch): what the fused path

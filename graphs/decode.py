@@ -15,9 +15,9 @@ Outputs:
     ids          [B]            int64  = tokens[:, -1]
     positions    [B]            int64  = positions + S
 
-With the Mojo kernels on a CPU, batches of 1-4 run a second loop whose step is one
-fused op per layer (``step_fused``, mojo/decode_layer.mojo); the graph picks the loop
-per call from the batch size.
+With the Mojo kernels on a CPU, batches up to FUSED_MAX_BATCH run a second loop
+whose step is one fused op per layer (``step_fused``, mojo/decode_layer.mojo); the
+graph picks the loop per call from the batch size.
 
 The new token drawn after reading position p has position p + 1: that is its
 random counter, so a sample's tokens depend only on its seed, prompt and
@@ -75,9 +75,10 @@ def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: 
 
 
 # Batches up to this size take the fused per-layer ops of mojo/decode_layer.mojo
-# (CPU, kernels on): there a step is bound by reading the weights. 4 is also the
-# most those ops take (MAX_BATCH there).
-FUSED_MAX_BATCH = 4
+# (CPU, kernels on): there a step is bound by reading the weights and by per-op
+# overhead. FUSED_OPS_MAX_BATCH is the most those ops take (MAX_BATCH there).
+FUSED_MAX_BATCH = 16
+FUSED_OPS_MAX_BATCH = 16
 
 
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
@@ -100,7 +101,7 @@ def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: Te
 
 def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
                device: DeviceRef):
-    """``step`` as one Mojo op per layer plus one for the logits (CPU, batch <= 4)."""
+    """``step`` as one Mojo op per layer plus one for the logits (CPU, small batches)."""
     c = config
     d, H, hd = c.d_model, c.n_heads, c.head_dim
     B = ids.shape[0]
@@ -144,8 +145,8 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
         W = ModelWeights(c, wdtype, device)
         return lambda ids, pos, states: step_fused(W, c, ids, pos, states, device)
 
-    if not 0 <= fused_max_batch <= FUSED_MAX_BATCH:
-        raise ValueError(f"fused_max_batch must be in [0, {FUSED_MAX_BATCH}], got {fused_max_batch}")
+    if not 0 <= fused_max_batch <= FUSED_OPS_MAX_BATCH:
+        raise ValueError(f"fused_max_batch must be in [0, {FUSED_OPS_MAX_BATCH}], got {fused_max_batch}")
     fused = kernels and device.is_cpu() and fused_max_batch > 0
     return layers.build_multistep_decode_graph(
         name, state_type, make_step, device, [kernel_library()] if kernels else [],

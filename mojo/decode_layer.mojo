@@ -1,6 +1,6 @@
 """Small-batch SRM decode on the CPU: one fused op per layer, one for the logits.
 
-At batch 1..4 a decode step is bound by reading the weights (about 4 bytes per
+At small batches a decode step is bound by reading the weights (about 4 bytes per
 parameter per step), and a graph of separate ops adds a launch per norm, bias,
 activation and residual. These ops read every weight matrix once per step for
 the whole batch (each weight vector is multiplied into all B inputs while it is
@@ -41,8 +41,9 @@ from max.gpu.host import DeviceContext
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutAnyOrigin]
-comptime MAX_BATCH = 4
-comptime PARALLEL_MIN = 1 << 18  # elements of a matrix split across two cores
+comptime MAX_BATCH = 16
+comptime BLOCK = 8  # batch rows multiplied per pass over a weight row
+comptime PARALLEL_MIN = 1 << 18  # multiply-adds of a product split across two cores
 
 
 def _in(t: InputTensor[dtype=F32, ...]) -> F32P:
@@ -69,13 +70,13 @@ def _as_input[WD: DType, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
 
 
 @always_inline
-def _rows[NB: Int, R: Int, WD: DType](
+def _rows[NB: Int, R: Int, U: Int, WD: DType](
     y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
     j: Int, K: Int, N: Int,
 ):
     """y[b, j .. j+R) = x[b] . w[j .. j+R) (+ bias) for NB batch rows; w read once
-    (float32 or bfloat16, widened to float32 in registers)."""
-    comptime U = 2  # independent accumulators per (row, batch) along k
+    (float32 or bfloat16, widened to float32 in registers). U: independent
+    accumulators per (row, batch) along k."""
     # one W-wide accumulator per (row, unroll, batch); a fixed-size stack array
     # with constant indices after unrolling, so it lives in registers
     var acc = stack_allocation[NB * R * U * W, Float32]()
@@ -119,27 +120,30 @@ def _matvec_nb[NB: Int, WD: DType](
     y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
     K: Int, N: Int, j0: Int, j1: Int,
 ):
-    """Rows j0 .. j1 of y (j1 - j0 even unless j1 == N)."""
+    """Rows j0 .. j1 of y for NB batch rows (j1 - j0 even unless j1 == N). Two weight
+    rows at a time; up to 4 batch rows also two accumulators along k (16 registers
+    either way at the largest NB)."""
+    comptime U = 2 if NB <= 4 else 1
     var j = j0
     while j + 2 <= j1:
-        _rows[NB, 2, WD](y, x, w, bias, has_bias, j, K, N)
+        _rows[NB, 2, U, WD](y, x, w, bias, has_bias, j, K, N)
         j += 2
     if j < j1:
-        _rows[NB, 1, WD](y, x, w, bias, has_bias, j, K, N)
+        _rows[NB, 1, U, WD](y, x, w, bias, has_bias, j, K, N)
 
 
 def _matvec_part[WD: DType](
     y: F32P, x: F32P, w: Pointer[Scalar[WD], MutAnyOrigin], bias: F32P, has_bias: Bool,
     B: Int, K: Int, N: Int, j0: Int, j1: Int,
 ):
-    if B == 1:
-        _matvec_nb[1, WD](y, x, w, bias, has_bias, K, N, j0, j1)
-    elif B == 2:
-        _matvec_nb[2, WD](y, x, w, bias, has_bias, K, N, j0, j1)
-    elif B == 3:
-        _matvec_nb[3, WD](y, x, w, bias, has_bias, K, N, j0, j1)
-    else:
-        _matvec_nb[4, WD](y, x, w, bias, has_bias, K, N, j0, j1)
+    """Rows j0 .. j1 of y for all B batch rows, BLOCK batch rows per pass over w."""
+    for b0 in range(0, B, BLOCK):
+        var nb = min(BLOCK, B - b0)
+        var yb = y.unsafe_offset(b0 * N)
+        var xb = x.unsafe_offset(b0 * K)
+        comptime for n in range(1, BLOCK + 1):
+            if nb == n:
+                _matvec_nb[n, WD](yb, xb, w, bias, has_bias, K, N, j0, j1)
 
 
 def _matvec[WD: DType](
@@ -148,10 +152,10 @@ def _matvec[WD: DType](
 ):
     """y [B, N] = x [B, K] @ w[N, K]^T (+ bias [N]), B in 1 .. MAX_BATCH.
 
-    A matrix of PARALLEL_MIN elements or more is split in two halves of rows run
-    side by side (one read stream per core: one core alone does not saturate the
-    memory bandwidth); smaller ones are not worth the fork-join."""
-    if N * K < PARALLEL_MIN or N < 4:
+    A product of PARALLEL_MIN multiply-adds or more is split in two halves of rows
+    run side by side (one read stream per core: one core alone does not saturate
+    the memory bandwidth); smaller ones are not worth the fork-join."""
+    if B * N * K < PARALLEL_MIN or N < 4:
         _matvec_part[WD](y, x, w, bias, has_bias, B, K, N, 0, N)
         return
     var half = (N // 4) * 2  # even: each half runs whole row pairs
@@ -168,20 +172,57 @@ def _matvec[WD: DType](
 def _layer_norm(y: F32P, x: F32P, g: F32P, b: F32P, eps: Float32, B: Int, d: Int):
     """Row-wise LayerNorm (biased variance, as torch) of x [B, d] into y."""
     for r in range(B):
-        var xr = x.unsafe_offset(r * d)
-        var mean: Float32 = 0
-        for i in range(d):
-            mean += xr[unsafe_offset=i]
+        var o = r * d
+        var s = SIMD[F32, W](0)
+        var i = 0
+        while i + W <= d:
+            s += x.unsafe_load[width=W](o + i)
+            i += W
+        var mean = s.reduce_add()
+        for t in range(i, d):
+            mean += x[unsafe_offset=o + t]
         mean /= Float32(d)
-        var var_: Float32 = 0
-        for i in range(d):
-            var c = xr[unsafe_offset=i] - mean
+        var q = SIMD[F32, W](0)
+        i = 0
+        while i + W <= d:
+            var c = x.unsafe_load[width=W](o + i) - mean
+            q += c * c
+            i += W
+        var var_ = q.reduce_add()
+        for t in range(i, d):
+            var c = x[unsafe_offset=o + t] - mean
             var_ += c * c
         var inv = 1 / sqrt(var_ / Float32(d) + eps)
-        for i in range(d):
-            y[unsafe_offset=r * d + i] = (
-                (xr[unsafe_offset=i] - mean) * inv * g[unsafe_offset=i] + b[unsafe_offset=i]
+        i = 0
+        while i + W <= d:
+            var v = (x.unsafe_load[width=W](o + i) - mean) * inv
+            y.unsafe_store(o + i, v * g.unsafe_load[width=W](i) + b.unsafe_load[width=W](i))
+            i += W
+        for t in range(i, d):
+            y[unsafe_offset=o + t] = (
+                (x[unsafe_offset=o + t] - mean) * inv * g[unsafe_offset=t] + b[unsafe_offset=t]
             )
+
+
+def _silu_inplace(p: F32P, n: Int):
+    var i = 0
+    while i + W <= n:
+        var v = p.unsafe_load[width=W](i)
+        p.unsafe_store(i, v / (1 + exp(-v)))
+        i += W
+    for t in range(i, n):
+        var v = p[unsafe_offset=t]
+        p[unsafe_offset=t] = v / (1 + exp(-v))
+
+
+def _add_inplace(y: F32P, x: F32P, n: Int):
+    """y += x."""
+    var i = 0
+    while i + W <= n:
+        y.unsafe_store(i, y.unsafe_load[width=W](i) + x.unsafe_load[width=W](i))
+        i += W
+    for t in range(i, n):
+        y[unsafe_offset=t] = y[unsafe_offset=t] + x[unsafe_offset=t]
 
 
 def _check_batch(name: StaticString, B: Int) raises:
@@ -246,13 +287,9 @@ struct SrmDecodeLayer:
         # channel MLP: x_out = x + fc2 silu(fc1 LN(x) + b1) + b2
         _layer_norm(z, _in(x), _in(cn_w), _in(cn_b), e, B, d)
         _matvec(hf, z, _matrix(fc1_w), _in(fc1_b), True, B, d, f)
-        for i in range(B * f):
-            var v = hf[unsafe_offset=i]
-            hf[unsafe_offset=i] = v / (1 + exp(-v))
+        _silu_inplace(hf, B * f)
         _matvec(xo, hf, _matrix(fc2_w), _in(fc2_b), True, B, f, d)
-        var xi = _in(x)
-        for i in range(B * d):
-            xo[unsafe_offset=i] = xo[unsafe_offset=i] + xi[unsafe_offset=i]
+        _add_inplace(xo, _in(x), B * d)
 
         # token mixer: u = proj LN(x_out) + b; recurrent step; z = y
         _layer_norm(z, xo, _in(tn_w), _in(tn_b), e, B, d)
@@ -283,8 +320,7 @@ struct SrmDecodeLayer:
 
         # x_out += out y + out_b
         _matvec(u, z, _matrix(out_w), _in(out_b), True, B, d, d)
-        for i in range(B * d):
-            xo[unsafe_offset=i] = xo[unsafe_offset=i] + u[unsafe_offset=i]
+        _add_inplace(xo, u, B * d)
 
 
 @register("srm_linear_small")

@@ -112,7 +112,7 @@ def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_small_batches_take_the_fused_layers_and_agree_with_the_ops_path(engine, engine_bf16, dtype):
-    """On the CPU with the Mojo kernels, batches of 1..4 run the fused per-layer ops of
+    """On the CPU with the Mojo kernels, small batches run the fused per-layer ops of
     mojo/decode_layer.mojo and larger ones the graph's plain matmuls and norms: a sample
     draws the same tokens and ends in the same state on both paths (with bfloat16
     weights too: the fused ops round the products' inputs and outputs as MAX does)."""
@@ -122,11 +122,14 @@ def test_small_batches_take_the_fused_layers_and_agree_with_the_ops_path(engine,
 
     assert "srm_decode_layer" in str(build_decode_graph(TINY, kernels=True))
     assert "srm_decode_layer" not in str(build_decode_graph(TINY, kernels=False))
-    lengths = [5, 12, 30, 2, 19]
-    assert len(lengths) == FUSED_MAX_BATCH + 1
+    B = FUSED_MAX_BATCH + 1  # one batch over the threshold
+    rng = np.random.default_rng(21)
+    lengths = rng.integers(1, 40, B).tolist()
     prompts = prompts_of(lengths, seed=21)
-    s = SamplingArrays(np.array([0.0, 1.0, 0.8, 1.2, 0.0], np.float32), np.array([0, 0, 5, 0, 0], np.int64),
-                       np.array([1.0, 0.9, 1.0, 1.0, 1.0], np.float32), np.arange(5, dtype=np.uint64) + 40)
+    s = SamplingArrays(np.where(np.arange(B) % 3 == 0, 0.0, 0.9).astype(np.float32),
+                       np.where(np.arange(B) % 4 == 2, 5, 0).astype(np.int64),
+                       np.where(np.arange(B) % 4 == 1, 0.9, 1.0).astype(np.float32),
+                       np.arange(B, dtype=np.uint64) + 40)
     steps = 24
 
     def run(index):
@@ -135,8 +138,8 @@ def test_small_batches_take_the_fused_layers_and_agree_with_the_ops_path(engine,
         out = engine.decode(pre.next_ids, [lengths[i] for i in index], pre.states, sub, steps)
         return out.tokens, engine.host(out.states)
 
-    big_tokens, big_states = run(list(range(5)))  # batch 5: the ops path
-    for index in ([0, 1, 2, 3], [4]):  # batches 4 and 1: the fused path
+    big_tokens, big_states = run(list(range(B)))  # the ops path
+    for index in (list(range(B - 1)), [B - 1]):  # the fused path: the largest batch and one
         tokens, states = run(index)
         assert (tokens == big_tokens[index]).all()
         assert_close_rel(states, big_states[:, index])

@@ -328,11 +328,15 @@ def ref_decode_layer(x, state, positions, p, eps):
 
 
 DECODE_LAYER_CASES = [
-    # B, H, hd, f, N: widths below, at and past the SIMD width, odd row counts
+    # B, H, hd, f, N: widths below, at and past the SIMD width, odd row counts;
+    # batches within one block of 8 rows, past it, and the most the ops take
     (1, 2, 3, 7, 5),
     (2, 4, 5, 37, 19),
     (3, 2, 16, 64, 33),
     (4, 4, 24, 200, 101),
+    (7, 2, 8, 40, 9),
+    (11, 4, 6, 30, 17),
+    (16, 2, 40, 96, 64),
 ]
 
 
@@ -355,12 +359,12 @@ def test_fused_decode_layer_matches_reference(B, H, hd, f, N):
     close(y, x_out.astype(np.float64) @ lin_w.T.astype(np.float64))
 
 
-def test_fused_decode_layer_rejects_batches_over_four():
+def test_fused_decode_layer_rejects_batches_over_sixteen():
     rng = np.random.default_rng(0)
     H, hd, f, d = 2, 4, 8, 8
     p = {k: np.ones(s, np.float32) for k, s in {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f],
          "fc2_w": [d, f], "fc2_b": [d], "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d],
          "out_w": [d, d], "out_b": [d]}.items()}
     p["w"], p["beta"], p["lam"] = make_params(rng, H, 4)
-    with pytest.raises(Exception, match="batch 5"):
-        K.decode_layer(np.ones((5, d)), np.ones((5, H, hd)), np.zeros(5), p, 1e-5, np.ones((3, d)))
+    with pytest.raises(Exception, match="batch 17"):
+        K.decode_layer(np.ones((17, d)), np.ones((17, H, hd)), np.zeros(17), p, 1e-5, np.ones((3, d)))

@@ -392,7 +392,7 @@ def build_decode_layer_graph(library: Path | None = None):
 
 
 def decode_layer(x, state, positions, params: dict, eps: float, lin_w):
-    """One fused SRM decode layer and a small-batch matmul (1 <= B <= 4). ``params``:
+    """One fused SRM decode layer and a small-batch matmul (1 <= B <= 16). ``params``:
     the LAYER_PARAMS arrays (w, beta [H, n], lam [H] the decay per step).
     Returns ``(x_out [B, d], new_state [B, H, hd], x_out @ lin_w.T [B, N])``."""
     if "decode_layer" not in _models:
