@@ -79,6 +79,10 @@ def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: 
 # overhead. FUSED_OPS_MAX_BATCH is the most those ops take (MAX_BATCH there).
 FUSED_MAX_BATCH = 16
 FUSED_OPS_MAX_BATCH = 16
+# With bfloat16 weights the fused ops round every activation they load to bfloat16
+# (as MAX's matmul path does): past batch 4 that costs more than the ops save
+# (bench/results/cpu_decode_bf16.json).
+FUSED_MAX_BATCH_BF16 = 4
 
 
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
@@ -130,7 +134,8 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
                        name: str | None = None, kernels: bool = False,
                        fused_max_batch: int = FUSED_MAX_BATCH) -> Graph:
     """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops, and
-    on a CPU batches up to ``fused_max_batch`` (0: none) run ``step_fused`` instead."""
+    on a CPU batches up to ``fused_max_batch`` (0: none; at most FUSED_MAX_BATCH_BF16
+    with bfloat16 weights) run ``step_fused`` instead."""
     device = device or DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
@@ -147,6 +152,8 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
 
     if not 0 <= fused_max_batch <= FUSED_OPS_MAX_BATCH:
         raise ValueError(f"fused_max_batch must be in [0, {FUSED_OPS_MAX_BATCH}], got {fused_max_batch}")
+    if wdtype == DType.bfloat16:
+        fused_max_batch = min(fused_max_batch, FUSED_MAX_BATCH_BF16)
     fused = kernels and device.is_cpu() and fused_max_batch > 0
     return layers.build_multistep_decode_graph(
         name, state_type, make_step, device, [kernel_library()] if kernels else [],

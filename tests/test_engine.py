@@ -116,13 +116,14 @@ def test_small_batches_take_the_fused_layers_and_agree_with_the_ops_path(engine,
     mojo/decode_layer.mojo and larger ones the graph's plain matmuls and norms: a sample
     draws the same tokens and ends in the same state on both paths (with bfloat16
     weights too: the fused ops round the products' inputs and outputs as MAX does)."""
-    from srm_max.graphs.decode import FUSED_MAX_BATCH, build_decode_graph
+    from srm_max.graphs.decode import FUSED_MAX_BATCH, FUSED_MAX_BATCH_BF16, build_decode_graph
 
     engine = engine if dtype == "float32" else engine_bf16
+    limit = FUSED_MAX_BATCH if dtype == "float32" else FUSED_MAX_BATCH_BF16
 
     assert "srm_decode_layer" in str(build_decode_graph(TINY, kernels=True))
     assert "srm_decode_layer" not in str(build_decode_graph(TINY, kernels=False))
-    B = FUSED_MAX_BATCH + 1  # one batch over the threshold
+    B = limit + 1  # one batch over the threshold
     rng = np.random.default_rng(21)
     lengths = rng.integers(1, 40, B).tolist()
     prompts = prompts_of(lengths, seed=21)
