@@ -100,6 +100,11 @@ def check_weights(config: SRMConfig, weights: dict[str, np.ndarray]) -> None:
             expected[f"{q}mixer_heads.{h}.bias"] = (n,)
             if c.decay:
                 expected[f"{q}mixer_heads.{h}.decay_value"] = (1,)
+    check_shapes(expected, weights)
+
+
+def check_shapes(expected: dict[str, tuple], weights: dict[str, np.ndarray]) -> None:
+    """Every expected key is present with its shape (else GenerationError naming it)."""
     for key, shape in expected.items():
         if key not in weights:
             raise GenerationError(f"weights: missing key {key!r}")
@@ -108,16 +113,10 @@ def check_weights(config: SRMConfig, weights: dict[str, np.ndarray]) -> None:
             raise GenerationError(f"weights: {key!r} has shape {got}, expected {shape}")
 
 
-def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
-    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors."""
+def registry_of(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> dict:
+    """name -> array/Buffer for ``session.init``: float32, except that with
+    ``dtype="bfloat16"`` the names in ``matrices`` are stored as bfloat16."""
     reg: dict = {}
-    matrices = {"input_layer.weight", "output_layer.weight"}
-    for l in range(config.n_layers):
-        p = f"mixer_blocks.{l}."
-        matrices |= {p + "channel_mixing_layer.0.weight", p + "channel_mixing_layer.2.weight",
-                     p + "token_mixing_layer.out_proj.weight", layers.derived_name(l, "proj.weight")}
-    full = {k: np.asarray(weights[k]) for k in layers.graph_weight_names(config)}
-    full |= layers.derived_weights(config, weights)
     for name, arr in full.items():
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if dtype == "bfloat16" and name in matrices:
@@ -125,6 +124,18 @@ def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: s
         else:
             reg[name] = arr
     return reg
+
+
+def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
+    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors."""
+    matrices = {"input_layer.weight", "output_layer.weight"}
+    for l in range(config.n_layers):
+        p = f"mixer_blocks.{l}."
+        matrices |= {p + "channel_mixing_layer.0.weight", p + "channel_mixing_layer.2.weight",
+                     p + "token_mixing_layer.out_proj.weight", layers.derived_name(l, "proj.weight")}
+    full = {k: np.asarray(weights[k]) for k in layers.graph_weight_names(config)}
+    full |= layers.derived_weights(config, weights)
+    return registry_of(full, matrices, dtype)
 
 
 def right_padded(prompts: list, width: int) -> np.ndarray:

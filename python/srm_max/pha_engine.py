@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 from max.driver import Buffer
-from max.dtype import DType
 
-from .engine import CompiledGraphs, PrefillResult, SamplingArrays, right_padded, to_bfloat16_bits
+from .engine import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, registry_of, right_padded
 from .errors import GenerationError
 from .graphs import pha as pha_graphs
 from .pha_config import PHAConfig, pha_expected_shapes
@@ -30,12 +29,7 @@ GRAPH_KEY = b"pha-graphs-v1"
 
 def check_weights(config: PHAConfig, weights: dict[str, np.ndarray]) -> None:
     """Every key the graphs read (directly or derived) is present with the right shape."""
-    for key, shape in pha_expected_shapes(config).items():
-        if key not in weights:
-            raise GenerationError(f"weights: missing key {key!r}")
-        got = tuple(np.shape(weights[key]))
-        if got != shape:
-            raise GenerationError(f"weights: {key!r} has shape {got}, expected {shape}")
+    check_shapes(pha_expected_shapes(config), weights)
 
 
 def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
@@ -47,14 +41,7 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
     matrices = set(pha_graphs.matrix_names(config))
     full = {k: np.asarray(weights[k]) for k in pha_graphs.graph_weight_names(config)}
     full |= pha_graphs.derived_weights(config, weights)
-    reg: dict = {}
-    for name, arr in full.items():
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if dtype == "bfloat16" and name in matrices:
-            reg[name] = Buffer.from_numpy(to_bfloat16_bits(arr)).view(DType.bfloat16)
-        else:
-            reg[name] = arr
-    return reg
+    return registry_of(full, matrices, dtype)
 
 
 class PHAEngine(CompiledGraphs):
