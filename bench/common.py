@@ -59,8 +59,8 @@ def srm_weights(model) -> dict[str, np.ndarray]:
 
 
 def unfused_engine(config, weights, dtype: str = "float32"):
-    """An SRM Engine with the Mojo mixer ops whose decode graph never takes the fused
-    small-batch ops (mojo/decode_layer.mojo): the graph before them."""
+    """An SRM Engine with the Mojo mixer ops whose decode graph is plain MAX ops (matmuls,
+    norms, adds) instead of the whole-step op of mojo/decode_step.mojo: the graph before it."""
     from srm_max.compile_cache import load_compiled
     from srm_max.engine import DTYPES, Engine
     from srm_max.graphs.decode import build_decode_graph
@@ -71,7 +71,7 @@ def unfused_engine(config, weights, dtype: str = "float32"):
             if kind != "decode":
                 return super()._load(kind)
             dt = "f32" if dtype == "float32" else "bf16"
-            graph = build_decode_graph(self.config, DTYPES[dtype], kernels=True, fused_max_batch=0,
+            graph = build_decode_graph(self.config, DTYPES[dtype], kernels=True, fused=False,
                                        name=f"srm_decode_{dt}_kernels_unfused")
             return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
 

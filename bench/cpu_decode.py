@@ -7,12 +7,11 @@ One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
 12.6 MFLOP per token), random weights, greedy decode from the same state, timed
 side by side in one run (best of ``--repeats``, engines interleaved):
 
-    srm-max          the project's decode graph (``Engine``, CPU defaults: Mojo
-                     mixer op, and for batch <= 16 the fused per-layer ops of
-                     mojo/decode_layer.mojo), ``--steps`` steps per call
-    srm-max-unfused  the same graph without the fused per-layer ops (plain MAX
-                     matmuls, norms and adds at every batch): what the fused path
-                     replaced
+    srm-max          the project's decode graph (``Engine``, CPU defaults: the
+                     whole step as one Mojo op, mojo/decode_step.mojo, on weights
+                     packed at load), ``--steps`` steps per call
+    srm-max-unfused  the same loop with the step as plain MAX ops (matmuls, norms,
+                     adds, the Mojo mixer update): what the whole-step op replaced
     torch-eager      the PyTorch reference's recurrent step (same math), the best
                      of 1 and 2 threads
 

@@ -15,9 +15,8 @@ Outputs:
     ids          [B]            int64  = tokens[:, -1]
     positions    [B]            int64  = positions + S
 
-With the Mojo kernels on a CPU, batches up to FUSED_MAX_BATCH run a second loop
-whose step is one fused op per layer (``step_fused``, mojo/decode_layer.mojo); the
-graph picks the loop per call from the batch size.
+With the Mojo kernels on a CPU the whole step (every layer and the logits) is one
+op, ``step_fused`` (mojo/decode_step.mojo), at every batch size.
 
 The new token drawn after reading position p has position p + 1: that is its
 random counter, so a sample's tokens depend only on its seed, prompt and
@@ -31,6 +30,7 @@ import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
+from .. import packing
 from ..kernels import kernel_library
 from . import layers
 from .layers import F32, ModelWeights
@@ -74,17 +74,6 @@ def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: 
     return ops.reshape(y.tensor, [B, H * hd]), new.tensor
 
 
-# Batches up to this size take the fused per-layer ops of mojo/decode_layer.mojo
-# (CPU, kernels on): there a step is bound by reading the weights and by per-op
-# overhead. FUSED_OPS_MAX_BATCH is the most those ops take (MAX_BATCH there).
-FUSED_MAX_BATCH = 16
-FUSED_OPS_MAX_BATCH = 16
-# With bfloat16 weights the fused ops round every activation they load to bfloat16
-# (as MAX's matmul path does): past batch 4 that costs more than the ops save
-# (bench/results/cpu_decode_bf16.json).
-FUSED_MAX_BATCH_BF16 = 4
-
-
 def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
          device: DeviceRef, kernels: bool = False):
     """One token for the whole batch: -> (logits [B, V], new states [L, B, H, hd])."""
@@ -105,56 +94,39 @@ def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: Te
 
 def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
                device: DeviceRef):
-    """``step`` as one Mojo op per layer plus one for the logits (CPU, small batches)."""
+    """``step`` as one Mojo op (mojo/decode_step.mojo): every layer and the logits,
+    on weights packed at load time (srm_max/packing.py). CPU."""
     c = config
-    d, H, hd = c.d_model, c.n_heads, c.head_dim
     B = ids.shape[0]
     posc = layers.clamp_max(pos, c.context_length - 1)
     eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
-    x = layers.embed(W, ids)
-    new_states = []
-    for l in range(c.n_layers):
-        p = W.layer(l)
-        x, st, _ = ops.custom(
-            "srm_decode_layer", device=device,
-            values=[x, states[l], posc, p["cn_w"], p["cn_b"], p["fc1_w"], p["fc1_b"], p["fc2_w"],
-                    p["fc2_b"], p["tn_w"], p["tn_b"], p["proj_w"], p["proj_b"],
-                    ops.transpose(p["w"], 0, 1), ops.transpose(p["beta"], 0, 1), ops.exp(p["loglam"]),
-                    p["out_w"], p["out_b"], eps],
-            out_types=[TensorType(F32, [B, d], device), TensorType(F32, [B, H, hd], device),
-                       TensorType(F32, [B, c.ffn_dim + 2 * d], device)])
-        x = x.tensor
-        new_states.append(st.tensor)
-    logits = ops.custom("srm_linear_small", device=device, values=[x, W.output()],
-                        out_types=[TensorType(F32, [B, c.vocab_size], device)])[0].tensor
-    return logits, ops.stack(new_states, axis=0)
+    matrices = packing.matrix_names()
+    packed = [(W.matrix if name in matrices else W.get)(name, shape)
+              for name, shape in packing.shapes(c).items()]
+    logits, new_states, _ = ops.custom(
+        "srm_decode_step", device=device,
+        values=[layers.embed(W, ids), states, posc, *packed, eps],
+        out_types=[TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device),
+                   TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device)])
+    return logits.tensor, new_states.tensor
 
 
 def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                       name: str | None = None, kernels: bool = False,
-                       fused_max_batch: int = FUSED_MAX_BATCH) -> Graph:
-    """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops, and
-    on a CPU batches up to ``fused_max_batch`` (0: none; at most FUSED_MAX_BATCH_BF16
-    with bfloat16 weights) run ``step_fused`` instead."""
+                       name: str | None = None, kernels: bool = False, fused: bool = True) -> Graph:
+    """``kernels=True``: the mixer update is the Mojo custom op instead of plain ops,
+    and on a CPU (unless ``fused=False``) the whole step is the one op of
+    ``step_fused``."""
     device = device or DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_decode_{dt}" + ("_kernels" if kernels else "")
     state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
-
-    def make_step():
-        W = ModelWeights(c, wdtype, device)
-        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
-
-    def make_fused_step():
-        W = ModelWeights(c, wdtype, device)
-        return lambda ids, pos, states: step_fused(W, c, ids, pos, states, device)
-
-    if not 0 <= fused_max_batch <= FUSED_OPS_MAX_BATCH:
-        raise ValueError(f"fused_max_batch must be in [0, {FUSED_OPS_MAX_BATCH}], got {fused_max_batch}")
-    if wdtype == DType.bfloat16:
-        fused_max_batch = min(fused_max_batch, FUSED_MAX_BATCH_BF16)
-    fused = kernels and device.is_cpu() and fused_max_batch > 0
+    W = ModelWeights(c, wdtype, device)
+    if kernels and fused and device.is_cpu():
+        def make_step():
+            return lambda ids, pos, states: step_fused(W, c, ids, pos, states, device)
+    else:
+        def make_step():
+            return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
     return layers.build_multistep_decode_graph(
-        name, state_type, make_step, device, [kernel_library()] if kernels else [],
-        small_batch=(fused_max_batch, make_fused_step) if fused else None)
+        name, state_type, make_step, device, [kernel_library()] if kernels else [])

@@ -310,11 +310,11 @@ def test_gpu_path_compiles_virtual_sm90a():
     assert proc.returncode == 0 and "OK sm_90a" in proc.stdout, proc.stdout + proc.stderr
 
 
-# ----------------------------------------------------------------- fused small-batch decode
+# ----------------------------------------------------------------- the whole decode step
 
 
 def ref_decode_layer(x, state, positions, p, eps):
-    """numpy: one SRM block at one position per sample (graphs/decode.py `_step_ops`)."""
+    """numpy: one SRM block at one position per sample (graphs/decode.py `step`)."""
     def ln(v, g, b):
         mu = v.mean(-1, keepdims=True)
         return (v - mu) / np.sqrt(((v - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b
@@ -327,44 +327,50 @@ def ref_decode_layer(x, state, positions, p, eps):
     return x + y.reshape(B, H * hd) @ p["out_w"].T + p["out_b"], new_state
 
 
-DECODE_LAYER_CASES = [
-    # B, H, hd, f, N: widths below, at and past the SIMD width, odd row counts;
-    # batches within one block of 8 rows, past it, and the most the ops take
-    (1, 2, 3, 7, 5),
-    (2, 4, 5, 37, 19),
-    (3, 2, 16, 64, 33),
-    (4, 4, 24, 200, 101),
-    (7, 2, 8, 40, 9),
-    (11, 4, 6, 30, 17),
-    (16, 2, 40, 96, 64),
+DECODE_STEP_CASES = [
+    # B, L, H, hd, f, V: widths below, at and past the SIMD width and the 64-column
+    # panels, none a multiple of 16 (padding) and some heads straddling a SIMD vector;
+    # batches of one register tile or less, several, and several units of rows
+    (1, 1, 2, 3, 7, 5),
+    (2, 2, 4, 5, 37, 19),
+    (3, 1, 2, 16, 64, 33),
+    (7, 2, 4, 24, 200, 101),
+    (13, 1, 2, 40, 96, 130),
+    (50, 2, 2, 8, 40, 9),
+    (101, 1, 4, 32, 72, 70),
 ]
 
 
-@pytest.mark.parametrize("B,H,hd,f,N", DECODE_LAYER_CASES)
-def test_fused_decode_layer_matches_reference(B, H, hd, f, N):
+@pytest.mark.parametrize("B,L,H,hd,f,V", DECODE_STEP_CASES)
+def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
     rng = np.random.default_rng(B * 100 + hd)
     d, n = H * hd, 11
     shapes = {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f], "fc2_w": [d, f], "fc2_b": [d],
               "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d], "out_w": [d, d], "out_b": [d]}
-    p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
-    p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
+    layers = []
+    for _ in range(L):
+        p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
+        p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
+        layers.append(p)
     x = rng.standard_normal((B, d)).astype(np.float32)
-    state = rng.standard_normal((B, H, hd)).astype(np.float32)
+    states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
     positions = rng.integers(0, n, B)
-    lin_w = rng.standard_normal((N, d)).astype(np.float32)
-    x_out, new_state, y = K.decode_layer(x, state, positions, p, 1e-5, lin_w)
-    ref_x, ref_state = ref_decode_layer(x.astype(np.float64), state, positions, p, 1e-5)
-    close(new_state, ref_state)
-    close(x_out, ref_x)
-    close(y, x_out.astype(np.float64) @ lin_w.T.astype(np.float64))
+    head_w = rng.standard_normal((V, d)).astype(np.float32)
+    logits, new_states = K.decode_step(x, states, positions, layers, head_w, 1e-5)
+    ref_x, ref_states = x.astype(np.float64), []
+    for l, p in enumerate(layers):
+        ref_x, s = ref_decode_layer(ref_x, states[l], positions, p, 1e-5)
+        ref_states.append(s)
+    close(new_states, np.stack(ref_states))
+    close(logits, ref_x @ head_w.T.astype(np.float64))
 
 
-def test_fused_decode_layer_rejects_batches_over_sixteen():
+def test_whole_decode_step_rejects_positions_outside_the_context():
     rng = np.random.default_rng(0)
-    H, hd, f, d = 2, 4, 8, 8
+    H, hd, f, d, n = 2, 4, 8, 8, 4
     p = {k: np.ones(s, np.float32) for k, s in {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f],
          "fc2_w": [d, f], "fc2_b": [d], "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d],
          "out_w": [d, d], "out_b": [d]}.items()}
-    p["w"], p["beta"], p["lam"] = make_params(rng, H, 4)
-    with pytest.raises(Exception, match="batch 17"):
-        K.decode_layer(np.ones((17, d)), np.ones((17, H, hd)), np.zeros(17), p, 1e-5, np.ones((3, d)))
+    p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
+    with pytest.raises(Exception, match="position 4 outside"):
+        K.decode_step(np.ones((2, d)), np.ones((1, 2, H, hd)), np.array([0, 4]), [p], np.ones((3, d)), 1e-5)

@@ -28,6 +28,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
+from . import packing
 from .compile_cache import load_compiled
 from .precompile import GraphJob, precompile
 from .config import SRMConfig
@@ -126,15 +127,19 @@ def registry_of(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> 
     return reg
 
 
-def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
-    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors."""
-    matrices = {"input_layer.weight", "output_layer.weight"}
+def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str,
+                     packed: bool = False) -> dict:
+    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors, and
+    with ``packed`` the whole-step decode op's packed copies (srm_max/packing.py)."""
+    matrices = {"input_layer.weight", "output_layer.weight"} | packing.matrix_names()
     for l in range(config.n_layers):
         p = f"mixer_blocks.{l}."
         matrices |= {p + "channel_mixing_layer.0.weight", p + "channel_mixing_layer.2.weight",
                      p + "token_mixing_layer.out_proj.weight", layers.derived_name(l, "proj.weight")}
     full = {k: np.asarray(weights[k]) for k in layers.graph_weight_names(config)}
     full |= layers.derived_weights(config, weights)
+    if packed:
+        full |= packing.decode_step_weights(config, weights, full)
     return registry_of(full, matrices, dtype)
 
 
@@ -287,7 +292,8 @@ class Engine(CompiledGraphs):
         self._start(dtype, device)
         self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
         check_weights(config, weights)
-        self._open(weights_registry(config, weights, self.dtype))
+        self._open(weights_registry(config, weights, self.dtype,
+                                    packed=self.kernels and isinstance(self.device, CPU)))
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config

@@ -1,10 +1,10 @@
 """The SRM token-mixer Mojo custom ops: library location, precompilation, wrappers.
 
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
-package ``srm_max.mojo``. Three mixer ops are registered, plus the fused
-small-batch decode ops of ``decode_layer.mojo`` (``srm_decode_layer``,
-``srm_linear_small``; CPU only, used by graphs/decode.py), see the ``.mojo``
-files for the exact semantics; all tensors are float32 except positions/lengths (int64).
+package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
+step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
+in one op; CPU only, used by graphs/decode.py), see the ``.mojo`` files for
+the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
 per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
 
@@ -57,8 +57,7 @@ __all__ = [
     "OP_STEP",
     "OP_STEP_FUNCTIONAL",
     "OP_SCAN",
-    "OP_DECODE_LAYER",
-    "OP_LINEAR_SMALL",
+    "OP_DECODE_STEP",
     "mojo_source_dir",
     "kernel_library",
     "session",
@@ -66,16 +65,15 @@ __all__ = [
     "mixer_scan",
     "build_step_graph",
     "build_scan_graph",
-    "build_decode_layer_graph",
-    "decode_layer",
+    "build_decode_step_graph",
+    "decode_step",
     "compile_for_virtual_gpu",
 ]
 
 OP_STEP = "srm_mixer_step"
 OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
 OP_SCAN = "srm_mixer_scan"
-OP_DECODE_LAYER = "srm_decode_layer"
-OP_LINEAR_SMALL = "srm_linear_small"
+OP_DECODE_STEP = "srm_decode_step"
 
 _lock = threading.Lock()
 _library: Path | None = None
@@ -358,48 +356,62 @@ def mixer_scan(u, lengths, w, beta, lam):
     return y.to_numpy().copy(), fin.to_numpy().copy()
 
 
-# The fused small-batch decode ops (mojo/decode_layer.mojo), CPU only.
+# The whole-step decode op (mojo/decode_step.mojo), CPU only.
 LAYER_PARAMS = ("cn_w", "cn_b", "fc1_w", "fc1_b", "fc2_w", "fc2_b", "tn_w", "tn_b", "proj_w", "proj_b",
                 "w", "beta", "lam", "out_w", "out_b")
+STEP_INPUTS = ("norms", "fc1_b", "biases", "w", "beta", "lam", "fc1", "fc2", "proj", "out", "head")
 
 
-def build_decode_layer_graph(library: Path | None = None):
-    """Graph (x, state, positions, *LAYER_PARAMS, eps, lin_w) -> (x_out, new_state,
-    x_out @ lin_w^T): one ``srm_decode_layer`` then ``srm_linear_small``; all dims
-    symbolic (B, d, H, hd, f, n, N), CPU."""
+def build_decode_step_graph(library: Path | None = None):
+    """Graph (x, states, positions, *STEP_INPUTS, eps, vocab) -> (logits, new_states):
+    one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU. ``vocab`` is
+    any [V] array: it only names the logits' width."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
 
     dev, f32 = DeviceRef.CPU(), DType.float32
-    shapes = {"cn_w": ["d"], "cn_b": ["d"], "fc1_w": ["f", "d"], "fc1_b": ["f"], "fc2_w": ["d", "f"],
-              "fc2_b": ["d"], "tn_w": ["d"], "tn_b": ["d"], "proj_w": ["d", "d"], "proj_b": ["d"],
-              "w": ["H", "n"], "beta": ["H", "n"], "lam": ["H"], "out_w": ["d", "d"], "out_b": ["d"]}
-    types = [TensorType(f32, ["B", "d"], dev), TensorType(f32, ["B", "H", "hd"], dev),
-             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in LAYER_PARAMS),
-             TensorType(f32, [1], dev), TensorType(f32, ["N", "d"], dev)]
-    with Graph("srm_decode_layer_ops", input_types=types,
-               custom_extensions=[library or kernel_library()]) as g:
-        x, state, positions, *params = (v.tensor for v in g.inputs)
-        lin_w = params.pop()
-        scratch = TensorType(f32, ["B", Dim("f") + 2 * Dim("d")], dev)
-        x_out, new_state, _ = ops.custom(
-            OP_DECODE_LAYER, device=dev, values=[x, state, positions, *params],
-            out_types=[TensorType(f32, x.shape, dev), TensorType(f32, state.shape, dev), scratch])
-        (y,) = ops.custom(OP_LINEAR_SMALL, device=dev, values=[x_out.tensor, lin_w],
-                          out_types=[TensorType(f32, ["B", "N"], dev)])
-        g.output(x_out.tensor, new_state.tensor, y.tensor)
+    shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
+              "beta": ["L", "H", "n"], "lam": ["L", "H"], "fc1": ["L", "P1"], "fc2": ["L", "P2"],
+              "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
+    types = [TensorType(f32, ["B", "d"], dev), TensorType(f32, ["L", "B", "H", "hd"], dev),
+             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in STEP_INPUTS),
+             TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
+    with Graph("srm_decode_step_op", input_types=types, custom_extensions=[library or kernel_library()]) as g:
+        x, states, positions, *rest = (v.tensor for v in g.inputs)
+        vocab = rest.pop()
+        logits, new_states, _ = ops.custom(
+            OP_DECODE_STEP, device=dev, values=[x, states, positions, *rest],
+            out_types=[TensorType(f32, ["B", vocab.shape[0]], dev), TensorType(f32, states.shape, dev),
+                       TensorType(f32, ["B", Dim("f") + 3 * Dim("d")], dev)])
+        g.output(logits.tensor, new_states.tensor)
     return g
 
 
-def decode_layer(x, state, positions, params: dict, eps: float, lin_w):
-    """One fused SRM decode layer and a small-batch matmul (1 <= B <= 16). ``params``:
-    the LAYER_PARAMS arrays (w, beta [H, n], lam [H] the decay per step).
-    Returns ``(x_out [B, d], new_state [B, H, hd], x_out @ lin_w.T [B, N])``."""
-    if "decode_layer" not in _models:
-        _models["decode_layer"] = load_compiled(session(), build_decode_layer_graph())
-    out = _models["decode_layer"].execute(
-        _f32(x), _f32(state), _i64(positions), *(_f32(params[k]) for k in LAYER_PARAMS),
-        np.array([eps], np.float32), _f32(lin_w))
+def decode_step(x, states, positions, layer_params: list[dict], head_w, eps: float):
+    """One whole decode step: x [B, d] (embedded tokens), states [L, B, H, hd], one dict of
+    LAYER_PARAMS arrays per layer (w, beta [H, n], lam [H] the decay per step), head_w
+    [V, d]. Packs the matrices as srm_max/packing.py does and returns
+    ``(logits [B, V], new_states [L, B, H, hd])``."""
+    from .packing import pack_matrix
+
+    if "decode_step" not in _models:
+        _models["decode_step"] = load_compiled(session(), build_decode_step_graph())
+
+    def stack(fn):
+        return _f32(np.stack([fn(p) for p in layer_params]))
+
+    inputs = {
+        "norms": stack(lambda p: np.stack([p["cn_w"], p["cn_b"], p["tn_w"], p["tn_b"]])),
+        "fc1_b": stack(lambda p: p["fc1_b"]),
+        "biases": stack(lambda p: np.stack([p["fc2_b"], p["proj_b"], p["out_b"]])),
+        "w": stack(lambda p: p["w"]), "beta": stack(lambda p: p["beta"]), "lam": stack(lambda p: p["lam"]),
+        "fc1": stack(lambda p: pack_matrix(p["fc1_w"])), "fc2": stack(lambda p: pack_matrix(p["fc2_w"])),
+        "proj": stack(lambda p: pack_matrix(p["proj_w"])), "out": stack(lambda p: pack_matrix(p["out_w"])),
+        "head": _f32(pack_matrix(np.asarray(head_w, np.float32))),
+    }
+    out = _models["decode_step"].execute(
+        _f32(x), _f32(states), _i64(positions), *(inputs[k] for k in STEP_INPUTS),
+        np.array([eps], np.float32), np.zeros(len(head_w), np.float32))
     return tuple(t.to_numpy().copy() for t in out)
 
 

@@ -1,0 +1,450 @@
+"""A whole SRM decode step on the CPU as one op: every layer and the logits.
+
+A decode step is a chain of small matrix products (five per layer, batch rows
+against the weights) with norms, activations, residuals and the mixer update
+between them. As separate graph ops each product pays a launch and its own
+fork-join over the threads, and the small ones run single-threaded; here the
+whole chain runs inside one fork-join. Each product is cut into units (a panel
+of 64 output columns for a chunk of batch rows) that the workers claim from an
+atomic counter; a worker that runs out of units waits until every unit of the
+phase is done before the next phase reads its results. Nothing waits for a
+worker that has not started: a late worker finds the finished phases empty, so a
+busy thread pool only slows the step down.
+
+    srm_decode_step(x [B, d], states [L, B, H, hd], positions [B] int64,
+                    norms [L, 4, d], fc1_b [L, f], biases [L, 3, d],
+                    w, beta [L, H, n], lam [L, H],
+                    fc1 [L, F*d], fc2 [L, D*f], proj [L, D*d], out [L, D*d],
+                    head [Vp*d], eps [1])
+        -> logits [B, V], new_states [L, B, H, hd], scratch [B, f + 3d]
+
+x is the embedded tokens; norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
+bias; biases holds fc2, proj and out biases; lam is the decay per step. Per layer
+(heads 0 .. H/2-1 column-repeat, the rest row-repeat):
+
+    x += fc2 silu(fc1 LN_c(x) + b1) + b2
+    u  = proj LN_t(x) + proj_b
+    column:  s = u + lam*s;          y = w[h,t]*s + beta[h,t]
+    row:     s = w[h,t]*u + lam*s;   y = s + beta[h,t]
+    x += out y + out_b
+then logits = head x (no bias). The same math as graphs/decode.py's `step`.
+
+The five matrices come packed (srm_max/packing.py): a [N, K] matrix (out, in)
+has its rows padded with zeros to a multiple of 16 and is stored as panels of 64
+output columns (the last may be narrower), each panel [K, width] row-major, so
+the product streams a panel once per chunk of rows with no transposes or
+horizontal sums. F, D, Vp are f, d, V padded to multiples of 16. The matrices
+are float32 or bfloat16 (widened in registers); with bfloat16 every product's
+inputs and outputs are rounded to bfloat16, as the graph's matmul path does.
+Norms, the mixer, the state and accumulation are float32. Positions must lie in
+[0, n) (the graph clamps them). CPU only.
+"""
+from std.memory import stack_allocation
+from std.math import exp, sqrt
+from std.atomic import Atomic
+from std.sys import num_physical_cores, simd_width_of
+from max.algorithm import sync_parallelize
+
+from extensibility import InputTensor, OutputTensor, register
+from max.gpu.host import DeviceContext
+
+comptime F32 = DType.float32
+comptime W = simd_width_of[F32]()
+comptime F32P = Pointer[Float32, MutUntrackedOrigin]
+comptime I64P = Pointer[Int64, MutUntrackedOrigin]
+comptime PANEL = 64  # output columns per packed panel (srm_max/packing.py)
+comptime PAD = 16  # output rows of a packed matrix are padded to a multiple of this
+comptime NV = 4  # SIMD vectors of columns per register tile
+comptime MR = 6 if W >= 16 else 3  # batch rows per register tile: MR * NV accumulators
+comptime KU = 4  # k unrolled
+comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
+comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
+comptime MAX_WORKERS = 8
+comptime STRIDE = 16  # int64 slots between phase counters (separate cache lines)
+
+# phases of a layer, then the logits
+comptime LN_C = 0
+comptime FC1 = 1
+comptime FC2 = 2
+comptime LN_T = 3
+comptime PROJ = 4
+comptime OUT = 5
+comptime HEAD = 6
+
+
+def _padded(n: Int) -> Int:
+    return (n + PAD - 1) // PAD * PAD
+
+
+@always_inline
+def _rnd[WD: DType, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
+    """v rounded to the weights' dtype (a no-op for float32): what a bfloat16
+    matmul takes and returns."""
+    comptime if WD == F32:
+        return v
+    else:
+        return v.cast[WD]().cast[F32]()
+
+
+@fieldwise_init
+struct Step(ImplicitlyCopyable, Movable):
+    """Sizes and addresses of one call (packed matrices as raw addresses: their
+    dtype is the kernel's parameter)."""
+
+    var B: Int
+    var d: Int
+    var f: Int
+    var V: Int
+    var H: Int
+    var hd: Int
+    var n: Int
+    var L: Int
+    var eps: Float32
+    var x: F32P  # the residual stream [B, d]
+    var z: F32P  # a product's input [B, d]: normed x, or x rounded for the logits
+    var y: F32P  # the mixer's output [B, d]
+    var h: F32P  # the MLP's hidden activations [B, f]
+    var logits: F32P
+    var s_in: F32P
+    var s_out: F32P
+    var pos: I64P
+    var norms: F32P
+    var fc1_b: F32P
+    var biases: F32P
+    var w: F32P
+    var beta: F32P
+    var lam: F32P
+    var fc1: Int
+    var fc2: Int
+    var proj: Int
+    var out: Int
+    var head: Int
+
+
+# ------------------------------------------------------------------ products
+@always_inline
+def _tile[R: Int, NVT: Int, WD: DType](
+    t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
+):
+    """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
+    columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
+    array with constant indices after unrolling); t's rows are NV*W apart."""
+    # allocated here, not in the loops: a stack array there would grow the stack at
+    # every iteration
+    var acc = stack_allocation[R * NVT * W, Float32]()
+    var wv = stack_allocation[NVT * W, Float32]()
+    comptime for a in range(R * NVT):
+        acc.unsafe_store(a * W, SIMD[F32, W](0))
+    var k = 0
+    while k + KU <= K:
+        comptime for kk in range(KU):
+            var wp = p.unsafe_offset((k + kk) * ps)
+            comptime for v in range(NVT):
+                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
+            comptime for r in range(R):
+                var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k + kk])
+                comptime for v in range(NVT):
+                    comptime a = (r * NVT + v) * W
+                    acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
+        k += KU
+    while k < K:
+        var wp = p.unsafe_offset(k * ps)
+        comptime for r in range(R):
+            var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
+            comptime for v in range(NVT):
+                comptime a = (r * NVT + v) * W
+                acc.unsafe_store(
+                    a, xb.fma(wp.unsafe_load[width=W](v * W).cast[F32](), acc.unsafe_load[width=W](a))
+                )
+        k += 1
+    comptime for r in range(R):
+        comptime for v in range(NVT):
+            t.unsafe_store(r * NV * W + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
+
+
+@always_inline
+def _silu[n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
+    return v / (1 + exp(-v))
+
+
+@always_inline
+def _epilogue[kind: Int, WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, acc: SIMD[F32, n]):
+    """Finish columns c .. c+n of row r of a product from its sums ``acc``."""
+    var v = _rnd[WD](acc)  # the product's dtype, as MAX's matmul returns it
+    comptime if kind == FC1:
+        v += a.fc1_b.unsafe_load[width=n](l * a.f + c)
+        a.h.unsafe_store(r * a.f + c, _rnd[WD](_silu(v)))
+    elif kind == FC2 or kind == OUT:
+        var which = 0 if kind == FC2 else 2
+        v += a.biases.unsafe_load[width=n]((l * 3 + which) * a.d + c)
+        var o = r * a.d + c
+        var xn = a.x.unsafe_load[width=n](o) + v
+        a.x.unsafe_store(o, xn)
+        if kind == OUT and l == a.L - 1:
+            a.z.unsafe_store(o, _rnd[WD](xn))  # the logits' input
+    elif kind == PROJ:
+        v += a.biases.unsafe_load[width=n]((l * 3 + 1) * a.d + c)
+        _mixer[WD, n](a, l, r, c, v)
+    else:
+        a.logits.unsafe_store(r * a.V + c, v)
+
+
+@always_inline
+def _mixer[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
+    """The mixer update of channels c .. c+n of row r, given the projection u."""
+    var h0 = c // a.hd
+    if (c + n - 1) // a.hd == h0:  # one head: its scalars broadcast
+        _mixer_head[WD, n](a, l, r, c, h0, u)
+    else:
+        comptime for i in range(n):
+            _mixer_head[WD, 1](a, l, r, c + i, (c + i) // a.hd, SIMD[F32, 1](u[i]))
+
+
+@always_inline
+def _mixer_head[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, h: Int, u: SIMD[F32, n]):
+    """The mixer update of channels c .. c+n of row r, all in head h."""
+    var t = Int(a.pos[unsafe_offset=r])
+    var so = (l * a.B + r) * a.d + c
+    var lam = a.lam[unsafe_offset=l * a.H + h]
+    var wt = a.w[unsafe_offset=(l * a.H + h) * a.n + t]
+    var bt = a.beta[unsafe_offset=(l * a.H + h) * a.n + t]
+    var s = a.s_in.unsafe_load[width=n](so)
+    var y: SIMD[F32, n]
+    if h < a.H // 2:
+        s = u + lam * s
+        y = wt * s + bt
+    else:
+        s = wt * u + lam * s
+        y = s + bt
+    a.s_out.unsafe_store(so, s)
+    a.y.unsafe_store(r * a.d + c, _rnd[WD](y))
+
+
+def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
+    """One unit of a product: a panel of output columns for a chunk of rows."""
+    var N: Int
+    var K: Int
+    var x: F32P
+    var base: Int
+    comptime if kind == FC1:
+        N = a.f; K = a.d; x = a.z; base = a.fc1
+    elif kind == FC2:
+        N = a.d; K = a.f; x = a.h; base = a.fc2
+    elif kind == PROJ:
+        N = a.d; K = a.d; x = a.z; base = a.proj
+    elif kind == OUT:
+        N = a.d; K = a.d; x = a.y; base = a.out
+    else:
+        N = a.V; K = a.d; x = a.z; base = a.head
+    var Np = _padded(N)
+    var panels = (Np + PANEL - 1) // PANEL
+    var q = u % panels
+    var rows_per = _row_chunk(a.B)
+    var r0 = (u // panels) * rows_per
+    var r1 = min(a.B, r0 + rows_per)
+    var width = min(PANEL, Np - q * PANEL)
+    var layer = 0 if kind == HEAD else l
+    var p = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=base).unsafe_offset(
+        layer * Np * K + q * PANEL * K
+    )
+    var t = stack_allocation[MR * NV * W, Float32]()
+    var c0 = 0
+    while c0 < width:  # sub-panels of up to NV vectors
+        var nv = min(NV, (width - c0) // W)
+        var r = r0
+        while r < r1:
+            var rows = min(MR, r1 - r)
+            var xr = x.unsafe_offset(r * K)
+            var pc = p.unsafe_offset(c0)
+            comptime for R in range(1, MR + 1):
+                comptime for NVT in range(1, NV + 1):
+                    if rows == R and nv == NVT:
+                        _tile[R, NVT, WD](t, xr, K, pc, width, K)
+            for i in range(rows):
+                for v in range(nv):
+                    var c = q * PANEL + c0 + v * W
+                    if c + W <= N:
+                        _epilogue[kind, WD, W](a, l, r + i, c, t.unsafe_load[width=W](i * NV * W + v * W))
+                    else:
+                        for j in range(N - c):
+                            _epilogue[kind, WD, 1](a, l, r + i, c + j, t.unsafe_load[width=1](i * NV * W + v * W + j))
+            r += rows
+        c0 += nv * W
+
+
+# ------------------------------------------------------------------ norms
+def _layer_norm[WD: DType](y: F32P, x: F32P, g: F32P, b: F32P, eps: Float32, d: Int):
+    """LayerNorm (biased variance, as torch) of one row x [d] into y, rounded to WD."""
+    var s = SIMD[F32, W](0)
+    var i = 0
+    while i + W <= d:
+        s += x.unsafe_load[width=W](i)
+        i += W
+    var mean = s.reduce_add()
+    for t in range(i, d):
+        mean += x[unsafe_offset=t]
+    mean /= Float32(d)
+    var q = SIMD[F32, W](0)
+    i = 0
+    while i + W <= d:
+        var c = x.unsafe_load[width=W](i) - mean
+        q += c * c
+        i += W
+    var var_ = q.reduce_add()
+    for t in range(i, d):
+        var c = x[unsafe_offset=t] - mean
+        var_ += c * c
+    var inv = 1 / sqrt(var_ / Float32(d) + eps)
+    i = 0
+    while i + W <= d:
+        var v = (x.unsafe_load[width=W](i) - mean) * inv
+        y.unsafe_store(i, _rnd[WD](v * g.unsafe_load[width=W](i) + b.unsafe_load[width=W](i)))
+        i += W
+    for t in range(i, d):
+        var v = (x[unsafe_offset=t] - mean) * inv * g[unsafe_offset=t] + b[unsafe_offset=t]
+        y[unsafe_offset=t] = _rnd[WD, 1](v)
+
+
+def _norm_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
+    var which = 0 if kind == LN_C else 2
+    var g = a.norms.unsafe_offset((l * 4 + which) * a.d)
+    var b = g.unsafe_offset(a.d)
+    for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
+        _layer_norm[WD](a.z.unsafe_offset(r * a.d), a.x.unsafe_offset(r * a.d), g, b, a.eps, a.d)
+
+
+# ------------------------------------------------------------------ scheduling
+def _row_chunk(B: Int) -> Int:
+    """Batch rows per unit: B split evenly into chunks of at most MAX_ROW_CHUNK,
+    rounded up to whole register tiles. Each unit streams its panel from memory
+    once, so a chunk should hold as many tiles as the work allows."""
+    var chunks = (B + MAX_ROW_CHUNK - 1) // MAX_ROW_CHUNK
+    var rows = (B + chunks - 1) // chunks
+    return (rows + MR - 1) // MR * MR
+
+
+def _units[kind: Int](a: Step) -> Int:
+    comptime if kind == LN_C or kind == LN_T:
+        return (a.B + NORM_CHUNK - 1) // NORM_CHUNK
+    else:
+        var N = a.f if kind == FC1 else (a.V if kind == HEAD else a.d)
+        var panels = (_padded(N) + PANEL - 1) // PANEL
+        var rows_per = _row_chunk(a.B)
+        return panels * ((a.B + rows_per - 1) // rows_per)
+
+
+def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
+    """Claim and run units of one phase until none is left, then wait for the
+    units other workers claimed (counter: claimed; counter + 8: done)."""
+    var n = _units[kind](a)
+    var done = counter.unsafe_offset(8)
+    while True:
+        var u = Int(Atomic[Int64].fetch_add(counter, 1))
+        if u >= n:
+            break
+        comptime if kind == LN_C or kind == LN_T:
+            _norm_unit[kind, WD](a, l, u)
+        else:
+            _product_unit[kind, WD](a, l, u)
+        _ = Atomic[Int64].fetch_add(done, 1)
+    while Int(Atomic[Int64].load(done)) < n:
+        pass
+
+
+def _worker[WD: DType](a: Step, counters: I64P):
+    var c = counters
+    for l in range(a.L):
+        comptime for kind in range(HEAD):
+            _phase[kind, WD](a, l, c)
+            c = c.unsafe_offset(STRIDE)
+    _phase[HEAD, WD](a, a.L - 1, c)
+
+
+def _in[dt: DType](t: InputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUntrackedOrigin]:
+    return Pointer[Scalar[dt], MutUntrackedOrigin](unsafe_from_address=Int(t.unsafe_ptr()))
+
+
+def _out[dt: DType](t: OutputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUntrackedOrigin]:
+    return Pointer[Scalar[dt], MutUntrackedOrigin](unsafe_from_address=Int(t.unsafe_ptr()))
+
+
+@register("srm_decode_step")
+struct SrmDecodeStep:
+    @staticmethod
+    def execute[
+        target: StaticString,
+    ](
+        logits: OutputTensor[dtype=F32, rank=2, ...],
+        new_states: OutputTensor[dtype=F32, rank=4, ...],
+        scratch: OutputTensor[dtype=F32, rank=2, ...],
+        x: InputTensor[dtype=F32, rank=2, ...],
+        states: InputTensor[dtype=F32, rank=4, ...],
+        positions: InputTensor[dtype=DType.int64, rank=1, ...],
+        norms: InputTensor[dtype=F32, rank=3, ...],
+        fc1_b: InputTensor[dtype=F32, rank=2, ...],
+        biases: InputTensor[dtype=F32, rank=3, ...],
+        w: InputTensor[dtype=F32, rank=3, ...],
+        beta: InputTensor[dtype=F32, rank=3, ...],
+        lam: InputTensor[dtype=F32, rank=2, ...],
+        fc1: InputTensor[rank=2, ...],
+        fc2: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        proj: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        out_w: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        head: InputTensor[dtype=fc1.dtype, rank=1, ...],
+        eps: InputTensor[dtype=F32, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime if target != "cpu":
+            raise Error("srm_decode_step: CPU only")
+        var B = x.dim_size(0)
+        var d = x.dim_size(1)
+        var L = states.dim_size(0)
+        var H = states.dim_size(2)
+        var hd = states.dim_size(3)
+        var f = fc1_b.dim_size(1)
+        var V = logits.dim_size(1)
+        var n = w.dim_size(2)
+        var D = _padded(d)
+        if states.dim_size(1) != B or H * hd != d or logits.dim_size(0) != B:
+            raise Error("srm_decode_step: x, states and logits disagree on B or d")
+        if norms.dim_size(0) != L or norms.dim_size(1) != 4 or norms.dim_size(2) != d:
+            raise Error("srm_decode_step: norms must be [L, 4, d]")
+        if biases.dim_size(0) != L or biases.dim_size(1) != 3 or biases.dim_size(2) != d:
+            raise Error("srm_decode_step: biases must be [L, 3, d]")
+        if w.dim_size(0) != L or w.dim_size(1) != H or beta.dim_size(0) != L or beta.dim_size(1) != H or (
+            beta.dim_size(2) != n or lam.dim_size(0) != L or lam.dim_size(1) != H
+        ):
+            raise Error("srm_decode_step: w, beta must be [L, H, n] and lam [L, H]")
+        if fc1.dim_size(0) != L or fc1.dim_size(1) != _padded(f) * d or fc2.dim_size(1) != D * f or (
+            proj.dim_size(1) != D * d or out_w.dim_size(1) != D * d or head.dim_size(0) != _padded(V) * d
+        ):
+            raise Error("srm_decode_step: packed matrices have the wrong sizes")
+        if scratch.dim_size(0) != B or scratch.dim_size(1) < f + 3 * d:
+            raise Error("srm_decode_step: scratch too small")
+        var pos = _in(positions)
+        for b in range(B):
+            var t = Int(pos[unsafe_offset=b])
+            if t < 0 or t >= n:
+                raise Error("srm_decode_step: position ", t, " outside [0, ", n, ")")
+
+        var s = _out(scratch)
+        var a = Step(
+            B, d, f, V, H, hd, n, L, eps[0],
+            s, s.unsafe_offset(B * d), s.unsafe_offset(2 * B * d), s.unsafe_offset(3 * B * d),
+            _out(logits), _in(states), _out(new_states), pos, _in(norms), _in(fc1_b), _in(biases),
+            _in(w), _in(beta), _in(lam),
+            Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
+            Int(head.unsafe_ptr()),
+        )
+        var xi = _in(x)
+        for i in range(B * d):
+            a.x[unsafe_offset=i] = xi[unsafe_offset=i]
+        var counters = List[Int64](length=(L * HEAD + 1) * STRIDE, fill=0)
+        var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
+        var workers = min(num_physical_cores(), MAX_WORKERS)
+
+        def work(i: Int) {var a, var cp}:
+            _worker[fc1.dtype](a, cp)
+
+        sync_parallelize(work, workers)
+        _ = counters^
