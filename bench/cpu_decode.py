@@ -15,10 +15,12 @@ side by side in one run (best of ``--repeats``, engines interleaved):
     torch-eager      the PyTorch reference's recurrent step (same math), the best
                      of 1 and 2 threads
 
-Limits, measured in the same run:
-    roof (batch >= 64)      numpy float32 2048x2048 matmul FLOP/s / FLOPs per token
-    streaming (batch 1)     read bandwidth of a weights-sized float32 array (the best
-                            of numpy and 2-thread torch sums) / weight bytes per step
+Limits, measured in the same run, before and after the engines (the best of each
+is kept: this machine's speed drifts by tens of percent over minutes):
+    roof (batch >= 64)      float32 2048x2048 matmul FLOP/s (the best of numpy and
+                            2-thread torch) / FLOPs per token
+    streaming (batch 1)     read bandwidth of a weights-sized array (the best of numpy
+                            and 2-thread torch sums) / weight bytes per step
 ``--profile`` adds where the time of a step goes: a MAX graph of the step's
 matrix products alone (same weights, same matmul ops as the unfused graph), timed
 at each batch against the unfused step: the rest is norms, activations, adds,
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
-                    matmul_flops, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
+                    matmul_flops, matmul_flops_torch, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
@@ -127,6 +129,19 @@ def read_bandwidth(nbytes: int, repeats: int = 20) -> dict:
             "per_reader_bytes_per_s": {k: nbytes / v for k, v in best.items()}}
 
 
+def measure_limits(weight_bytes: int) -> dict:
+    """The machine's limits right now: the float32 matmul rate (best of numpy and 2-thread
+    torch, 2048x2048) and the read bandwidth over a weights-sized array. This machine's
+    speed drifts by tens of percent over minutes, so main() measures them before and
+    after the engines and keeps the best of each."""
+    import torch
+
+    torch.set_num_threads(2)
+    rates = {"numpy": matmul_flops(repeats=10)["flops"],
+             "torch-2-threads": matmul_flops_torch(2048, "cpu", "float32", repeats=10)["flops"]}
+    return {"matmul_flops": rates, "read_bandwidth": read_bandwidth(weight_bytes)}
+
+
 def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
     """Seconds per step of a MAX graph holding only the step's matrix products."""
     from max.driver import Buffer
@@ -187,14 +202,8 @@ def main(argv=None) -> int:
     # The limits first, before any MAX session exists (its worker threads spin).
     params = srm_matmul_params(config)
     flops_per_token = 2 * params
-    mm = matmul_flops(repeats=10)
     weight_bytes = params * (4 if a.dtype == "float32" else 2)
-    bw = read_bandwidth(weight_bytes)
-    roof_tps = mm["flops"] / flops_per_token
-    stream_tps = bw["bytes_per_s"] / weight_bytes
-    print(f"roof {roof_tps:,.0f} tok/s ({mm['flops'] / 1e9:.0f} GFLOP/s); weight streaming "
-          f"{stream_tps:,.0f} steps/s ({bw['bytes_per_s'] / 1e9:.1f} GB/s over {weight_bytes / 1e6:.1f} MB)",
-          flush=True)
+    limits = [measure_limits(weight_bytes)]
 
     engines = {"srm-max": MaxDecode(Engine(config, weights, a.dtype, kernels=True)),
                "srm-max-unfused": MaxDecode(unfused_engine(config, weights, a.dtype)),
@@ -226,9 +235,7 @@ def main(argv=None) -> int:
         torch_best = max(tps["torch-eager-1"], tps["torch-eager-2"])
         row = {"batch": b, "steps": a.steps, "tokens_per_s": tps, "token_agreement_with_srm_max": agreement,
                "srm_max_over_torch": tps["srm-max"] / torch_best,
-               "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"],
-               "percent_of_roof": 100 * tps["srm-max"] / roof_tps,
-               "percent_of_streaming": 100 * (tps["srm-max"] / b) / stream_tps}
+               "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"]}
         if b in chain:  # the unfused graph's step against its matrix products alone
             step_s = b / tps["srm-max-unfused"]
             row["profile"] = {"unfused_step_seconds": step_s, "matmul_chain_seconds": chain[b],
@@ -236,8 +243,21 @@ def main(argv=None) -> int:
                               "fused_step_seconds": b / tps["srm-max"]}
         rows.append(row)
         print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  unfused {tps['srm-max-unfused']:9,.0f}  "
-              f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch   "
-              f"{row['percent_of_roof']:.0f}% roof   {row['percent_of_streaming']:.0f}% streaming", flush=True)
+              f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch", flush=True)
+
+    time.sleep(SETTLE_S)
+    limits.append(measure_limits(weight_bytes))
+    flops = max(r for m in limits for r in m["matmul_flops"].values())
+    bandwidth = max(m["read_bandwidth"]["bytes_per_s"] for m in limits)
+    roof_tps = flops / flops_per_token
+    stream_tps = bandwidth / weight_bytes
+    print(f"roof {roof_tps:,.0f} tok/s ({flops / 1e9:.0f} GFLOP/s); weight streaming {stream_tps:,.0f} "
+          f"steps/s ({bandwidth / 1e9:.1f} GB/s over {weight_bytes / 1e6:.1f} MB): the best of the "
+          f"measurements before and after the engines")
+    for row in rows:
+        tok_s = row["tokens_per_s"]["srm-max"]
+        row["percent_of_roof"] = 100 * tok_s / roof_tps
+        row["percent_of_streaming"] = 100 * (tok_s / row["batch"]) / stream_tps
 
     table = markdown_table(
         ["batch", "srm-max tok/s", "unfused tok/s", "torch eager tok/s (best threads)", "srm-max / torch",
@@ -253,8 +273,9 @@ def main(argv=None) -> int:
         "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
         "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
         "start_position": START_POSITION, "repeats": a.repeats,
-        "roof": {"matmul": mm, "tokens_per_s": roof_tps},
-        "streaming": {"bandwidth": bw, "steps_per_s": stream_tps},
+        "limits_measured": {"before": limits[0], "after": limits[1]},
+        "roof": {"flops": flops, "tokens_per_s": roof_tps},
+        "streaming": {"bytes_per_s": bandwidth, "steps_per_s": stream_tps},
         "rows": rows, "markdown": table,
     })
     print(f"wrote {a.out}")

@@ -33,7 +33,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from .. import packing
 from ..kernels import kernel_library
 from . import layers
-from .layers import F32, ModelWeights
+from .layers import F32, I64, ModelWeights
 
 
 def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, config,
@@ -98,16 +98,16 @@ def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, stat
     on weights packed at load time (srm_max/packing.py). CPU."""
     c = config
     B = ids.shape[0]
-    posc = layers.clamp_max(pos, c.context_length - 1)
     eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
     matrices = packing.matrix_names()
     packed = [(W.matrix if name in matrices else W.get)(name, shape)
               for name, shape in packing.shapes(c).items()]
-    logits, new_states, _ = ops.custom(
+    # the op gathers the embedding rows and clamps the positions itself: fewer ops a step
+    logits, new_states, _, _ = ops.custom(
         "srm_decode_step", device=device,
-        values=[layers.embed(W, ids), states, posc, *packed, eps],
+        values=[ids, W.embedding(), states, pos, *packed, eps],
         out_types=[TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device),
-                   TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device)])
+                   TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device), TensorType(I64, [B], device)])
     return logits.tensor, new_states.tensor
 
 

@@ -11,14 +11,16 @@ phase is done before the next phase reads its results. Nothing waits for a
 worker that has not started: a late worker finds the finished phases empty, so a
 busy thread pool only slows the step down.
 
-    srm_decode_step(x [B, d], states [L, B, H, hd], positions [B] int64,
+    srm_decode_step(ids [B] int64, embedding [V, d], states [L, B, H, hd], positions [B] int64,
                     norms [L, 4, d], fc1_b [L, f], biases [L, 3, d],
                     w, beta [L, H, n], lam [L, H],
                     fc1 [L, F*d], fc2 [L, D*f], proj [L, D*d], out [L, D*d],
                     head [Vp*d], eps [1])
-        -> logits [B, V], new_states [L, B, H, hd], scratch [B, f + 3d]
+        -> logits [B, V], new_states [L, B, H, hd], scratch [B, f + 3d],
+           clamped positions [B] int64
 
-x is the embedded tokens; norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
+x starts as the ids' rows of the embedding; positions past the context are clamped
+to n - 1 (the host discards those tokens); norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
 bias; biases holds fc2, proj and out biases; lam is the decay per step. Per layer
 (heads 0 .. H/2-1 column-repeat, the rest row-repeat):
 
@@ -35,9 +37,9 @@ output columns (the last may be narrower), each panel [K, width] row-major, so
 the product streams a panel once per chunk of rows with no transposes or
 horizontal sums. F, D, Vp are f, d, V padded to multiples of 16. The matrices
 are float32 or bfloat16 (widened in registers); with bfloat16 every product's
-inputs and outputs are rounded to bfloat16, as the graph's matmul path does.
-Norms, the mixer, the state and accumulation are float32. Positions must lie in
-[0, n) (the graph clamps them). CPU only.
+inputs and outputs are rounded to bfloat16, as the graph's matmul path does; the
+embedding has the matrices' dtype. Norms, the mixer, the state and accumulation
+are float32. CPU only.
 """
 from std.memory import stack_allocation
 from std.math import exp, sqrt
@@ -238,9 +240,12 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
         N = a.V; K = a.d; x = a.z; base = a.head
     var Np = _padded(N)
     var panels = (Np + PANEL - 1) // PANEL
-    var q = u % panels
     var rows_per = _row_chunk(a.B)
-    var r0 = (u // panels) * rows_per
+    var chunks = (a.B + rows_per - 1) // rows_per
+    # consecutive units take the same panel: a worker's next unit mostly finds its
+    # panel in its own cache instead of streaming it again
+    var q = u // chunks
+    var r0 = (u % chunks) * rows_per
     var r1 = min(a.B, r0 + rows_per)
     var width = min(PANEL, Np - q * PANEL)
     var layer = 0 if kind == HEAD else l
@@ -377,7 +382,9 @@ struct SrmDecodeStep:
         logits: OutputTensor[dtype=F32, rank=2, ...],
         new_states: OutputTensor[dtype=F32, rank=4, ...],
         scratch: OutputTensor[dtype=F32, rank=2, ...],
-        x: InputTensor[dtype=F32, rank=2, ...],
+        clamped: OutputTensor[dtype=DType.int64, rank=1, ...],
+        ids: InputTensor[dtype=DType.int64, rank=1, ...],
+        embedding: InputTensor[rank=2, ...],
         states: InputTensor[dtype=F32, rank=4, ...],
         positions: InputTensor[dtype=DType.int64, rank=1, ...],
         norms: InputTensor[dtype=F32, rank=3, ...],
@@ -386,7 +393,7 @@ struct SrmDecodeStep:
         w: InputTensor[dtype=F32, rank=3, ...],
         beta: InputTensor[dtype=F32, rank=3, ...],
         lam: InputTensor[dtype=F32, rank=2, ...],
-        fc1: InputTensor[rank=2, ...],
+        fc1: InputTensor[dtype=embedding.dtype, rank=2, ...],
         fc2: InputTensor[dtype=fc1.dtype, rank=2, ...],
         proj: InputTensor[dtype=fc1.dtype, rank=2, ...],
         out_w: InputTensor[dtype=fc1.dtype, rank=2, ...],
@@ -396,8 +403,8 @@ struct SrmDecodeStep:
     ) raises:
         comptime if target != "cpu":
             raise Error("srm_decode_step: CPU only")
-        var B = x.dim_size(0)
-        var d = x.dim_size(1)
+        var B = ids.dim_size(0)
+        var d = embedding.dim_size(1)
         var L = states.dim_size(0)
         var H = states.dim_size(2)
         var hd = states.dim_size(3)
@@ -406,7 +413,7 @@ struct SrmDecodeStep:
         var n = w.dim_size(2)
         var D = _padded(d)
         if states.dim_size(1) != B or H * hd != d or logits.dim_size(0) != B:
-            raise Error("srm_decode_step: x, states and logits disagree on B or d")
+            raise Error("srm_decode_step: ids, embedding, states and logits disagree on B or d")
         if norms.dim_size(0) != L or norms.dim_size(1) != 4 or norms.dim_size(2) != d:
             raise Error("srm_decode_step: norms must be [L, 4, d]")
         if biases.dim_size(0) != L or biases.dim_size(1) != 3 or biases.dim_size(2) != d:
@@ -419,15 +426,21 @@ struct SrmDecodeStep:
             proj.dim_size(1) != D * d or out_w.dim_size(1) != D * d or head.dim_size(0) != _padded(V) * d
         ):
             raise Error("srm_decode_step: packed matrices have the wrong sizes")
-        if scratch.dim_size(0) != B or scratch.dim_size(1) < f + 3 * d:
+        if scratch.dim_size(0) != B or scratch.dim_size(1) < f + 3 * d or clamped.dim_size(0) != B:
             raise Error("srm_decode_step: scratch too small")
-        var pos = _in(positions)
-        for b in range(B):
-            var t = Int(pos[unsafe_offset=b])
-            if t < 0 or t >= n:
-                raise Error("srm_decode_step: position ", t, " outside [0, ", n, ")")
-
         var s = _out(scratch)
+        var pos = _out(clamped)
+        var pin = _in(positions)
+        var tokens = _in(ids)
+        var V_in = embedding.dim_size(0)
+        for b in range(B):
+            var t = Int(pin[unsafe_offset=b])
+            if t < 0:
+                raise Error("srm_decode_step: position ", t, " is negative")
+            pos[unsafe_offset=b] = Int64(min(t, n - 1))
+            var token = Int(tokens[unsafe_offset=b])
+            if token < 0 or token >= V_in:
+                raise Error("srm_decode_step: token id ", token, " outside [0, ", V_in, ")")
         var a = Step(
             B, d, f, V, H, hd, n, L, eps[0],
             s, s.unsafe_offset(B * d), s.unsafe_offset(2 * B * d), s.unsafe_offset(3 * B * d),
@@ -436,9 +449,11 @@ struct SrmDecodeStep:
             Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
             Int(head.unsafe_ptr()),
         )
-        var xi = _in(x)
-        for i in range(B * d):
-            a.x[unsafe_offset=i] = xi[unsafe_offset=i]
+        var emb = _in(embedding)
+        for b in range(B):
+            var row = emb.unsafe_offset(Int(tokens[unsafe_offset=b]) * d)
+            for i in range(d):
+                a.x[unsafe_offset=b * d + i] = row[unsafe_offset=i].cast[F32]()
         var counters = List[Int64](length=(L * HEAD + 1) * STRIDE, fill=0)
         var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
         var workers = min(num_physical_cores(), MAX_WORKERS)

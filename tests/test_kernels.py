@@ -352,25 +352,29 @@ def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
         p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
         p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
         layers.append(p)
-    x = rng.standard_normal((B, d)).astype(np.float32)
+    embedding = rng.standard_normal((V + 3, d)).astype(np.float32)
+    ids = rng.integers(0, V + 3, B)
     states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
-    positions = rng.integers(0, n, B)
+    positions = rng.integers(0, n + 5, B)  # some past the context: clamped to n - 1
     head_w = rng.standard_normal((V, d)).astype(np.float32)
-    logits, new_states = K.decode_step(x, states, positions, layers, head_w, 1e-5)
-    ref_x, ref_states = x.astype(np.float64), []
+    logits, new_states = K.decode_step(ids, embedding, states, positions, layers, head_w, 1e-5)
+    ref_x, ref_states = embedding[ids].astype(np.float64), []
     for l, p in enumerate(layers):
-        ref_x, s = ref_decode_layer(ref_x, states[l], positions, p, 1e-5)
+        ref_x, s = ref_decode_layer(ref_x, states[l], np.minimum(positions, n - 1), p, 1e-5)
         ref_states.append(s)
     close(new_states, np.stack(ref_states))
     close(logits, ref_x @ head_w.T.astype(np.float64))
 
 
-def test_whole_decode_step_rejects_positions_outside_the_context():
+def test_whole_decode_step_rejects_negative_positions_and_unknown_tokens():
     rng = np.random.default_rng(0)
     H, hd, f, d, n = 2, 4, 8, 8, 4
     p = {k: np.ones(s, np.float32) for k, s in {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f],
          "fc2_w": [d, f], "fc2_b": [d], "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d],
          "out_w": [d, d], "out_b": [d]}.items()}
     p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
-    with pytest.raises(Exception, match="position 4 outside"):
-        K.decode_step(np.ones((2, d)), np.ones((1, 2, H, hd)), np.array([0, 4]), [p], np.ones((3, d)), 1e-5)
+    emb, states = np.ones((5, d)), np.ones((1, 2, H, hd))
+    with pytest.raises(Exception, match="position -1 is negative"):
+        K.decode_step([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5)
+    with pytest.raises(Exception, match=r"token id 5 outside \[0, 5\)"):
+        K.decode_step([5, 1], emb, states, [0, 1], [p], np.ones((3, d)), 1e-5)

@@ -284,10 +284,12 @@ class Engine(CompiledGraphs):
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):
-        """``kernels``: the token mixer as the Mojo custom ops (``mojo/``: the scan in
-        prefill, the step update in decode) instead of plain MAX ops. Default: on
-        the CPU, where bench/mixer_kernels.py measured them faster (prefill
-        1.15-1.19x, decode 1.03-1.16x); off on a GPU, where they have not run."""
+        """``kernels``: the Mojo custom ops (``mojo/``) instead of plain MAX ops: the
+        mixer scan in prefill, and in decode the whole step as one op on the CPU
+        (mojo/decode_step.mojo, on copies of the matrices packed at load: they
+        take as much memory again) or the mixer update on a GPU. Default: on the
+        CPU, where bench/mixer_kernels.py and bench/cpu_decode.py measured them
+        faster; off on a GPU, where they have not run."""
         self.config = config
         self._start(dtype, device)
         self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)

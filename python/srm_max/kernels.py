@@ -363,9 +363,9 @@ STEP_INPUTS = ("norms", "fc1_b", "biases", "w", "beta", "lam", "fc1", "fc2", "pr
 
 
 def build_decode_step_graph(library: Path | None = None):
-    """Graph (x, states, positions, *STEP_INPUTS, eps, vocab) -> (logits, new_states):
-    one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU. ``vocab`` is
-    any [V] array: it only names the logits' width."""
+    """Graph (ids, embedding, states, positions, *STEP_INPUTS, eps, vocab) -> (logits,
+    new_states): one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU.
+    ``vocab`` is any [V] array: it only names the logits' width."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
 
@@ -373,22 +373,25 @@ def build_decode_step_graph(library: Path | None = None):
     shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
               "beta": ["L", "H", "n"], "lam": ["L", "H"], "fc1": ["L", "P1"], "fc2": ["L", "P2"],
               "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
-    types = [TensorType(f32, ["B", "d"], dev), TensorType(f32, ["L", "B", "H", "hd"], dev),
+    types = [TensorType(DType.int64, ["B"], dev), TensorType(f32, ["E", "d"], dev),
+             TensorType(f32, ["L", "B", "H", "hd"], dev),
              TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in STEP_INPUTS),
              TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
     with Graph("srm_decode_step_op", input_types=types, custom_extensions=[library or kernel_library()]) as g:
-        x, states, positions, *rest = (v.tensor for v in g.inputs)
+        ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
         vocab = rest.pop()
-        logits, new_states, _ = ops.custom(
-            OP_DECODE_STEP, device=dev, values=[x, states, positions, *rest],
+        logits, new_states, _, _ = ops.custom(
+            OP_DECODE_STEP, device=dev, values=[ids, embedding, states, positions, *rest],
             out_types=[TensorType(f32, ["B", vocab.shape[0]], dev), TensorType(f32, states.shape, dev),
-                       TensorType(f32, ["B", Dim("f") + 3 * Dim("d")], dev)])
+                       TensorType(f32, ["B", Dim("f") + 3 * Dim("d")], dev),
+                       TensorType(DType.int64, ["B"], dev)])
         g.output(logits.tensor, new_states.tensor)
     return g
 
 
-def decode_step(x, states, positions, layer_params: list[dict], head_w, eps: float):
-    """One whole decode step: x [B, d] (embedded tokens), states [L, B, H, hd], one dict of
+def decode_step(ids, embedding, states, positions, layer_params: list[dict], head_w, eps: float):
+    """One whole decode step: ids [B] (rows of embedding [E, d]), states [L, B, H, hd]
+    (positions past n are clamped to n - 1), one dict of
     LAYER_PARAMS arrays per layer (w, beta [H, n], lam [H] the decay per step), head_w
     [V, d]. Packs the matrices as srm_max/packing.py does and returns
     ``(logits [B, V], new_states [L, B, H, hd])``."""
@@ -410,7 +413,7 @@ def decode_step(x, states, positions, layer_params: list[dict], head_w, eps: flo
         "head": _f32(pack_matrix(np.asarray(head_w, np.float32))),
     }
     out = _models["decode_step"].execute(
-        _f32(x), _f32(states), _i64(positions), *(inputs[k] for k in STEP_INPUTS),
+        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in STEP_INPUTS),
         np.array([eps], np.float32), np.zeros(len(head_w), np.float32))
     return tuple(t.to_numpy().copy() for t in out)
 
