@@ -6,9 +6,8 @@ Two engines on the same weights, differing only in the token mixer
 (``Engine(kernels=False)``: plain ops, the chunked-scan prefill and the
 elementwise decode update; ``kernels=True``: ``srm_mixer_scan`` of
 ``mojo/mixer_scan.mojo`` in prefill and ``srm_mixer_step_functional`` of
-``mojo/mixer_step.mojo`` in decode, without the fused small-batch ops that the
-engine's default CPU graph also takes at batch <= 16: bench/cpu_decode.py times
-those). Decode: for each batch both run the same
+``mojo/mixer_step.mojo`` in decode, without the whole-step op that the engine's
+default CPU decode graph runs instead: bench/cpu_decode.py times that). Decode: for each batch both run the same
 greedy multi-step decode, alternating, best of ``--repeats``. Prefill: prompts
 of ``--prefill-shapes`` (batch x length). Tokens must agree. Prints tokens/s and
 the ratio; writes ``bench/results/mixer_kernels.json``.
