@@ -338,7 +338,7 @@ def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
 
 # --------------------------------------------------------------------- decode loop
 def build_multistep_decode_graph(name: str, state_type: TensorType, make_step, device: DeviceRef,
-                                 custom_extensions=(), small_batch=None) -> Graph:
+                                 custom_extensions=()) -> Graph:
     """S decode steps for a batch in one ``execute`` (B and S symbolic), any model.
 
     Inputs: ids [B], positions [B], states (``state_type``), temperature / top_k /
@@ -347,9 +347,6 @@ def build_multistep_decode_graph(name: str, state_type: TensorType, make_step, d
     ``make_step()`` is called inside the graph and returns ``step(ids, pos, states)
     -> (logits [B, V], new states)``. The token drawn after reading position p has
     position p + 1: that is its random counter.
-    ``small_batch=(max_batch, make_small_step)``: batches up to ``max_batch`` run the
-    loop with that step instead (one ``ops.cond`` around the whole loop, chosen per
-    call from the batch size, so neither loop pays for the choice at every step).
     """
     host = DeviceRef.CPU()
     input_types = [
@@ -391,20 +388,6 @@ def build_multistep_decode_graph(name: str, state_type: TensorType, make_step, d
                 [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
             return toks, s_out, last, pos_out
 
-        if small_batch is None:
-            outputs = decode_loop(make_step())
-        else:
-            max_batch, make_small_step = small_batch
-            B = ids.shape[0]
-            small = ops.reshape(ops.shape_to_tensor([B]) <= max_batch, [])
-            out_types = [TensorType(I64, [B, steps.shape[0]], device), state_type,
-                         TensorType(I64, [B], device), TensorType(I64, [B], device)]
-            # While a branch is built it is not yet attached to the graph, so MAX's
-            # eager check of each new op sees the weights (defined at the top of the
-            # graph) as out of scope; the whole graph is verified once complete.
-            with g._pause_verification():
-                outputs = [v.tensor for v in ops.cond(
-                    small, out_types, lambda: decode_loop(make_small_step()),
-                    lambda: decode_loop(make_step()))]
+        outputs = decode_loop(make_step())
         g.output(*outputs)
     return g
