@@ -27,8 +27,10 @@ over minutes, so the first is the fair ratio and the second the demanding one;
 the table shows both.
 ``--profile`` adds where the time of a step goes: a MAX graph of the step's
 matrix products alone (same weights, same matmul ops as the unfused graph), timed
-at each batch against the unfused step: the rest is norms, activations, adds,
-the mixer, sampling and per-op overhead.
+at each batch against the unfused step (the rest is norms, activations, adds,
+the mixer, sampling and per-op overhead); and srm-max's step on a model too small
+for its arithmetic to count (d 16, 2 layers): the fixed cost of a step (decode
+loop, sampler, the op's fork-join) against srm-max's step.
 
 Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
 previous one's worker threads still spin. The greedy tokens of all engines must
@@ -183,6 +185,21 @@ class LimitsProbe:
                 self.bytes_per_s = max(self.bytes_per_s, self.bytes / (time.perf_counter() - t))
 
 
+def fixed_step_seconds(batches, steps, repeats) -> dict:
+    """Seconds per step of srm-max's decode on a model too small for its arithmetic to
+    count (d 16, 2 layers, vocab 64): the decode loop, the sampler and the whole-step
+    op's fork-join, which every step pays whatever the model."""
+    from srm_max.engine import Engine
+
+    config = srm_config(d_model=16, n_layers=2, n_heads=2, context_length=96, vocab_size=64)
+    decode = MaxDecode(Engine(config, srm_weights(build_srm_reference(config)), kernels=True).warmup())
+    out = {}
+    for b in batches:
+        decode.prepare(b, steps)
+        out[b] = _best(decode.run, repeats) / steps
+    return out
+
+
 def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
     """Seconds per step of a MAX graph holding only the step's matrix products."""
     from max.driver import Buffer
@@ -255,6 +272,7 @@ def main(argv=None) -> int:
         print(f"{name}: graphs ready in {time.perf_counter() - t:.1f} s", flush=True)
 
     chain = matmul_chain_seconds(config, weights, a.batches, a.steps, a.repeats) if a.profile else {}
+    fixed = fixed_step_seconds(a.batches, a.steps, a.repeats) if a.profile else {}
 
     rows = []
     probe = LimitsProbe(weight_bytes)
@@ -288,7 +306,9 @@ def main(argv=None) -> int:
             step_s = b / tps["srm-max-unfused"]
             row["profile"] = {"unfused_step_seconds": step_s, "matmul_chain_seconds": chain[b],
                               "matmul_share_of_unfused_step": chain[b] / step_s,
-                              "fused_step_seconds": b / tps["srm-max"]}
+                              "fused_step_seconds": b / tps["srm-max"],
+                              "fixed_step_seconds": fixed[b],
+                              "fixed_share_of_fused_step": fixed[b] / (b / tps["srm-max"])}
         rows.append(row)
         print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  unfused {tps['srm-max-unfused']:9,.0f}  "
               f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch   "
