@@ -192,3 +192,24 @@ def test_pha_comparison_pieces(tmp_path):
     assert check["matches_paper"] and check["largest_branch_per_layer"] == ["gss", "attn", "gss"]
     mixing["weights"][1] = [0.4, 0.2, 0.2, 0.2]
     assert not pc.sandwich_check(mixing)["matches_paper"]
+
+
+def test_cpu_decode_limits_probe_and_fixed_step_cost():
+    """bench/cpu_decode.py's measuring pieces on small sizes: the limits probe keeps the best
+    rate seen since its reset; the fixed cost of a step is measured on the suite's tiny shape
+    (the same compiled graphs as the engine tests)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        cd = importlib.import_module("cpu_decode")
+    finally:
+        sys.path.remove(str(BENCH))
+    probe = cd.LimitsProbe(1 << 20, n=256)
+    probe.run()
+    first = (probe.flops, probe.bytes_per_s)
+    assert first[0] > 1e8 and first[1] > 1e8
+    probe.run()
+    assert probe.flops >= first[0] and probe.bytes_per_s >= first[1]
+    probe.reset()
+    assert probe.flops == 0 and probe.bytes_per_s == 0
+    fixed = cd.fixed_step_seconds([1, 3], steps=2, repeats=1)
+    assert set(fixed) == {1, 3} and all(0 < s < 1 for s in fixed.values())
