@@ -121,12 +121,13 @@ def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef 
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_decode_{dt}" + ("_kernels" if kernels else "")
     state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
-    W = ModelWeights(c, wdtype, device)
-    if kernels and fused and device.is_cpu():
-        def make_step():
+    whole_step = kernels and fused and device.is_cpu()
+
+    def make_step():
+        W = ModelWeights(c, wdtype, device)
+        if whole_step:
             return lambda ids, pos, states: step_fused(W, c, ids, pos, states, device)
-    else:
-        def make_step():
-            return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
+        return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
+
     return layers.build_multistep_decode_graph(
         name, state_type, make_step, device, [kernel_library()] if kernels else [])

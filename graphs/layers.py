@@ -364,30 +364,26 @@ def build_multistep_decode_graph(name: str, state_type: TensorType, make_step, d
     with Graph(name, input_types=input_types, custom_extensions=list(custom_extensions)) as g:
         ids, pos, states, temperature, top_k, top_p, seed, mode, steps, n_steps = (
             v.tensor for v in g.inputs)
+        step = make_step()
+        acc0 = ops.broadcast_to(ops.unsqueeze(ops.constant(0, I64, device=device), 0),
+                                [ids.shape[0], steps.shape[0]])
+        acc0 = acc0 + ops.unsqueeze(ids * 0, -1)  # [B, S] zeros
+        i_host = ops.constant(0, I64, device=host)
+        i_dev = ops.constant(0, I64, device=device)
 
-        def decode_loop(step):
-            acc0 = ops.broadcast_to(ops.unsqueeze(ops.constant(0, I64, device=device), 0),
-                                    [ids.shape[0], steps.shape[0]])
-            acc0 = acc0 + ops.unsqueeze(ids * 0, -1)  # [B, S] zeros
-            i_host = ops.constant(0, I64, device=host)
-            i_dev = ops.constant(0, I64, device=device)
+        # The sampling inputs ride along unchanged: a cond inside the loop body may
+        # only use values of the body (MAX 26.7 rejects graph inputs captured there).
+        def pred(ih, idv, t, p, s, acc, *sampling):
+            return ih < n_steps
 
-            # The sampling inputs ride along unchanged: a cond inside the loop body may
-            # only use values of the body (MAX 26.7 rejects graph inputs captured there).
-            def pred(ih, idv, t, p, s, acc, *sampling):
-                return ih < n_steps
+        def body(ih, idv, t, p, s, acc, temp, k, top, sd):
+            logits, s = step(t, p, s)
+            nxt = sample(logits, temp, k, top, sd, p + 1, mode, device)
+            hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
+            acc = acc + hit * ops.unsqueeze(nxt, -1)  # each slot written once
+            return ih + 1, idv + 1, nxt, p + 1, s, acc, temp, k, top, sd
 
-            def body(ih, idv, t, p, s, acc, temp, k, top, sd):
-                logits, s = step(t, p, s)
-                nxt = sample(logits, temp, k, top, sd, p + 1, mode, device)
-                hit = ops.cast(ops.equal(ops.unsqueeze(steps, 0), idv), I64)  # [1, S] one-hot
-                acc = acc + hit * ops.unsqueeze(nxt, -1)  # each slot written once
-                return ih + 1, idv + 1, nxt, p + 1, s, acc, temp, k, top, sd
-
-            _, _, last, pos_out, s_out, toks, *_ = ops.while_loop(
-                [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
-            return toks, s_out, last, pos_out
-
-        outputs = decode_loop(make_step())
-        g.output(*outputs)
+        _, _, last, pos_out, s_out, toks, *_ = ops.while_loop(
+            [i_host, i_dev, ids, pos, states, acc0, temperature, top_k, top_p, seed], pred, body)
+        g.output(toks, s_out, last, pos_out)
     return g

@@ -359,15 +359,16 @@ def mixer_scan(u, lengths, w, beta, lam):
 # The whole-step decode op (mojo/decode_step.mojo), CPU only.
 LAYER_PARAMS = ("cn_w", "cn_b", "fc1_w", "fc1_b", "fc2_w", "fc2_b", "tn_w", "tn_b", "proj_w", "proj_b",
                 "w", "beta", "lam", "out_w", "out_b")
-STEP_INPUTS = ("norms", "fc1_b", "biases", "w", "beta", "lam", "fc1", "fc2", "proj", "out", "head")
 
 
 def build_decode_step_graph(library: Path | None = None):
-    """Graph (ids, embedding, states, positions, *STEP_INPUTS, eps, vocab) -> (logits,
+    """Graph (ids, embedding, states, positions, *packing.INPUTS, eps, vocab) -> (logits,
     new_states): one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU.
     ``vocab`` is any [V] array: it only names the logits' width."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
+
+    from .packing import INPUTS
 
     dev, f32 = DeviceRef.CPU(), DType.float32
     shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
@@ -375,7 +376,7 @@ def build_decode_step_graph(library: Path | None = None):
               "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
     types = [TensorType(DType.int64, ["B"], dev), TensorType(f32, ["E", "d"], dev),
              TensorType(f32, ["L", "B", "H", "hd"], dev),
-             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in STEP_INPUTS),
+             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in INPUTS),
              TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
     with Graph("srm_decode_step_op", input_types=types, custom_extensions=[library or kernel_library()]) as g:
         ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
@@ -393,27 +394,15 @@ def decode_step(ids, embedding, states, positions, layer_params: list[dict], hea
     """One whole decode step: ids [B] (rows of embedding [E, d]), states [L, B, H, hd]
     (positions past n are clamped to n - 1), one dict of
     LAYER_PARAMS arrays per layer (w, beta [H, n], lam [H] the decay per step), head_w
-    [V, d]. Packs the matrices as srm_max/packing.py does and returns
+    [V, d]. Lays them out with srm_max/packing.py, as the engine does, and returns
     ``(logits [B, V], new_states [L, B, H, hd])``."""
-    from .packing import pack_matrix
+    from .packing import INPUTS, step_tensors
 
     if "decode_step" not in _models:
         _models["decode_step"] = load_compiled(session(), build_decode_step_graph())
-
-    def stack(fn):
-        return _f32(np.stack([fn(p) for p in layer_params]))
-
-    inputs = {
-        "norms": stack(lambda p: np.stack([p["cn_w"], p["cn_b"], p["tn_w"], p["tn_b"]])),
-        "fc1_b": stack(lambda p: p["fc1_b"]),
-        "biases": stack(lambda p: np.stack([p["fc2_b"], p["proj_b"], p["out_b"]])),
-        "w": stack(lambda p: p["w"]), "beta": stack(lambda p: p["beta"]), "lam": stack(lambda p: p["lam"]),
-        "fc1": stack(lambda p: pack_matrix(p["fc1_w"])), "fc2": stack(lambda p: pack_matrix(p["fc2_w"])),
-        "proj": stack(lambda p: pack_matrix(p["proj_w"])), "out": stack(lambda p: pack_matrix(p["out_w"])),
-        "head": _f32(pack_matrix(np.asarray(head_w, np.float32))),
-    }
+    inputs = step_tensors(layer_params, head_w)
     out = _models["decode_step"].execute(
-        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in STEP_INPUTS),
+        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
         np.array([eps], np.float32), np.zeros(len(head_w), np.float32))
     return tuple(t.to_numpy().copy() for t in out)
 

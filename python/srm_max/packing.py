@@ -32,48 +32,65 @@ def pack_matrix(w: np.ndarray) -> np.ndarray:
     return np.concatenate([full[q:q + PANEL].T.reshape(-1) for q in range(0, len(full), PANEL)])
 
 
+# the op's weight inputs, in its argument order
+INPUTS = ("norms", "fc1_b", "biases", "w", "beta", "lam", "fc1", "fc2", "proj", "out", "head")
+
+
 def shapes(config) -> dict[str, list[int]]:
-    """name -> shape of every tensor the op reads besides the activations and states."""
+    """name -> shape of every tensor the op reads besides the activations and states,
+    in INPUTS order."""
     c = config
     L, d, f, H, n = c.n_layers, c.d_model, c.ffn_dim, c.n_heads, c.context_length
     D = padded(d)
-    return {PREFIX + k: s for k, s in {
-        "norms": [L, 4, d], "fc1_b": [L, f], "biases": [L, 3, d],
-        "w": [L, H, n], "beta": [L, H, n], "lam": [L, H],
-        "fc1": [L, padded(f) * d], "fc2": [L, D * f], "proj": [L, D * d], "out": [L, D * d],
-        "head": [padded(c.vocab_size) * d]}.items()}
+    by_input = {"norms": [L, 4, d], "fc1_b": [L, f], "biases": [L, 3, d],
+                "w": [L, H, n], "beta": [L, H, n], "lam": [L, H],
+                "fc1": [L, padded(f) * d], "fc2": [L, D * f], "proj": [L, D * d], "out": [L, D * d],
+                "head": [padded(c.vocab_size) * d]}
+    return {PREFIX + k: by_input[k] for k in INPUTS}
 
 
 def matrix_names() -> set[str]:
     return {PREFIX + k for k in MATRICES}
 
 
-def decode_step_weights(config, weights: dict[str, np.ndarray], derived: dict[str, np.ndarray]
-                        ) -> dict[str, np.ndarray]:
-    """The op's tensors (float32) from the checkpoint and ``layers.derived_weights``."""
-    c = config
-    L = range(c.n_layers)
-
-    def key(l, k):
-        return f"mixer_blocks.{l}.{k}"
-
+def step_tensors(layers: list[dict], head_w: np.ndarray) -> dict[str, np.ndarray]:
+    """The op's tensors (float32, keyed by INPUTS) from one dict per layer: cn_w, cn_b,
+    fc1_w, fc1_b, fc2_w, fc2_b, tn_w, tn_b, proj_w, proj_b, out_w, out_b (torch layout),
+    w, beta [H, n] and lam [H] (the decay per step); head_w [V, d]."""
     def stack(fn):
-        return np.stack([fn(l) for l in L])
+        return np.stack([fn(p) for p in layers])
 
     out = {
-        "norms": stack(lambda l: np.stack([weights[key(l, k)] for k in (
-            "channel_norm.weight", "channel_norm.bias", "token_norm.weight", "token_norm.bias")])),
-        "fc1_b": stack(lambda l: weights[key(l, "channel_mixing_layer.0.bias")]),
-        "biases": stack(lambda l: np.stack([weights[key(l, "channel_mixing_layer.2.bias")],
-                                            derived[derived_name(l, "proj.bias")],
-                                            weights[key(l, "token_mixing_layer.out_proj.bias")]])),
-        "w": stack(lambda l: derived[derived_name(l, "mixer.w")].T),
-        "beta": stack(lambda l: derived[derived_name(l, "mixer.beta")].T),
-        "lam": stack(lambda l: np.exp(derived[derived_name(l, "mixer.loglam")].astype(np.float64))),
-        "fc1": stack(lambda l: pack_matrix(weights[key(l, "channel_mixing_layer.0.weight")])),
-        "fc2": stack(lambda l: pack_matrix(weights[key(l, "channel_mixing_layer.2.weight")])),
-        "proj": stack(lambda l: pack_matrix(derived[derived_name(l, "proj.weight")])),
-        "out": stack(lambda l: pack_matrix(weights[key(l, "token_mixing_layer.out_proj.weight")])),
-        "head": pack_matrix(weights["output_layer.weight"]),
+        "norms": stack(lambda p: np.stack([p["cn_w"], p["cn_b"], p["tn_w"], p["tn_b"]])),
+        "fc1_b": stack(lambda p: p["fc1_b"]),
+        "biases": stack(lambda p: np.stack([p["fc2_b"], p["proj_b"], p["out_b"]])),
+        "w": stack(lambda p: p["w"]), "beta": stack(lambda p: p["beta"]), "lam": stack(lambda p: p["lam"]),
+        "fc1": stack(lambda p: pack_matrix(p["fc1_w"])), "fc2": stack(lambda p: pack_matrix(p["fc2_w"])),
+        "proj": stack(lambda p: pack_matrix(p["proj_w"])), "out": stack(lambda p: pack_matrix(p["out_w"])),
+        "head": pack_matrix(np.asarray(head_w, np.float32)),
     }
-    return {PREFIX + k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    return {k: np.ascontiguousarray(out[k], dtype=np.float32) for k in INPUTS}
+
+
+def decode_step_weights(config, weights: dict[str, np.ndarray], derived: dict[str, np.ndarray]
+                        ) -> dict[str, np.ndarray]:
+    """The op's tensors (named as the graph's weights) from the checkpoint and
+    ``layers.derived_weights``."""
+    def layer(l):
+        p = f"mixer_blocks.{l}."
+        return {
+            "cn_w": weights[p + "channel_norm.weight"], "cn_b": weights[p + "channel_norm.bias"],
+            "fc1_w": weights[p + "channel_mixing_layer.0.weight"],
+            "fc1_b": weights[p + "channel_mixing_layer.0.bias"],
+            "fc2_w": weights[p + "channel_mixing_layer.2.weight"],
+            "fc2_b": weights[p + "channel_mixing_layer.2.bias"],
+            "tn_w": weights[p + "token_norm.weight"], "tn_b": weights[p + "token_norm.bias"],
+            "proj_w": derived[derived_name(l, "proj.weight")], "proj_b": derived[derived_name(l, "proj.bias")],
+            "out_w": weights[p + "token_mixing_layer.out_proj.weight"],
+            "out_b": weights[p + "token_mixing_layer.out_proj.bias"],
+            "w": derived[derived_name(l, "mixer.w")].T, "beta": derived[derived_name(l, "mixer.beta")].T,
+            "lam": np.exp(derived[derived_name(l, "mixer.loglam")].astype(np.float64)),
+        }
+
+    tensors = step_tensors([layer(l) for l in range(config.n_layers)], weights["output_layer.weight"])
+    return {PREFIX + k: v for k, v in tensors.items()}
