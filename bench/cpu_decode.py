@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
-                    matmul_flops, matmul_flops_torch, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
+                    srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
@@ -120,39 +120,12 @@ class TorchDecode:
 
 
 # ------------------------------------------------------------------ limits
-def read_bandwidth(nbytes: int, repeats: int = 20) -> dict:
-    """Bytes/s of summing a float32 array of ``nbytes`` (it stays in cache when it
-    fits, as the weights do between decode steps): the best of numpy (1 thread)
-    and torch (2 threads)."""
-    import torch
-
-    a = np.ones(nbytes // 4, np.float32)
-    t = torch.from_numpy(a)
-    torch.set_num_threads(2)
-    best = {"numpy": _best(lambda: a.sum(), repeats), "torch-2-threads": _best(lambda: t.sum(), repeats)}
-    who = min(best, key=best.get)
-    return {"bytes": nbytes, "best_of": who, "bytes_per_s": nbytes / best[who],
-            "per_reader_bytes_per_s": {k: nbytes / v for k, v in best.items()}}
-
-
-def measure_limits(weight_bytes: int) -> dict:
-    """The machine's limits right now: the float32 matmul rate (best of numpy and 2-thread
-    torch, 2048x2048) and the read bandwidth over a weights-sized array. This machine's
-    speed drifts by tens of percent over minutes, so main() measures them before and
-    after the engines and keeps the best of each."""
-    import torch
-
-    torch.set_num_threads(2)
-    rates = {"numpy": matmul_flops(repeats=10)["flops"],
-             "torch-2-threads": matmul_flops_torch(2048, "cpu", "float32", repeats=10)["flops"]}
-    return {"matmul_flops": rates, "read_bandwidth": read_bandwidth(weight_bytes)}
-
-
 class LimitsProbe:
-    """The roof and streaming rates timed once per repeat next to the engines (one
-    2048x2048 float32 matmul in numpy and in 2-thread torch, five sums over a
-    weights-sized array in each), so every batch has limits measured in the same
-    minutes as its engines: this machine's speed drifts by tens of percent."""
+    """The roof and streaming rates: one ``run`` times a 2048x2048 float32 matmul in numpy
+    and in 2-thread torch and five sums over a weights-sized array in each, keeping the
+    best since ``reset``. Run once per repeat next to the engines, every batch has limits
+    measured in the same minutes as its engines (this machine's speed drifts by tens of
+    percent); ``measure`` takes the best of ten runs, before and after the engines."""
 
     def __init__(self, weight_bytes: int, n: int = 2048):
         import torch
@@ -169,6 +142,16 @@ class LimitsProbe:
 
     def reset(self):
         self.flops, self.bytes_per_s = 0.0, 0.0
+
+    def measure(self, runs: int = 10) -> dict:
+        """The best of ``runs`` fresh runs: the limits before and after the engines."""
+        self.reset()
+        for _ in range(runs):
+            self.run()
+        return self.limits()
+
+    def limits(self) -> dict:
+        return {"matmul_flops": self.flops, "read_bytes_per_s": self.bytes_per_s}
 
     def run(self):
         import torch
@@ -261,7 +244,8 @@ def main(argv=None) -> int:
     params = srm_matmul_params(config)
     flops_per_token = 2 * params
     weight_bytes = params * (4 if a.dtype == "float32" else 2)
-    limits = [measure_limits(weight_bytes)]
+    probe = LimitsProbe(weight_bytes)
+    limits = [probe.measure()]
 
     engines = {"srm-max": MaxDecode(Engine(config, weights, a.dtype, kernels=True)),
                "srm-max-unfused": MaxDecode(unfused_engine(config, weights, a.dtype)),
@@ -275,7 +259,6 @@ def main(argv=None) -> int:
     fixed = fixed_step_seconds(a.batches, a.steps, a.repeats) if a.profile else {}
 
     rows = []
-    probe = LimitsProbe(weight_bytes)
     for b in a.batches:
         for e in engines.values():
             e.prepare(b, a.steps)
@@ -299,7 +282,7 @@ def main(argv=None) -> int:
         row = {"batch": b, "steps": a.steps, "tokens_per_s": tps, "token_agreement_with_srm_max": agreement,
                "srm_max_over_torch": tps["srm-max"] / torch_best,
                "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"],
-               "limits_alongside": {"matmul_flops": probe.flops, "read_bytes_per_s": probe.bytes_per_s},
+               "limits_alongside": probe.limits(),
                "percent_of_roof_alongside": 100 * tps["srm-max"] * flops_per_token / probe.flops,
                "percent_of_streaming_alongside": 100 * (tps["srm-max"] / b) * weight_bytes / probe.bytes_per_s}
         if b in chain:  # the unfused graph's step against its matrix products alone
@@ -316,11 +299,10 @@ def main(argv=None) -> int:
               f"streaming (limits measured alongside)", flush=True)
 
     time.sleep(SETTLE_S)
-    limits.append(measure_limits(weight_bytes))
-    flops = max([r for m in limits for r in m["matmul_flops"].values()]
-                + [row["limits_alongside"]["matmul_flops"] for row in rows])
-    bandwidth = max([m["read_bandwidth"]["bytes_per_s"] for m in limits]
-                    + [row["limits_alongside"]["read_bytes_per_s"] for row in rows])
+    limits.append(probe.measure())
+    every = limits + [row["limits_alongside"] for row in rows]
+    flops = max(m["matmul_flops"] for m in every)
+    bandwidth = max(m["read_bytes_per_s"] for m in every)
     roof_tps = flops / flops_per_token
     stream_tps = bandwidth / weight_bytes
     print(f"roof {roof_tps:,.0f} tok/s ({flops / 1e9:.0f} GFLOP/s); weight streaming {stream_tps:,.0f} "

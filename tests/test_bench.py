@@ -211,5 +211,8 @@ def test_cpu_decode_limits_probe_and_fixed_step_cost():
     assert probe.flops >= first[0] and probe.bytes_per_s >= first[1]
     probe.reset()
     assert probe.flops == 0 and probe.bytes_per_s == 0
+    limits = probe.measure(runs=2)
+    assert limits == {"matmul_flops": probe.flops, "read_bytes_per_s": probe.bytes_per_s}
+    assert limits["matmul_flops"] > 1e8 and limits["read_bytes_per_s"] > 1e8
     fixed = cd.fixed_step_seconds([1, 3], steps=2, repeats=1)
     assert set(fixed) == {1, 3} and all(0 < s < 1 for s in fixed.values())
