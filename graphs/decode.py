@@ -16,7 +16,10 @@ Outputs:
     positions    [B]            int64  = positions + S
 
 With the Mojo kernels on a CPU the whole step (every layer and the logits) is one
-op, ``step_fused`` (mojo/decode_step.mojo), at every batch size.
+op, ``step_fused`` (mojo/decode_step.mojo), at every batch size; and when every
+sample is greedy the engine runs ``build_decode_greedy_graph`` instead: all S
+steps in one op, no graph loop (whose per-step cost was a tenth of a batch-1
+step).
 
 The new token drawn after reading position p has position p + 1: that is its
 random counter, so a sample's tokens depend only on its seed, prompt and
@@ -92,6 +95,13 @@ def step(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: Te
     return layers.logits_of(W, x), ops.stack(new_states, axis=0)
 
 
+def _step_tensors(W: ModelWeights, config) -> list:
+    """The op's weight inputs after the embedding, as graph weights (packing.INPUTS order)."""
+    matrices = packing.matrix_names()
+    return [(W.matrix if name in matrices else W.get)(name, shape)
+            for name, shape in packing.shapes(config).items()]
+
+
 def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
                device: DeviceRef):
     """``step`` as one Mojo op (mojo/decode_step.mojo): every layer and the logits,
@@ -99,16 +109,42 @@ def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, stat
     c = config
     B = ids.shape[0]
     eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
-    matrices = packing.matrix_names()
-    packed = [(W.matrix if name in matrices else W.get)(name, shape)
-              for name, shape in packing.shapes(c).items()]
     # the op gathers the embedding rows and clamps the positions itself: fewer ops a step
     logits, new_states, _, _ = ops.custom(
         "srm_decode_step", device=device,
-        values=[ids, W.embedding(), states, pos, *packed, eps],
+        values=[ids, W.embedding(), states, pos, *_step_tensors(W, c), eps],
         out_types=[TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device),
                    TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device), TensorType(I64, [B], device)])
     return logits.tensor, new_states.tensor
+
+
+def build_decode_greedy_graph(config, wdtype: DType = DType.float32, name: str | None = None) -> Graph:
+    """S greedy steps as ONE op (mojo/decode_step.mojo ``srm_decode_greedy``), CPU.
+
+    Inputs: ids [B], positions [B], states, steps [S] (its length is the step
+    count). Outputs as ``build_decode_graph``'s: tokens [B, S], states, ids =
+    tokens[:, -1], positions + S. The same tokens and states as that graph in
+    greedy mode (tests/test_engine.py)."""
+    device = DeviceRef.CPU()
+    c = config
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
+    input_types = [TensorType(I64, ["batch"], device), TensorType(I64, ["batch"], device), state_type,
+                   TensorType(I64, ["steps"], device)]
+    with Graph(name or f"srm_decode_greedy_{dt}_kernels", input_types=input_types,
+               custom_extensions=[kernel_library()]) as g:
+        ids, pos, states, steps = (v.tensor for v in g.inputs)
+        W = ModelWeights(c, wdtype, device)
+        eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
+        B = ids.shape[0]
+        tokens, new_states, last, next_pos, _ = ops.custom(
+            "srm_decode_greedy", device=device,
+            values=[ids, W.embedding(), states, pos, *_step_tensors(W, c), eps, steps],
+            out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(F32, states.shape, device),
+                       TensorType(I64, [B], device), TensorType(I64, [B], device),
+                       TensorType(F32, [B, c.ffn_dim + 3 * c.d_model + c.vocab_size], device)])
+        g.output(tokens.tensor, new_states.tensor, last.tensor, next_pos.tensor)
+    return g
 
 
 def build_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,

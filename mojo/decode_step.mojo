@@ -1,4 +1,5 @@
-"""A whole SRM decode step on the CPU as one op: every layer and the logits.
+"""SRM decode on the CPU as one op: a whole step (every layer and the logits), or
+S greedy steps in one call.
 
 A decode step is a chain of small matrix products (five per layer, batch rows
 against the weights) with norms, activations, residuals and the mixer update
@@ -18,6 +19,15 @@ busy thread pool only slows the step down.
                     head [Vp*d], eps [1])
         -> logits [B, V], new_states [L, B, H, hd], scratch [B, f + 3d],
            clamped positions [B] int64
+
+    srm_decode_greedy(the same inputs, then steps [S] int64: only its length is read)
+        -> tokens [B, S] int64, new_states, last [B] int64 (= tokens[:, S-1]),
+           next positions [B] int64 (= positions + S), scratch [B, f + 3d + V]
+
+S steps with greedy choice: each step's token is the first argmax of its logits,
+read back inside the op as the next step's input, so S steps cost one call and
+one fork-join (a graph loop around the one-step op pays both per step). With
+S = 0 the states are copied and last = ids.
 
 x starts as the ids' rows of the embedding; positions past the context are clamped
 to n - 1 (the host discards those tokens); norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
@@ -72,6 +82,7 @@ comptime LN_T = 3
 comptime PROJ = 4
 comptime OUT = 5
 comptime HEAD = 6
+comptime ARGMAX = 7  # greedy: each row's token, and its embedding row as the next x
 
 
 def _padded(n: Int) -> Int:
@@ -121,6 +132,11 @@ struct Step(ImplicitlyCopyable, Movable):
     var proj: Int
     var out: Int
     var head: Int
+    var emb: Int  # the embedding [V_in, d] (the matrices' dtype)
+    var pos_in: I64P  # the positions given (greedy steps count on from them)
+    var tokens: I64P  # greedy: [B, S]
+    var S: Int  # steps this call
+    var s: Int  # the step being computed
 
 
 # ------------------------------------------------------------------ products
@@ -318,6 +334,32 @@ def _norm_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
         _layer_norm[WD](a.z.unsafe_offset(r * a.d), a.x.unsafe_offset(r * a.d), g, b, a.eps, a.d)
 
 
+# ------------------------------------------------------------------ greedy choice
+def _argmax_unit[WD: DType](a: Step, u: Int):
+    """Rows of one unit: the token (first index of the largest logit, as MAX's argmax)
+    and, for the next step, its embedding row as x and its clamped position."""
+    var emb = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=a.emb)
+    for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
+        var row = a.logits.unsafe_offset(r * a.V)
+        var m = SIMD[F32, W](-Float32.MAX)
+        var i = 0
+        while i + W <= a.V:
+            m = max(m, row.unsafe_load[width=W](i))
+            i += W
+        var best = m.reduce_max()
+        for t in range(i, a.V):
+            best = max(best, row[unsafe_offset=t])
+        var token = 0
+        while token < a.V - 1 and row[unsafe_offset=token] != best:
+            token += 1
+        a.tokens[unsafe_offset=r * a.S + a.s] = Int64(token)
+        if a.s + 1 < a.S:
+            var e = emb.unsafe_offset(token * a.d)
+            for c in range(a.d):
+                a.x[unsafe_offset=r * a.d + c] = e[unsafe_offset=c].cast[F32]()
+            a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
+
+
 # ------------------------------------------------------------------ scheduling
 def _row_chunk(B: Int) -> Int:
     """Batch rows per unit: B split evenly into chunks of at most MAX_ROW_CHUNK,
@@ -329,7 +371,7 @@ def _row_chunk(B: Int) -> Int:
 
 
 def _units[kind: Int](a: Step) -> Int:
-    comptime if kind == LN_C or kind == LN_T:
+    comptime if kind == LN_C or kind == LN_T or kind == ARGMAX:
         return (a.B + NORM_CHUNK - 1) // NORM_CHUNK
     else:
         var N = a.f if kind == FC1 else (a.V if kind == HEAD else a.d)
@@ -349,6 +391,8 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
             break
         comptime if kind == LN_C or kind == LN_T:
             _norm_unit[kind, WD](a, l, u)
+        elif kind == ARGMAX:
+            _argmax_unit[WD](a, u)
         else:
             _product_unit[kind, WD](a, l, u)
         _ = Atomic[Int64].fetch_add(done, 1)
@@ -356,13 +400,26 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
         pass
 
 
-def _worker[WD: DType](a: Step, counters: I64P):
+def _phases_per_step(greedy: Bool, L: Int) -> Int:
+    return L * HEAD + 1 + (1 if greedy else 0)
+
+
+def _worker[WD: DType, greedy: Bool](step: Step, counters: I64P):
+    """Every phase of the call in order (each phase has its own counters)."""
+    var a = step
     var c = counters
-    for l in range(a.L):
-        comptime for kind in range(HEAD):
-            _phase[kind, WD](a, l, c)
+    for s in range(a.S):
+        a.s = s
+        for l in range(a.L):
+            comptime for kind in range(HEAD):
+                _phase[kind, WD](a, l, c)
+                c = c.unsafe_offset(STRIDE)
+        _phase[HEAD, WD](a, a.L - 1, c)
+        c = c.unsafe_offset(STRIDE)
+        comptime if greedy:
+            _phase[ARGMAX, WD](a, 0, c)
             c = c.unsafe_offset(STRIDE)
-    _phase[HEAD, WD](a, a.L - 1, c)
+        a.s_in = a.s_out  # later steps update the new states in place
 
 
 def _in[dt: DType](t: InputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUntrackedOrigin]:
@@ -371,6 +428,94 @@ def _in[dt: DType](t: InputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUntr
 
 def _out[dt: DType](t: OutputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUntrackedOrigin]:
     return Pointer[Scalar[dt], MutUntrackedOrigin](unsafe_from_address=Int(t.unsafe_ptr()))
+
+
+def _prepare[WD: DType](
+    op: StaticString, V: Int, S: Int, logits: F32P, tokens: I64P, pos: I64P,
+    scratch: OutputTensor[dtype=F32, rank=2, ...],
+    new_states: OutputTensor[dtype=F32, rank=4, ...],
+    ids: InputTensor[dtype=DType.int64, rank=1, ...],
+    embedding: InputTensor[dtype=WD, rank=2, ...],
+    states: InputTensor[dtype=F32, rank=4, ...],
+    positions: InputTensor[dtype=DType.int64, rank=1, ...],
+    norms: InputTensor[dtype=F32, rank=3, ...],
+    fc1_b: InputTensor[dtype=F32, rank=2, ...],
+    biases: InputTensor[dtype=F32, rank=3, ...],
+    w: InputTensor[dtype=F32, rank=3, ...],
+    beta: InputTensor[dtype=F32, rank=3, ...],
+    lam: InputTensor[dtype=F32, rank=2, ...],
+    fc1: InputTensor[dtype=WD, rank=2, ...],
+    fc2: InputTensor[dtype=WD, rank=2, ...],
+    proj: InputTensor[dtype=WD, rank=2, ...],
+    out_w: InputTensor[dtype=WD, rank=2, ...],
+    head: InputTensor[dtype=WD, rank=1, ...],
+    eps: InputTensor[dtype=F32, rank=1, ...],
+) raises -> Step:
+    """Check the sizes and the ids and positions (naming the op), clamp the positions
+    into pos, gather x from the embedding: the call's Step, ready to run."""
+    var B = ids.dim_size(0)
+    var d = embedding.dim_size(1)
+    var L = states.dim_size(0)
+    var H = states.dim_size(2)
+    var hd = states.dim_size(3)
+    var f = fc1_b.dim_size(1)
+    var n = w.dim_size(2)
+    var D = _padded(d)
+    if states.dim_size(1) != B or H * hd != d or new_states.dim_size(1) != B:
+        raise Error(op, ": ids, embedding and states disagree on B or d")
+    if norms.dim_size(0) != L or norms.dim_size(1) != 4 or norms.dim_size(2) != d:
+        raise Error(op, ": norms must be [L, 4, d]")
+    if biases.dim_size(0) != L or biases.dim_size(1) != 3 or biases.dim_size(2) != d:
+        raise Error(op, ": biases must be [L, 3, d]")
+    if w.dim_size(0) != L or w.dim_size(1) != H or beta.dim_size(0) != L or beta.dim_size(1) != H or (
+        beta.dim_size(2) != n or lam.dim_size(0) != L or lam.dim_size(1) != H
+    ):
+        raise Error(op, ": w, beta must be [L, H, n] and lam [L, H]")
+    if fc1.dim_size(0) != L or fc1.dim_size(1) != _padded(f) * d or fc2.dim_size(1) != D * f or (
+        proj.dim_size(1) != D * d or out_w.dim_size(1) != D * d or head.dim_size(0) != _padded(V) * d
+    ):
+        raise Error(op, ": packed matrices have the wrong sizes")
+    if scratch.dim_size(0) != B or scratch.dim_size(1) < f + 3 * d:
+        raise Error(op, ": scratch too small")
+    var pin = _in(positions)
+    var ids_in = _in(ids)
+    var V_in = embedding.dim_size(0)
+    for b in range(B):
+        var t = Int(pin[unsafe_offset=b])
+        if t < 0:
+            raise Error(op, ": position ", t, " is negative")
+        pos[unsafe_offset=b] = Int64(min(t, n - 1))
+        var token = Int(ids_in[unsafe_offset=b])
+        if token < 0 or token >= V_in:
+            raise Error(op, ": token id ", token, " outside [0, ", V_in, ")")
+    var x = _out(scratch)
+    var a = Step(
+        B, d, f, V, H, hd, n, L, eps[0],
+        x, x.unsafe_offset(B * d), x.unsafe_offset(2 * B * d), x.unsafe_offset(3 * B * d),
+        logits, _in(states), _out(new_states), pos, _in(norms), _in(fc1_b), _in(biases),
+        _in(w), _in(beta), _in(lam),
+        Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
+        Int(head.unsafe_ptr()), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
+    )
+    var emb = _in(embedding)
+    for b in range(B):
+        var row = emb.unsafe_offset(Int(ids_in[unsafe_offset=b]) * d)
+        for i in range(d):
+            a.x[unsafe_offset=b * d + i] = row[unsafe_offset=i].cast[F32]()
+    return a
+
+
+def _run[WD: DType, greedy: Bool](a: Step):
+    """All of the call's phases inside one fork-join."""
+    var counters = List[Int64](length=a.S * _phases_per_step(greedy, a.L) * STRIDE, fill=0)
+    var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
+    var workers = min(num_physical_cores(), MAX_WORKERS)
+
+    def work(i: Int) {var a, var cp}:
+        _worker[WD, greedy](a, cp)
+
+    sync_parallelize(work, workers)
+    _ = counters^
 
 
 @register("srm_decode_step")
@@ -404,62 +549,74 @@ struct SrmDecodeStep:
         comptime if target != "cpu":
             raise Error("srm_decode_step: CPU only")
         var B = ids.dim_size(0)
-        var d = embedding.dim_size(1)
-        var L = states.dim_size(0)
-        var H = states.dim_size(2)
-        var hd = states.dim_size(3)
-        var f = fc1_b.dim_size(1)
-        var V = logits.dim_size(1)
-        var n = w.dim_size(2)
-        var D = _padded(d)
-        if states.dim_size(1) != B or H * hd != d or logits.dim_size(0) != B:
-            raise Error("srm_decode_step: ids, embedding, states and logits disagree on B or d")
-        if norms.dim_size(0) != L or norms.dim_size(1) != 4 or norms.dim_size(2) != d:
-            raise Error("srm_decode_step: norms must be [L, 4, d]")
-        if biases.dim_size(0) != L or biases.dim_size(1) != 3 or biases.dim_size(2) != d:
-            raise Error("srm_decode_step: biases must be [L, 3, d]")
-        if w.dim_size(0) != L or w.dim_size(1) != H or beta.dim_size(0) != L or beta.dim_size(1) != H or (
-            beta.dim_size(2) != n or lam.dim_size(0) != L or lam.dim_size(1) != H
-        ):
-            raise Error("srm_decode_step: w, beta must be [L, H, n] and lam [L, H]")
-        if fc1.dim_size(0) != L or fc1.dim_size(1) != _padded(f) * d or fc2.dim_size(1) != D * f or (
-            proj.dim_size(1) != D * d or out_w.dim_size(1) != D * d or head.dim_size(0) != _padded(V) * d
-        ):
-            raise Error("srm_decode_step: packed matrices have the wrong sizes")
-        if scratch.dim_size(0) != B or scratch.dim_size(1) < f + 3 * d or clamped.dim_size(0) != B:
-            raise Error("srm_decode_step: scratch too small")
-        var s = _out(scratch)
-        var pos = _out(clamped)
-        var pin = _in(positions)
-        var tokens = _in(ids)
-        var V_in = embedding.dim_size(0)
-        for b in range(B):
-            var t = Int(pin[unsafe_offset=b])
-            if t < 0:
-                raise Error("srm_decode_step: position ", t, " is negative")
-            pos[unsafe_offset=b] = Int64(min(t, n - 1))
-            var token = Int(tokens[unsafe_offset=b])
-            if token < 0 or token >= V_in:
-                raise Error("srm_decode_step: token id ", token, " outside [0, ", V_in, ")")
-        var a = Step(
-            B, d, f, V, H, hd, n, L, eps[0],
-            s, s.unsafe_offset(B * d), s.unsafe_offset(2 * B * d), s.unsafe_offset(3 * B * d),
-            _out(logits), _in(states), _out(new_states), pos, _in(norms), _in(fc1_b), _in(biases),
-            _in(w), _in(beta), _in(lam),
-            Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
-            Int(head.unsafe_ptr()),
+        if logits.dim_size(0) != B or clamped.dim_size(0) != B:
+            raise Error("srm_decode_step: logits and clamped positions must have B rows")
+        var a = _prepare[fc1.dtype](
+            "srm_decode_step", logits.dim_size(1), 1, _out(logits), _out(clamped), _out(clamped),
+            scratch, new_states, ids, embedding, states, positions, norms, fc1_b, biases, w, beta, lam,
+            fc1, fc2, proj, out_w, head, eps,
         )
-        var emb = _in(embedding)
+        _run[fc1.dtype, False](a)
+
+
+@register("srm_decode_greedy")
+struct SrmDecodeGreedy:
+    @staticmethod
+    def execute[
+        target: StaticString,
+    ](
+        tokens: OutputTensor[dtype=DType.int64, rank=2, ...],
+        new_states: OutputTensor[dtype=F32, rank=4, ...],
+        last: OutputTensor[dtype=DType.int64, rank=1, ...],
+        next_positions: OutputTensor[dtype=DType.int64, rank=1, ...],
+        scratch: OutputTensor[dtype=F32, rank=2, ...],
+        ids: InputTensor[dtype=DType.int64, rank=1, ...],
+        embedding: InputTensor[rank=2, ...],
+        states: InputTensor[dtype=F32, rank=4, ...],
+        positions: InputTensor[dtype=DType.int64, rank=1, ...],
+        norms: InputTensor[dtype=F32, rank=3, ...],
+        fc1_b: InputTensor[dtype=F32, rank=2, ...],
+        biases: InputTensor[dtype=F32, rank=3, ...],
+        w: InputTensor[dtype=F32, rank=3, ...],
+        beta: InputTensor[dtype=F32, rank=3, ...],
+        lam: InputTensor[dtype=F32, rank=2, ...],
+        fc1: InputTensor[dtype=embedding.dtype, rank=2, ...],
+        fc2: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        proj: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        out_w: InputTensor[dtype=fc1.dtype, rank=2, ...],
+        head: InputTensor[dtype=fc1.dtype, rank=1, ...],
+        eps: InputTensor[dtype=F32, rank=1, ...],
+        steps: InputTensor[dtype=DType.int64, rank=1, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime if target != "cpu":
+            raise Error("srm_decode_greedy: CPU only")
+        var B = ids.dim_size(0)
+        var S = steps.dim_size(0)
+        var d = embedding.dim_size(1)
+        var f = fc1_b.dim_size(1)
+        # the logits live after the activations in scratch: its width names V
+        var V = scratch.dim_size(1) - f - 3 * d
+        if V < 1 or V > embedding.dim_size(0):
+            raise Error("srm_decode_greedy: scratch must be [B, f + 3d + V] with V <= the embedding's rows")
+        if tokens.dim_size(0) != B or tokens.dim_size(1) != S or last.dim_size(0) != B or (
+            next_positions.dim_size(0) != B
+        ):
+            raise Error("srm_decode_greedy: tokens must be [B, S], last and next positions [B]")
+        var pos = List[Int64](length=B, fill=0)
+        var a = _prepare[fc1.dtype](
+            "srm_decode_greedy", V, S, _out(scratch).unsafe_offset(B * (f + 3 * d)), _out(tokens),
+            I64P(unsafe_from_address=Int(pos.unsafe_ptr())),
+            scratch, new_states, ids, embedding, states, positions, norms, fc1_b, biases, w, beta, lam,
+            fc1, fc2, proj, out_w, head, eps,
+        )
+        if S == 0:
+            for i in range(states.size()):
+                a.s_out[unsafe_offset=i] = a.s_in[unsafe_offset=i]
+        else:
+            _run[fc1.dtype, True](a)
+        var ids_in = _in(ids)
         for b in range(B):
-            var row = emb.unsafe_offset(Int(tokens[unsafe_offset=b]) * d)
-            for i in range(d):
-                a.x[unsafe_offset=b * d + i] = row[unsafe_offset=i].cast[F32]()
-        var counters = List[Int64](length=(L * HEAD + 1) * STRIDE, fill=0)
-        var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
-        var workers = min(num_physical_cores(), MAX_WORKERS)
-
-        def work(i: Int) {var a, var cp}:
-            _worker[fc1.dtype](a, cp)
-
-        sync_parallelize(work, workers)
-        _ = counters^
+            last[b] = tokens[b, S - 1] if S > 0 else ids_in[unsafe_offset=b]
+            next_positions[b] = a.pos_in[unsafe_offset=b] + Int64(S)
+        _ = pos^

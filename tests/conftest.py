@@ -52,6 +52,10 @@ def weights_of(model) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
 
+# the graphs of a CPU engine with the Mojo ops (Engine.graph_kinds)
+KERNEL_KINDS = ("prefill", "decode", "decode_greedy")
+
+
 def suite_graph_jobs(test_files: set[str]) -> list:
     """The MAX graphs the selected test files compile (CPU: with the Mojo mixer ops, the
     default, and once with plain MAX ops)."""
@@ -62,14 +66,13 @@ def suite_graph_jobs(test_files: set[str]) -> list:
     jobs = []
     if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
                      "test_bench.py", "test_scale_out.py"}:
-        jobs += [GraphJob.of("prefill", TINY, kernels=True), GraphJob.of("decode", TINY, kernels=True)]
+        jobs += [GraphJob.of(kind, TINY, kernels=True) for kind in KERNEL_KINDS]
     if "test_engine.py" in test_files:
-        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY),
-                 GraphJob.of("prefill", TINY, "bfloat16", kernels=True),
-                 GraphJob.of("decode", TINY, "bfloat16", kernels=True)]
+        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY)]
+        jobs += [GraphJob.of(kind, TINY, "bfloat16", kernels=True) for kind in KERNEL_KINDS]
     if "test_embedded.py" in test_files:
         embedded = load_checkpoint(default_model_path()).config
-        jobs += [GraphJob.of("prefill", embedded, kernels=True), GraphJob.of("decode", embedded, kernels=True)]
+        jobs += [GraphJob.of(kind, embedded, kernels=True) for kind in KERNEL_KINDS]
     if "test_pha_engine.py" in test_files:
         from test_pha_engine import CONFIG as PHA_CONFIG
 

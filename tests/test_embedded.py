@@ -77,7 +77,7 @@ def test_max_greedy_equals_reference_on_the_embedded_model(embedded):
 
     generator = Generator.from_pretrained(device="cpu")
     assert generator.config == embedded.config
-    jobs = {generator.engine.graph_job(kind) for kind in ("prefill", "decode")}
+    jobs = {generator.engine.graph_job(kind) for kind in generator.engine.graph_kinds()}
     assert jobs == set(suite_graph_jobs({"test_embedded.py"}))  # precompiled by conftest
     completion = generator.generate(PROMPT, max_new_tokens=24)
     model = reference_model(embedded.config, embedded.weights, torch.float32)

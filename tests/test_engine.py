@@ -147,6 +147,33 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
         np.testing.assert_array_equal(states, big_states[:, index])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtype):
+    """An all-greedy decode on the CPU runs every step inside one op
+    (``srm_decode_greedy``); the decode graph's loop of one-step ops with MAX's argmax
+    gives the same tokens, bit for bit the same states, and the same last ids and
+    positions, also where positions run past the context (clamped)."""
+    from max.driver import Buffer
+
+    engine = engine if dtype == "float32" else engine_bf16
+    assert engine.greedy_steps_in_one_op
+    n = TINY.context_length
+    lengths = [1, 5, 33, 60, n - 4, n, 17]
+    prompts = prompts_of(lengths, seed=31)
+    pre = engine.prefill(prompts)
+    greedy = SamplingArrays.greedy(len(prompts))
+    steps = 10
+    one_op = engine.decode(pre.next_ids, lengths, pre.states, greedy, steps)
+    toks, states, last, pos = engine.decode_model.execute(
+        engine._dev(pre.next_ids), engine._dev(np.array(lengths, np.int64)), pre.states,
+        *engine.sampling_buffers(greedy), engine._dev(np.arange(steps, dtype=np.int64)),
+        Buffer.from_numpy(np.array(steps, np.int64)))
+    np.testing.assert_array_equal(one_op.tokens, engine.host(toks))
+    np.testing.assert_array_equal(engine.host(one_op.states), engine.host(states))
+    np.testing.assert_array_equal(engine.host(one_op.ids), engine.host(last))
+    np.testing.assert_array_equal(engine.host(one_op.positions), engine.host(pos))
+
+
 def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, tiny_weights):
     """conftest.suite_graph_jobs must name exactly these graphs, or CI compiles twice."""
     from conftest import suite_graph_jobs
@@ -154,7 +181,7 @@ def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, 
 
     jobs = set(suite_graph_jobs({"test_engine.py"}))
     plain = Engine(TINY, tiny_weights, kernels=False)
-    loaded = {e.graph_job(kind) for e in (engine, engine_bf16, plain) for kind in ("prefill", "decode")}
+    loaded = {e.graph_job(kind) for e in (engine, engine_bf16, plain) for kind in e.graph_kinds()}
     assert loaded == jobs
 
 

@@ -366,6 +366,44 @@ def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
     close(logits, ref_x @ head_w.T.astype(np.float64))
 
 
+def random_decode_model(rng, L, H, hd, f, V, n):
+    d = H * hd
+    shapes = {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f], "fc2_w": [d, f], "fc2_b": [d],
+              "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d], "out_w": [d, d], "out_b": [d]}
+    layers = []
+    for _ in range(L):
+        p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
+        p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
+        layers.append(p)
+    return layers, rng.standard_normal((V + 3, d)).astype(np.float32), rng.standard_normal((V, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("B,L,H,hd,f,V,S", [(1, 1, 2, 3, 7, 5, 4), (7, 2, 4, 24, 200, 101, 3),
+                                            (50, 2, 2, 8, 40, 9, 6), (3, 1, 2, 16, 64, 33, 0)])
+def test_greedy_steps_match_one_step_at_a_time(B, L, H, hd, f, V, S):
+    """S greedy steps in one op = S calls of the one-step op, each fed the first argmax
+    of its logits: the same tokens and bit for bit the same states (positions cross
+    the context's end, where they stay clamped)."""
+    rng = np.random.default_rng(S * 1000 + B)
+    n = 11
+    layers, embedding, head_w = random_decode_model(rng, L, H, hd, f, V, n)
+    ids = rng.integers(0, V + 3, B)
+    states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
+    positions = rng.integers(n - 4, n + 2, B)
+    tokens, new_states, last, next_positions = K.decode_greedy(
+        ids, embedding, states, positions, layers, head_w, 1e-5, S)
+    want, s, t = [], states, ids
+    for k in range(S):
+        logits, s = K.decode_step(t, embedding, s, positions + k, layers, head_w, 1e-5)
+        t = logits.argmax(-1)
+        want.append(t)
+    assert tokens.shape == (B, S)
+    np.testing.assert_array_equal(tokens, np.stack(want, 1) if S else np.zeros((B, 0)))
+    np.testing.assert_array_equal(new_states, s)
+    np.testing.assert_array_equal(last, t)
+    np.testing.assert_array_equal(next_positions, positions + S)
+
+
 def test_whole_decode_step_rejects_negative_positions_and_unknown_tokens():
     rng = np.random.default_rng(0)
     H, hd, f, d, n = 2, 4, 8, 8, 4
@@ -378,3 +416,5 @@ def test_whole_decode_step_rejects_negative_positions_and_unknown_tokens():
         K.decode_step([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5)
     with pytest.raises(Exception, match=r"token id 5 outside \[0, 5\)"):
         K.decode_step([5, 1], emb, states, [0, 1], [p], np.ones((3, d)), 1e-5)
+    with pytest.raises(Exception, match="srm_decode_greedy: position -1 is negative"):
+        K.decode_greedy([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5, 2)

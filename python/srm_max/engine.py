@@ -207,6 +207,7 @@ class CompiledGraphs:
         self.session = InferenceSession(devices=[self.device])
         self._prefill: Model | None = None
         self._decode: Model | None = None
+        self._decode_greedy: Model | None = None
         self.compile_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
 
@@ -237,14 +238,32 @@ class CompiledGraphs:
                 self._decode = self._load("decode")
             return self._decode
 
+    @property
+    def greedy_steps_in_one_op(self) -> bool:
+        """Whether an all-greedy decode runs the ``decode_greedy`` graph (every step
+        in one op) instead of the decode graph's loop: the Mojo ops on a CPU."""
+        return self.kernels and isinstance(self.device, CPU)
+
+    @property
+    def decode_greedy_model(self) -> Model:
+        with self._lock:
+            if self._decode_greedy is None:
+                self._decode_greedy = self._load("decode_greedy")
+            return self._decode_greedy
+
+    def graph_kinds(self) -> list[str]:
+        return ["prefill", "decode"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
+
     def warmup(self):
-        """Load both graphs; cold ones compile side by side, one process each."""
+        """Load every graph; cold ones compile side by side, one process each."""
         with self._lock:
             t0 = time.perf_counter()
-            compiled = precompile([self.graph_job("prefill"), self.graph_job("decode")])
+            compiled = precompile([self.graph_job(kind) for kind in self.graph_kinds()])
             if compiled:
                 self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
             self.prefill_model, self.decode_model  # noqa: B018
+            if self.greedy_steps_in_one_op:
+                self.decode_greedy_model  # noqa: B018
         return self
 
     # -- helpers
@@ -272,7 +291,12 @@ class CompiledGraphs:
             positions = self._dev(np.asarray(positions, np.int64))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
+        greedy = int(sampling[-1].to_numpy()) == layers.MODE_GREEDY
         with self._lock:
+            if greedy and self.greedy_steps_in_one_op:
+                toks, states, last, pos = self.decode_greedy_model.execute(
+                    ids, positions, states, self._dev(np.arange(steps, dtype=np.int64)))
+                return DecodeResult(self.host(toks), states, last, pos)
             toks, states, last, pos = self.decode_model.execute(
                 ids, positions, states, *sampling,
                 self._dev(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))

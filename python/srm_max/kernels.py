@@ -3,7 +3,8 @@
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
 package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
 step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
-in one op; CPU only, used by graphs/decode.py), see the ``.mojo`` files for
+in one op; ``srm_decode_greedy``: S greedy steps in one op; CPU only, used by
+graphs/decode.py), see the ``.mojo`` files for
 the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
 per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
@@ -58,6 +59,7 @@ __all__ = [
     "OP_STEP_FUNCTIONAL",
     "OP_SCAN",
     "OP_DECODE_STEP",
+    "OP_DECODE_GREEDY",
     "mojo_source_dir",
     "kernel_library",
     "session",
@@ -67,6 +69,7 @@ __all__ = [
     "build_scan_graph",
     "build_decode_step_graph",
     "decode_step",
+    "decode_greedy",
     "compile_for_virtual_gpu",
 ]
 
@@ -74,6 +77,7 @@ OP_STEP = "srm_mixer_step"
 OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
 OP_SCAN = "srm_mixer_scan"
 OP_DECODE_STEP = "srm_decode_step"
+OP_DECODE_GREEDY = "srm_decode_greedy"
 
 _lock = threading.Lock()
 _library: Path | None = None
@@ -361,32 +365,46 @@ LAYER_PARAMS = ("cn_w", "cn_b", "fc1_w", "fc1_b", "fc2_w", "fc2_b", "tn_w", "tn_
                 "w", "beta", "lam", "out_w", "out_b")
 
 
-def build_decode_step_graph(library: Path | None = None):
+def build_decode_step_graph(library: Path | None = None, greedy: bool = False):
     """Graph (ids, embedding, states, positions, *packing.INPUTS, eps, vocab) -> (logits,
     new_states): one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU.
-    ``vocab`` is any [V] array: it only names the logits' width."""
+    ``vocab`` is any [V] array: it only names the logits' width. With ``greedy``:
+    one ``srm_decode_greedy``, a last input steps [S], and -> (tokens [B, S],
+    new_states, last [B], next positions [B])."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
 
     from .packing import INPUTS
 
-    dev, f32 = DeviceRef.CPU(), DType.float32
+    dev, f32, i64 = DeviceRef.CPU(), DType.float32, DType.int64
     shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
               "beta": ["L", "H", "n"], "lam": ["L", "H"], "fc1": ["L", "P1"], "fc2": ["L", "P2"],
               "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
-    types = [TensorType(DType.int64, ["B"], dev), TensorType(f32, ["E", "d"], dev),
+    types = [TensorType(i64, ["B"], dev), TensorType(f32, ["E", "d"], dev),
              TensorType(f32, ["L", "B", "H", "hd"], dev),
-             TensorType(DType.int64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in INPUTS),
+             TensorType(i64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in INPUTS),
              TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
-    with Graph("srm_decode_step_op", input_types=types, custom_extensions=[library or kernel_library()]) as g:
+    if greedy:
+        types.append(TensorType(i64, ["S"], dev))
+    name = "srm_decode_greedy_op" if greedy else "srm_decode_step_op"
+    with Graph(name, input_types=types, custom_extensions=[library or kernel_library()]) as g:
         ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
+        steps = rest.pop() if greedy else None
         vocab = rest.pop()
-        logits, new_states, _, _ = ops.custom(
-            OP_DECODE_STEP, device=dev, values=[ids, embedding, states, positions, *rest],
-            out_types=[TensorType(f32, ["B", vocab.shape[0]], dev), TensorType(f32, states.shape, dev),
-                       TensorType(f32, ["B", Dim("f") + 3 * Dim("d")], dev),
-                       TensorType(DType.int64, ["B"], dev)])
-        g.output(logits.tensor, new_states.tensor)
+        activations = Dim("f") + 3 * Dim("d")
+        if greedy:
+            tokens, new_states, last, next_positions, _ = ops.custom(
+                OP_DECODE_GREEDY, device=dev, values=[ids, embedding, states, positions, *rest, steps],
+                out_types=[TensorType(i64, ["B", "S"], dev), TensorType(f32, states.shape, dev),
+                           TensorType(i64, ["B"], dev), TensorType(i64, ["B"], dev),
+                           TensorType(f32, ["B", activations + vocab.shape[0]], dev)])
+            g.output(tokens.tensor, new_states.tensor, last.tensor, next_positions.tensor)
+        else:
+            logits, new_states, _, _ = ops.custom(
+                OP_DECODE_STEP, device=dev, values=[ids, embedding, states, positions, *rest],
+                out_types=[TensorType(f32, ["B", vocab.shape[0]], dev), TensorType(f32, states.shape, dev),
+                           TensorType(f32, ["B", activations], dev), TensorType(i64, ["B"], dev)])
+            g.output(logits.tensor, new_states.tensor)
     return g
 
 
@@ -404,6 +422,21 @@ def decode_step(ids, embedding, states, positions, layer_params: list[dict], hea
     out = _models["decode_step"].execute(
         _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
         np.array([eps], np.float32), np.zeros(len(head_w), np.float32))
+    return tuple(t.to_numpy().copy() for t in out)
+
+
+def decode_greedy(ids, embedding, states, positions, layer_params: list[dict], head_w, eps: float,
+                  steps: int):
+    """``steps`` greedy decode steps in one op, arguments as ``decode_step``; ->
+    ``(tokens [B, steps], new_states, last [B], next positions [B])``."""
+    from .packing import INPUTS, step_tensors
+
+    if "decode_greedy" not in _models:
+        _models["decode_greedy"] = load_compiled(session(), build_decode_step_graph(greedy=True))
+    inputs = step_tensors(layer_params, head_w)
+    out = _models["decode_greedy"].execute(
+        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
+        np.array([eps], np.float32), np.zeros(len(head_w), np.float32), np.arange(steps, dtype=np.int64))
     return tuple(t.to_numpy().copy() for t in out)
 
 

@@ -24,7 +24,7 @@ GRAPH_KEY = b"srm-graphs-v2"
 
 @dataclass(frozen=True)
 class GraphJob:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "decode_greedy" (SRM, CPU with kernels)
     config: tuple  # sorted (field, value) pairs of the SRMConfig or PHAConfig
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "gpu"
@@ -61,7 +61,7 @@ class GraphJob:
         from max.dtype import DType
         from max.graph import DeviceRef
 
-        from .graphs.decode import build_decode_graph
+        from .graphs.decode import build_decode_graph, build_decode_greedy_graph
         from .graphs.prefill import build_prefill_graph
 
         wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
@@ -75,6 +75,8 @@ class GraphJob:
             return build_prefill_graph(self.model_config(), wdtype, device, kernels=self.kernels)
         if self.kind == "decode":
             return build_decode_graph(self.model_config(), wdtype, device, kernels=self.kernels)
+        if self.kind == "decode_greedy" and self.kernels and self.device == "cpu":
+            return build_decode_greedy_graph(self.model_config(), wdtype)
         raise ValueError(f"unknown graph kind {self.kind!r}")
 
     def mef_path(self):
