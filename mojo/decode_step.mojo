@@ -54,7 +54,8 @@ are float32. CPU only.
 from std.memory import stack_allocation
 from std.math import exp, sqrt
 from std.atomic import Atomic
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import num_physical_cores, simd_width_of, size_of
+from std.sys.intrinsics import prefetch, PrefetchOptions
 from max.algorithm import sync_parallelize
 
 from extensibility import InputTensor, OutputTensor, register
@@ -132,6 +133,7 @@ struct Step(ImplicitlyCopyable, Movable):
     var proj: Int
     var out: Int
     var head: Int
+    var workers: Int
     var emb: Int  # the embedding [V_in, d] (the matrices' dtype)
     var pos_in: I64P  # the positions given (greedy steps count on from them)
     var tokens: I64P  # greedy: [B, S]
@@ -143,10 +145,13 @@ struct Step(ImplicitlyCopyable, Movable):
 @always_inline
 def _tile[R: Int, NVT: Int, WD: DType](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin], fetch: Bool,
 ):
     """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
     columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
-    array with constant indices after unrolling); t's rows are NV*W apart."""
+    array with constant indices after unrolling); t's rows are NV*W apart. With
+    fetch, step k also prefetches the k-th cache line from ``ahead``."""
+    comptime LINE = 64 // size_of[WD]()
     # allocated here, not in the loops: a stack array there would grow the stack at
     # every iteration
     var acc = stack_allocation[R * NVT * W, Float32]()
@@ -157,6 +162,10 @@ def _tile[R: Int, NVT: Int, WD: DType](
     while k + KU <= K:
         comptime for kk in range(KU):
             var wp = p.unsafe_offset((k + kk) * ps)
+            if fetch:
+                prefetch[PrefetchOptions().for_read().low_locality().to_data_cache()](
+                    ahead.unsafe_offset((k + kk) * LINE)
+                )
             comptime for v in range(NVT):
                 wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
             comptime for r in range(R):
@@ -268,6 +277,14 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     var p = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=base).unsafe_offset(
         layer * Np * K + q * PANEL * K
     )
+    # The first tile of a unit waits on its panel streaming in from memory, the others
+    # find it in cache. So the later tiles prefetch, a cache line per step of k, the
+    # panel of the unit this worker probably takes next (claims go round the workers),
+    # if that is another panel: its first tile then finds it in cache too.
+    comptime LINE = 64 // size_of[WD]()
+    var next_q = (u + a.workers) // chunks
+    var fetch_next = next_q != q and next_q < panels
+    var next_panel = p.unsafe_offset((next_q - q) * PANEL * K)
     var t = stack_allocation[MR * NV * W, Float32]()
     var c0 = 0
     while c0 < width:  # sub-panels of up to NV vectors
@@ -277,10 +294,13 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             var rows = min(MR, r1 - r)
             var xr = x.unsafe_offset(r * K)
             var pc = p.unsafe_offset(c0)
+            var tile = (r - r0) // MR
+            var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
+            var fetch = fetch_next and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
             comptime for R in range(1, MR + 1):
                 comptime for NVT in range(1, NV + 1):
                     if rows == R and nv == NVT:
-                        _tile[R, NVT, WD](t, xr, K, pc, width, K)
+                        _tile[R, NVT, WD](t, xr, K, pc, width, K, ahead, fetch)
             for i in range(rows):
                 for v in range(nv):
                     var c = q * PANEL + c0 + v * W
@@ -495,7 +515,7 @@ def _prepare[WD: DType](
         logits, _in(states), _out(new_states), pos, _in(norms), _in(fc1_b), _in(biases),
         _in(w), _in(beta), _in(lam),
         Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
-        Int(head.unsafe_ptr()), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
+        Int(head.unsafe_ptr()), _workers(), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
     )
     var emb = _in(embedding)
     for b in range(B):
@@ -505,11 +525,15 @@ def _prepare[WD: DType](
     return a
 
 
+def _workers() -> Int:
+    return min(num_physical_cores(), MAX_WORKERS)
+
+
 def _run[WD: DType, greedy: Bool](a: Step):
     """All of the call's phases inside one fork-join."""
     var counters = List[Int64](length=a.S * _phases_per_step(greedy, a.L) * STRIDE, fill=0)
     var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
-    var workers = min(num_physical_cores(), MAX_WORKERS)
+    var workers = a.workers
 
     def work(i: Int) {var a, var cp}:
         _worker[WD, greedy](a, cp)
