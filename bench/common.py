@@ -67,6 +67,8 @@ def unfused_engine(config, weights, dtype: str = "float32"):
     from srm_max.precompile import GRAPH_KEY
 
     class Unfused(Engine):
+        greedy_steps_in_one_op = False  # greedy decode too runs the unfused loop
+
         def _load(self, kind):
             if kind != "decode":
                 return super()._load(kind)
@@ -76,6 +78,18 @@ def unfused_engine(config, weights, dtype: str = "float32"):
             return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
 
     return Unfused(config, weights, dtype, kernels=True)
+
+
+def loop_engine(config, weights, dtype: str = "float32"):
+    """The CPU SRM Engine, but greedy decode runs its decode graph's loop (one whole-step
+    op and MAX's sampler per step), as sampled decoding always does, instead of every
+    step in one op."""
+    from srm_max.engine import Engine
+
+    class Loop(Engine):
+        greedy_steps_in_one_op = False
+
+    return Loop(config, weights, dtype, kernels=True)
 
 
 def llama_config_matching(config, torch_dtype=None):

@@ -7,10 +7,12 @@ One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
 12.6 MFLOP per token), random weights, greedy decode from the same state, timed
 side by side in one run (best of ``--repeats``, engines interleaved):
 
-    srm-max          the project's decode graph (``Engine``, CPU defaults: the
-                     whole step as one Mojo op, mojo/decode_step.mojo, on weights
-                     packed at load), ``--steps`` steps per call
-    srm-max-unfused  the same loop with the step as plain MAX ops (matmuls, norms,
+    srm-max          the project's greedy decode (``Engine``, CPU defaults: all
+                     ``--steps`` steps of a call in one Mojo op, mojo/decode_step.mojo
+                     ``srm_decode_greedy``, on weights packed at load)
+    srm-max-loop     the decode graph's loop: one whole-step op (``srm_decode_step``)
+                     and MAX's sampler per step, the path of sampled decoding
+    srm-max-unfused  that loop with the step as plain MAX ops (matmuls, norms,
                      adds, the Mojo mixer update): what the whole-step op replaced
     torch-eager      the PyTorch reference's recurrent step (same math), the best
                      of 1 and 2 threads
@@ -29,8 +31,8 @@ the table shows both.
 matrix products alone (same weights, same matmul ops as the unfused graph), timed
 at each batch against the unfused step (the rest is norms, activations, adds,
 the mixer, sampling and per-op overhead); and srm-max's step on a model too small
-for its arithmetic to count (d 16, 2 layers): the fixed cost of a step (decode
-loop, sampler, the op's fork-join) against srm-max's step.
+for its arithmetic to count (d 16, 2 layers): the fixed cost of a step (the op's
+phases and its share of the call) against srm-max's step.
 
 Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
 previous one's worker threads still spin. The greedy tokens of all engines must
@@ -52,7 +54,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
-                    srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
+                    loop_engine, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
@@ -170,8 +172,8 @@ class LimitsProbe:
 
 def fixed_step_seconds(batches, steps, repeats) -> dict:
     """Seconds per step of srm-max's decode on a model too small for its arithmetic to
-    count (d 16, 2 layers, vocab 64): the decode loop, the sampler and the whole-step
-    op's fork-join, which every step pays whatever the model."""
+    count (d 16, 2 layers, vocab 64): the phases' waits, the greedy choice and the
+    step's share of the call, which every step pays whatever the model."""
     from srm_max.engine import Engine
 
     config = srm_config(d_model=16, n_layers=2, n_heads=2, context_length=96, vocab_size=64)
@@ -248,9 +250,10 @@ def main(argv=None) -> int:
     limits = [probe.measure()]
 
     engines = {"srm-max": MaxDecode(Engine(config, weights, a.dtype, kernels=True)),
+               "srm-max-loop": MaxDecode(loop_engine(config, weights, a.dtype)),
                "srm-max-unfused": MaxDecode(unfused_engine(config, weights, a.dtype)),
                "torch-eager-1": TorchDecode(model, 1), "torch-eager-2": TorchDecode(model, 2)}
-    for name in ("srm-max", "srm-max-unfused"):
+    for name in ("srm-max", "srm-max-loop", "srm-max-unfused"):
         t = time.perf_counter()
         engines[name].engine.warmup()
         print(f"{name}: graphs ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -281,6 +284,7 @@ def main(argv=None) -> int:
         torch_best = max(tps["torch-eager-1"], tps["torch-eager-2"])
         row = {"batch": b, "steps": a.steps, "tokens_per_s": tps, "token_agreement_with_srm_max": agreement,
                "srm_max_over_torch": tps["srm-max"] / torch_best,
+               "srm_max_over_loop": tps["srm-max"] / tps["srm-max-loop"],
                "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"],
                "limits_alongside": probe.limits(),
                "percent_of_roof_alongside": 100 * tps["srm-max"] * flops_per_token / probe.flops,
@@ -293,7 +297,8 @@ def main(argv=None) -> int:
                               "fixed_step_seconds": fixed[b],
                               "fixed_share_of_fused_step": fixed[b] / (b / tps["srm-max"])}
         rows.append(row)
-        print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  unfused {tps['srm-max-unfused']:9,.0f}  "
+        print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  loop {tps['srm-max-loop']:9,.0f}  "
+              f"unfused {tps['srm-max-unfused']:9,.0f}  "
               f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch   "
               f"{row['percent_of_roof_alongside']:.0f}% roof   {row['percent_of_streaming_alongside']:.0f}% "
               f"streaming (limits measured alongside)", flush=True)
@@ -314,9 +319,10 @@ def main(argv=None) -> int:
         row["percent_of_streaming"] = 100 * (tok_s / row["batch"]) / stream_tps
 
     table = markdown_table(
-        ["batch", "srm-max tok/s", "unfused tok/s", "torch eager tok/s (best threads)", "srm-max / torch",
-         "% of roof: alongside / run's best", "% of weight streaming: alongside / run's best"],
-        [[r["batch"], f"{r['tokens_per_s']['srm-max']:,.0f}", f"{r['tokens_per_s']['srm-max-unfused']:,.0f}",
+        ["batch", "srm-max tok/s", "loop tok/s", "unfused tok/s", "torch eager tok/s (best threads)",
+         "srm-max / torch", "% of roof: alongside / run's best", "% of weight streaming: alongside / run's best"],
+        [[r["batch"], f"{r['tokens_per_s']['srm-max']:,.0f}", f"{r['tokens_per_s']['srm-max-loop']:,.0f}",
+          f"{r['tokens_per_s']['srm-max-unfused']:,.0f}",
           f"{max(r['tokens_per_s']['torch-eager-1'], r['tokens_per_s']['torch-eager-2']):,.0f}",
           f"{r['srm_max_over_torch']:.2f}x",
           f"{r['percent_of_roof_alongside']:.0f} / {r['percent_of_roof']:.0f}%",
@@ -324,7 +330,7 @@ def main(argv=None) -> int:
          for r in rows])
     print(table)
     write_json(a.out, {
-        "what": "SRM greedy decode on the CPU: srm-max vs its unfused graph vs PyTorch eager, one run",
+        "what": "SRM greedy decode on the CPU: srm-max vs its graph loop vs its unfused graph vs PyTorch eager, one run",
         "dtype": a.dtype, "weight_bytes_per_step": weight_bytes, "settle_seconds": SETTLE_S,
         "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
         "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
