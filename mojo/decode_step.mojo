@@ -369,14 +369,20 @@ def _argmax_unit[WD: DType](a: Step, u: Int):
         var best = m.reduce_max()
         for t in range(i, a.V):
             best = max(best, row[unsafe_offset=t])
-        var token = 0
+        var token = 0  # the first index holding best: a vector at a time, then in it
+        while token + W <= a.V and not row.unsafe_load[width=W](token).eq(best).reduce_or():
+            token += W
         while token < a.V - 1 and row[unsafe_offset=token] != best:
             token += 1
         a.tokens[unsafe_offset=r * a.S + a.s] = Int64(token)
         if a.s + 1 < a.S:
             var e = emb.unsafe_offset(token * a.d)
-            for c in range(a.d):
-                a.x[unsafe_offset=r * a.d + c] = e[unsafe_offset=c].cast[F32]()
+            var c = 0
+            while c + W <= a.d:
+                a.x.unsafe_store(r * a.d + c, e.unsafe_load[width=W](c).cast[F32]())
+                c += W
+            for j in range(c, a.d):
+                a.x[unsafe_offset=r * a.d + j] = e[unsafe_offset=j].cast[F32]()
             a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
 
 
