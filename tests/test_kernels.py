@@ -341,32 +341,8 @@ DECODE_STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,L,H,hd,f,V", DECODE_STEP_CASES)
-def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
-    rng = np.random.default_rng(B * 100 + hd)
-    d, n = H * hd, 11
-    shapes = {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f], "fc2_w": [d, f], "fc2_b": [d],
-              "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d], "out_w": [d, d], "out_b": [d]}
-    layers = []
-    for _ in range(L):
-        p = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in shapes.items()}
-        p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
-        layers.append(p)
-    embedding = rng.standard_normal((V + 3, d)).astype(np.float32)
-    ids = rng.integers(0, V + 3, B)
-    states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
-    positions = rng.integers(0, n + 5, B)  # some past the context: clamped to n - 1
-    head_w = rng.standard_normal((V, d)).astype(np.float32)
-    logits, new_states = K.decode_step(ids, embedding, states, positions, layers, head_w, 1e-5)
-    ref_x, ref_states = embedding[ids].astype(np.float64), []
-    for l, p in enumerate(layers):
-        ref_x, s = ref_decode_layer(ref_x, states[l], np.minimum(positions, n - 1), p, 1e-5)
-        ref_states.append(s)
-    close(new_states, np.stack(ref_states))
-    close(logits, ref_x @ head_w.T.astype(np.float64))
-
-
 def random_decode_model(rng, L, H, hd, f, V, n):
+    """One dict of LAYER_PARAMS per layer, an embedding of V + 3 rows and a head [V, d]."""
     d = H * hd
     shapes = {"cn_w": [d], "cn_b": [d], "fc1_w": [f, d], "fc1_b": [f], "fc2_w": [d, f], "fc2_b": [d],
               "tn_w": [d], "tn_b": [d], "proj_w": [d, d], "proj_b": [d], "out_w": [d, d], "out_b": [d]}
@@ -376,6 +352,23 @@ def random_decode_model(rng, L, H, hd, f, V, n):
         p["w"], p["beta"], p["lam"] = make_params(rng, H, n)
         layers.append(p)
     return layers, rng.standard_normal((V + 3, d)).astype(np.float32), rng.standard_normal((V, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("B,L,H,hd,f,V", DECODE_STEP_CASES)
+def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
+    rng = np.random.default_rng(B * 100 + hd)
+    n = 11
+    layers, embedding, head_w = random_decode_model(rng, L, H, hd, f, V, n)
+    ids = rng.integers(0, V + 3, B)
+    states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
+    positions = rng.integers(0, n + 5, B)  # some past the context: clamped to n - 1
+    logits, new_states = K.decode_step(ids, embedding, states, positions, layers, head_w, 1e-5)
+    ref_x, ref_states = embedding[ids].astype(np.float64), []
+    for l, p in enumerate(layers):
+        ref_x, s = ref_decode_layer(ref_x, states[l], np.minimum(positions, n - 1), p, 1e-5)
+        ref_states.append(s)
+    close(new_states, np.stack(ref_states))
+    close(logits, ref_x @ head_w.T.astype(np.float64))
 
 
 @pytest.mark.parametrize("B,L,H,hd,f,V,S", [(1, 1, 2, 3, 7, 5, 4), (7, 2, 4, 24, 200, 101, 3),

@@ -208,9 +208,7 @@ class CompiledGraphs:
     def _open(self, registry: dict) -> None:
         self._registry = registry
         self.session = InferenceSession(devices=[self.device])
-        self._prefill: Model | None = None
-        self._decode: Model | None = None
-        self._decode_greedy: Model | None = None
+        self._models: dict[str, Model] = {}
         self.compile_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
 
@@ -227,32 +225,30 @@ class CompiledGraphs:
         self.compile_seconds[kind] = time.perf_counter() - t0
         return model
 
+    def model(self, kind: str) -> Model:
+        """The compiled graph ``kind`` (one of ``graph_kinds()``), loaded on first use."""
+        with self._lock:
+            if kind not in self._models:
+                self._models[kind] = self._load(kind)
+            return self._models[kind]
+
     @property
     def prefill_model(self) -> Model:
-        with self._lock:
-            if self._prefill is None:
-                self._prefill = self._load("prefill")
-            return self._prefill
+        return self.model("prefill")
 
     @property
     def decode_model(self) -> Model:
-        with self._lock:
-            if self._decode is None:
-                self._decode = self._load("decode")
-            return self._decode
+        return self.model("decode")
+
+    @property
+    def decode_greedy_model(self) -> Model:
+        return self.model("decode_greedy")
 
     @property
     def greedy_steps_in_one_op(self) -> bool:
         """Whether an all-greedy decode runs the ``decode_greedy`` graph (every step
         in one op) instead of the decode graph's loop: the Mojo ops on a CPU."""
         return self.kernels and isinstance(self.device, CPU)
-
-    @property
-    def decode_greedy_model(self) -> Model:
-        with self._lock:
-            if self._decode_greedy is None:
-                self._decode_greedy = self._load("decode_greedy")
-            return self._decode_greedy
 
     def graph_kinds(self) -> list[str]:
         return ["prefill", "decode"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
@@ -264,9 +260,8 @@ class CompiledGraphs:
             compiled = precompile([self.graph_job(kind) for kind in self.graph_kinds()])
             if compiled:
                 self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
-            self.prefill_model, self.decode_model  # noqa: B018
-            if self.greedy_steps_in_one_op:
-                self.decode_greedy_model  # noqa: B018
+            for kind in self.graph_kinds():
+                self.model(kind)
         return self
 
     # -- helpers
