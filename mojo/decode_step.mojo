@@ -26,8 +26,9 @@ busy thread pool only slows the step down.
 
 S steps with greedy choice: each step's token is the first argmax of its logits,
 read back inside the op as the next step's input, so S steps cost one call and
-one fork-join (a graph loop around the one-step op pays both per step). With
-S = 0 the states are copied and last = ids.
+one fork-join per 64 steps (a graph loop around the one-step op pays both per
+step; each step's phases keep their own counters, hence the 64). With S = 0 the
+states are copied and last = ids.
 
 x starts as the ids' rows of the embedding; positions past the context are clamped
 to n - 1 (the host discards those tokens); norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
@@ -74,6 +75,7 @@ comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
 comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
 comptime MAX_WORKERS = 8
 comptime STRIDE = 16  # int64 slots between phase counters (separate cache lines)
+comptime STEPS_PER_FORK = 64  # greedy steps per fork-join: bounds the counters' memory
 
 # phases of a layer, then the logits
 comptime LN_C = 0
@@ -430,11 +432,11 @@ def _phases_per_step(greedy: Bool, L: Int) -> Int:
     return L * HEAD + 1 + (1 if greedy else 0)
 
 
-def _worker[WD: DType, greedy: Bool](step: Step, counters: I64P):
-    """Every phase of the call in order (each phase has its own counters)."""
+def _worker[WD: DType, greedy: Bool](step: Step, counters: I64P, first: Int, last: Int):
+    """Every phase of steps first .. last-1 in order (each phase has its own counters)."""
     var a = step
     var c = counters
-    for s in range(a.S):
+    for s in range(first, last):
         a.s = s
         for l in range(a.L):
             comptime for kind in range(HEAD):
@@ -535,16 +537,26 @@ def _workers() -> Int:
     return min(num_physical_cores(), MAX_WORKERS)
 
 
-def _run[WD: DType, greedy: Bool](a: Step):
-    """All of the call's phases inside one fork-join."""
-    var counters = List[Int64](length=a.S * _phases_per_step(greedy, a.L) * STRIDE, fill=0)
+def _run[WD: DType, greedy: Bool](step: Step):
+    """All of the call's phases, STEPS_PER_FORK steps per fork-join."""
+    var a = step
+    var per_fork = min(a.S, STEPS_PER_FORK)
+    var counters = List[Int64](length=per_fork * _phases_per_step(greedy, a.L) * STRIDE, fill=0)
     var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
     var workers = a.workers
+    var first = 0
+    while first < a.S:
+        var last = min(a.S, first + per_fork)
+        if first > 0:  # every worker has joined the previous fork: safe to reset
+            for i in range(len(counters)):
+                counters[i] = 0
 
-    def work(i: Int) {var a, var cp}:
-        _worker[WD, greedy](a, cp)
+        def work(i: Int) {var a, var cp, var first, var last}:
+            _worker[WD, greedy](a, cp, first, last)
 
-    sync_parallelize(work, workers)
+        sync_parallelize(work, workers)
+        a.s_in = a.s_out
+        first = last
     _ = counters^
 
 

@@ -372,7 +372,8 @@ def test_whole_decode_step_matches_reference(B, L, H, hd, f, V):
 
 
 @pytest.mark.parametrize("B,L,H,hd,f,V,S", [(1, 1, 2, 3, 7, 5, 4), (7, 2, 4, 24, 200, 101, 3),
-                                            (50, 2, 2, 8, 40, 9, 6), (3, 1, 2, 16, 64, 33, 0)])
+                                            (50, 2, 2, 8, 40, 9, 6), (3, 1, 2, 16, 64, 33, 0),
+                                            (2, 1, 2, 3, 7, 5, 70)])  # 70: two fork-joins
 def test_greedy_steps_match_one_step_at_a_time(B, L, H, hd, f, V, S):
     """S greedy steps in one op = S calls of the one-step op, each fed the first argmax
     of its logits: the same tokens and bit for bit the same states (positions cross
