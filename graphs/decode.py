@@ -102,17 +102,21 @@ def _step_tensors(W: ModelWeights, config) -> list:
             for name, shape in packing.shapes(config).items()]
 
 
+def _op_inputs(W: ModelWeights, config, ids, pos, states, device: DeviceRef) -> list:
+    """The inputs both decode ops of mojo/decode_step.mojo start with."""
+    eps = layers.const(np.array([config.layer_norm_eps], np.float32), F32, device)
+    return [ids, W.embedding(), states, pos, *_step_tensors(W, config), eps]
+
+
 def step_fused(W: ModelWeights, config, ids: TensorValue, pos: TensorValue, states: TensorValue,
                device: DeviceRef):
     """``step`` as one Mojo op (mojo/decode_step.mojo): every layer and the logits,
     on weights packed at load time (srm_max/packing.py). CPU."""
     c = config
     B = ids.shape[0]
-    eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
     # the op gathers the embedding rows and clamps the positions itself: fewer ops a step
     logits, new_states, _, _ = ops.custom(
-        "srm_decode_step", device=device,
-        values=[ids, W.embedding(), states, pos, *_step_tensors(W, c), eps],
+        "srm_decode_step", device=device, values=_op_inputs(W, c, ids, pos, states, device),
         out_types=[TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device),
                    TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device), TensorType(I64, [B], device)])
     return logits.tensor, new_states.tensor
@@ -135,11 +139,10 @@ def build_decode_greedy_graph(config, wdtype: DType = DType.float32, name: str |
                custom_extensions=[kernel_library()]) as g:
         ids, pos, states, steps = (v.tensor for v in g.inputs)
         W = ModelWeights(c, wdtype, device)
-        eps = layers.const(np.array([c.layer_norm_eps], np.float32), F32, device)
         B = ids.shape[0]
         tokens, new_states, last, next_pos, _ = ops.custom(
             "srm_decode_greedy", device=device,
-            values=[ids, W.embedding(), states, pos, *_step_tensors(W, c), eps, steps],
+            values=[*_op_inputs(W, c, ids, pos, states, device), steps],
             out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(F32, states.shape, device),
                        TensorType(I64, [B], device), TensorType(I64, [B], device),
                        TensorType(F32, [B, c.ffn_dim + 3 * c.d_model + c.vocab_size], device)])

@@ -251,24 +251,24 @@ def _mixer_head[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, h: Int, u: S
 
 def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     """One unit of a product: a panel of output columns for a chunk of rows."""
-    var N: Int
     var K: Int
     var x: F32P
     var base: Int
+    var N = _width[kind](a)
     comptime if kind == FC1:
-        N = a.f; K = a.d; x = a.z; base = a.fc1
+        K = a.d; x = a.z; base = a.fc1
     elif kind == FC2:
-        N = a.d; K = a.f; x = a.h; base = a.fc2
+        K = a.f; x = a.h; base = a.fc2
     elif kind == PROJ:
-        N = a.d; K = a.d; x = a.z; base = a.proj
+        K = a.d; x = a.z; base = a.proj
     elif kind == OUT:
-        N = a.d; K = a.d; x = a.y; base = a.out
+        K = a.d; x = a.y; base = a.out
     else:
-        N = a.V; K = a.d; x = a.z; base = a.head
+        K = a.d; x = a.z; base = a.head
     var Np = _padded(N)
-    var panels = (Np + PANEL - 1) // PANEL
+    var panels = _panels(N)
     var rows_per = _row_chunk(a.B)
-    var chunks = (a.B + rows_per - 1) // rows_per
+    var chunks = _chunks(a.B)
     # consecutive units take the same panel: a worker's next unit mostly finds its
     # panel in its own cache instead of streaming it again
     var q = u // chunks
@@ -357,10 +357,20 @@ def _norm_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
 
 
 # ------------------------------------------------------------------ greedy choice
+def _embed_row[WD: DType](a: Step, r: Int, token: Int):
+    """x[r] = the embedding's row ``token``, widened to float32."""
+    var e = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=a.emb).unsafe_offset(token * a.d)
+    var c = 0
+    while c + W <= a.d:
+        a.x.unsafe_store(r * a.d + c, e.unsafe_load[width=W](c).cast[F32]())
+        c += W
+    for j in range(c, a.d):
+        a.x[unsafe_offset=r * a.d + j] = e[unsafe_offset=j].cast[F32]()
+
+
 def _argmax_unit[WD: DType](a: Step, u: Int):
     """Rows of one unit: the token (first index of the largest logit, as MAX's argmax)
     and, for the next step, its embedding row as x and its clamped position."""
-    var emb = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=a.emb)
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var row = a.logits.unsafe_offset(r * a.V)
         var m = SIMD[F32, W](-Float32.MAX)
@@ -378,13 +388,7 @@ def _argmax_unit[WD: DType](a: Step, u: Int):
             token += 1
         a.tokens[unsafe_offset=r * a.S + a.s] = Int64(token)
         if a.s + 1 < a.S:
-            var e = emb.unsafe_offset(token * a.d)
-            var c = 0
-            while c + W <= a.d:
-                a.x.unsafe_store(r * a.d + c, e.unsafe_load[width=W](c).cast[F32]())
-                c += W
-            for j in range(c, a.d):
-                a.x[unsafe_offset=r * a.d + j] = e[unsafe_offset=j].cast[F32]()
+            _embed_row[WD](a, r, token)
             a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
 
 
@@ -398,14 +402,25 @@ def _row_chunk(B: Int) -> Int:
     return (rows + MR - 1) // MR * MR
 
 
+def _chunks(B: Int) -> Int:
+    var rows_per = _row_chunk(B)
+    return (B + rows_per - 1) // rows_per
+
+
+def _width[kind: Int](a: Step) -> Int:
+    """A product's output width."""
+    return a.f if kind == FC1 else (a.V if kind == HEAD else a.d)
+
+
+def _panels(N: Int) -> Int:
+    return (_padded(N) + PANEL - 1) // PANEL
+
+
 def _units[kind: Int](a: Step) -> Int:
     comptime if kind == LN_C or kind == LN_T or kind == ARGMAX:
         return (a.B + NORM_CHUNK - 1) // NORM_CHUNK
     else:
-        var N = a.f if kind == FC1 else (a.V if kind == HEAD else a.d)
-        var panels = (_padded(N) + PANEL - 1) // PANEL
-        var rows_per = _row_chunk(a.B)
-        return panels * ((a.B + rows_per - 1) // rows_per)
+        return _panels(_width[kind](a)) * _chunks(a.B)
 
 
 def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
@@ -525,11 +540,8 @@ def _prepare[WD: DType](
         Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
         Int(head.unsafe_ptr()), _workers(), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
     )
-    var emb = _in(embedding)
     for b in range(B):
-        var row = emb.unsafe_offset(Int(ids_in[unsafe_offset=b]) * d)
-        for i in range(d):
-            a.x[unsafe_offset=b * d + i] = row[unsafe_offset=i].cast[F32]()
+        _embed_row[WD](a, b, Int(ids_in[unsafe_offset=b]))
     return a
 
 

@@ -289,9 +289,9 @@ class CompiledGraphs:
             positions = self._dev(np.asarray(positions, np.int64))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
-        greedy = int(sampling[-1].to_numpy()) == layers.MODE_GREEDY
+        one_op = self.greedy_steps_in_one_op and int(sampling[-1].to_numpy()) == layers.MODE_GREEDY
         with self._lock:
-            if greedy and self.greedy_steps_in_one_op:
+            if one_op:
                 toks, states, last, pos = self.decode_greedy_model.execute(
                     ids, positions, states, self._dev(np.arange(steps, dtype=np.int64)))
                 return DecodeResult(self.host(toks), states, last, pos)

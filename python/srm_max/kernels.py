@@ -414,29 +414,31 @@ def decode_step(ids, embedding, states, positions, layer_params: list[dict], hea
     LAYER_PARAMS arrays per layer (w, beta [H, n], lam [H] the decay per step), head_w
     [V, d]. Lays them out with srm_max/packing.py, as the engine does, and returns
     ``(logits [B, V], new_states [L, B, H, hd])``."""
-    from .packing import INPUTS, step_tensors
-
     if "decode_step" not in _models:
         _models["decode_step"] = load_compiled(session(), build_decode_step_graph())
-    inputs = step_tensors(layer_params, head_w)
     out = _models["decode_step"].execute(
-        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
-        np.array([eps], np.float32), np.zeros(len(head_w), np.float32))
+        *_decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps))
     return tuple(t.to_numpy().copy() for t in out)
+
+
+def _decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps) -> list:
+    """``build_decode_step_graph``'s inputs but the greedy op's steps, laid out as the engine does."""
+    from .packing import INPUTS, step_tensors
+
+    inputs = step_tensors(layer_params, head_w)
+    return [_i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
+            np.array([eps], np.float32), np.zeros(len(head_w), np.float32)]
 
 
 def decode_greedy(ids, embedding, states, positions, layer_params: list[dict], head_w, eps: float,
                   steps: int):
     """``steps`` greedy decode steps in one op, arguments as ``decode_step``; ->
     ``(tokens [B, steps], new_states, last [B], next positions [B])``."""
-    from .packing import INPUTS, step_tensors
-
     if "decode_greedy" not in _models:
         _models["decode_greedy"] = load_compiled(session(), build_decode_step_graph(greedy=True))
-    inputs = step_tensors(layer_params, head_w)
     out = _models["decode_greedy"].execute(
-        _i64(ids), _f32(embedding), _f32(states), _i64(positions), *(inputs[k] for k in INPUTS),
-        np.array([eps], np.float32), np.zeros(len(head_w), np.float32), np.arange(steps, dtype=np.int64))
+        *_decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps),
+        np.arange(steps, dtype=np.int64))
     return tuple(t.to_numpy().copy() for t in out)
 
 
