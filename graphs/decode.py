@@ -43,19 +43,18 @@ def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, c
                 device: DeviceRef):
     """u [B, d], pos [B] (clamped), state [B, H, hd] -> (y [B, d], new state [B, H, hd]).
 
-    All per-head vectors are expanded to per-channel [.., d] (one-hot matmul) so
-    nothing broadcasts a size-1 head axis against the projection's output:
-    MAX 26.7 CPU miscompiled that pattern (reshape [B, d] -> [B, H, hd] of a
-    matmul result times a [B, H, 1] factor used head 0's factor for every head).
+    Per-head vectors are gathered out per channel ([.., d]), so nothing broadcasts a
+    size-1 head axis and no small one-hot matmul runs inside the decode loop: MAX 26.7
+    miscompiled the first pattern on the CPU, and the second crashes its AVX2 code
+    (docs/avx2_crash.md).
     """
     H, hd = config.n_heads, config.head_dim
     d = H * hd
     B = u.shape[0]
-    E = layers.head_expander(H, hd, device)  # [H, d]
     col = layers.channel_column_mask(H, hd, device)  # [d]
-    wt = ops.matmul(ops.gather(p["w"], pos, axis=0), E)  # [B, d]
-    bt = ops.matmul(ops.gather(p["beta"], pos, axis=0), E)
-    lam = ops.matmul(ops.reshape(ops.exp(p["loglam"]), [1, H]), E)  # [1, d]
+    wt = layers.per_channel(ops.gather(p["w"], pos, axis=0), H, hd, device)  # [B, d]
+    bt = layers.per_channel(ops.gather(p["beta"], pos, axis=0), H, hd, device)
+    lam = layers.per_channel(ops.exp(p["loglam"]), H, hd, device)  # [d]
     s = ops.reshape(state, [B, d])
     new = u * layers.select_heads(col, 1.0, wt) + lam * s
     y = new * layers.select_heads(col, wt, 1.0) + bt

@@ -189,9 +189,20 @@ def floor_at(x: TensorValue, lo: float) -> TensorValue:
 
 
 def head_expander(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
-    """[H, d] one-hot: x[..., H] @ E -> the per-head value repeated over its channels."""
+    """[H, d] one-hot: x[..., H] @ E -> the per-head value repeated over its channels.
+
+    Outside loops only: inside ``ops.while_loop`` such a small matmul crashes MAX 26.7's
+    AVX2 code (docs/avx2_crash.md); loop bodies use ``per_channel``.
+    """
     e = np.repeat(np.eye(n_heads, dtype=np.float32), head_dim, axis=1)
     return const(e, F32, device)
+
+
+def per_channel(x: TensorValue, n_groups: int, width: int, device: DeviceRef) -> TensorValue:
+    """x [..., G] -> [..., G * width]: each group's value repeated over its channels (a gather
+    along the last axis; no matmul, no broadcast of a size-1 axis)."""
+    index = const(np.repeat(np.arange(n_groups, dtype=np.int64), width), I64, device)
+    return ops.gather(x, index, axis=x.rank - 1)
 
 
 def channel_column_mask(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:

@@ -14,12 +14,14 @@ and in this order (a branch that is off takes no room):
 (one unused column if the model has neither GSS nor attention). ``StateLayout``
 splits it; ``PHAEngine.split_states`` gives the reference's ``PHACache`` layout.
 
-MAX 26.7 CPU workarounds (see graphs/decode.py): nothing broadcasts a size-1
-head axis against a reshaped matmul result. Per-head quantities are expanded
-per channel with one-hot matmuls (``layers.head_expander``), attention runs one
-rank-3 matmul pair per head on channel slices, the KV-cache write is a rank-3
-outer-product matmul, and the causal mask is applied by multiplication in a
-written-out softmax (``_masked_softmax``).
+MAX 26.7 CPU workarounds (see graphs/decode.py, docs/avx2_crash.md): nothing
+broadcasts a size-1 head axis against a reshaped matmul result, and no small
+one-hot or outer-product matmul runs (inside the decode loop they crash MAX's
+AVX2 code). Per-head quantities are spread per channel by a gather
+(``layers.per_channel``) and summed per head by a reshape and a sum, attention
+runs one rank-3 matmul pair per head on channel slices, the KV-cache write
+selects the new row with explicitly broadcast 0/1 factors, and the causal mask
+is applied by multiplication in a written-out softmax (``_masked_softmax``).
 
 The prefill takes the positions twice (``pos``, ``pos_cols``): with one vector on
 both sides, ``pos[:, None] - pos[None, :]`` and ``pos[None, :] > pos[:, None]``
@@ -221,7 +223,8 @@ class PHAWeights(layers.NamedWeights):
 
 # ------------------------------------------------------------- shared pieces
 class _Consts:
-    """Graph constants that depend only on the config (one-hot expanders, RoPE tables)."""
+    """Graph constants that depend only on the config (RoPE tables, iotas), and the
+    per-head spread and sum built on them."""
 
     def __init__(self, config, device: DeviceRef):
         c = self.config = config
@@ -237,16 +240,17 @@ class _Consts:
             self._memo[key] = make()
         return self._memo[key]
 
-    def expander(self, groups: int, width: int) -> TensorValue:
-        """[groups, groups*width] one-hot: x[..., groups] @ it repeats each value width times."""
-        return self._once(("exp", groups, width), lambda: layers.head_expander(groups, width, self.device))
+    def spread(self, x: TensorValue, groups: int, width: int) -> TensorValue:
+        """x [..., groups] -> [..., groups*width]: each value repeated width times."""
+        index = self._once(("spread", groups, width), lambda: layers.const(
+            np.repeat(np.arange(groups, dtype=np.int64), width), I64, self.device))
+        return ops.gather(x, index, axis=x.rank - 1)
 
-    def reducer(self, groups: int, width: int) -> TensorValue:
-        """[groups*width, groups] one-hot: x[..., groups*width] @ it sums each group."""
-        def make():
-            e = np.repeat(np.eye(groups, dtype=np.float32), width, axis=1).T
-            return layers.const(e, F32, self.device)
-        return self._once(("red", groups, width), make)
+    @staticmethod
+    def group_sum(x: TensorValue, groups: int, width: int) -> TensorValue:
+        """x [..., groups*width] -> [..., groups]: the sum of each group of width channels."""
+        lead = list(x.shape[:-1])
+        return ops.reshape(ops.sum(ops.reshape(x, lead + [groups, width]), axis=-1), lead + [groups])
 
     def rope_freq(self, heads: int) -> TensorValue:
         """[1, heads*dh]: the rotation frequency of every channel (pairs (i, i + dh/2))."""
@@ -277,16 +281,13 @@ class _Consts:
         n = self.config.context_length
         return self._once("iota", lambda: layers.const(np.arange(n, dtype=np.int64), I64, self.device))
 
-    def ones(self, rows: int, cols: int) -> TensorValue:
-        return self._once(("ones", rows, cols),
-                          lambda: layers.const(np.ones((rows, cols), np.float32), F32, self.device))
 
 
 def _l2_normalize(x: TensorValue, heads: int, K: _Consts) -> TensorValue:
     """x [..., heads*dh] -> each head scaled to unit length (F.normalize, eps 1e-12)."""
-    sq = ops.matmul(x * x, K.reducer(heads, K.dh))  # [..., heads]
+    sq = K.group_sum(x * x, heads, K.dh)  # [..., heads]
     inv = 1.0 / layers.floor_at(ops.sqrt(sq), 1e-12)
-    return x * ops.matmul(inv, K.expander(heads, K.dh))
+    return x * K.spread(inv, heads, K.dh)
 
 
 def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorValue:
@@ -481,19 +482,19 @@ def _gss_step(x, st, g: dict, c, K: _Consts):
     """x [B, E], this layer's state [B, X] -> (out [B, E], new GSS state [B, 2*H*N]).
 
     s = Abar s + LN(v) (complex, as real pairs over flat (h, n) channels);
-    y = Re(Ct . s) + D LN(v), the sum over n as a one-hot matmul.
+    y = Re(Ct . s) + D LN(v), the sum over n by ``group_sum``.
     """
     H, N = c.gss_hidden_dim, c.dss_state_size
     HN = H * N
     u = ops.gelu(linear(x, g["to_u"]))
     xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"])), g["norm_w"], g["norm_b"],
                         epsilon=c.norm_eps)  # [B, H]
-    xe = ops.matmul(xn, K.expander(H, N))  # [B, H*N]
+    xe = K.spread(xn, H, N)  # [B, H*N]
     re, im = st[:, :HN], st[:, HN : 2 * HN]
     ar, ai = g["abar_re"], g["abar_im"]
     re2 = ar * re - ai * im + xe
     im2 = ar * im + ai * re
-    y = ops.matmul(re2 * g["ct_re_flat"] - im2 * g["ct_im_flat"], K.reducer(H, N)) + xn * g["D"]
+    y = K.group_sum(re2 * g["ct_re_flat"] - im2 * g["ct_im_flat"], H, N) + xn * g["D"]
     out = linear(linear(y, g["to_gate"]) * u, g["to_out"], g["to_out_b"])
     return out, ops.concat([re2, im2], axis=1)
 
@@ -509,9 +510,11 @@ def _attn_step(x, pos, pos_f, st, a: dict, c, K: _Consts, lay: StateLayout):
     G = Hq // Hkv
     B = x.shape[0]
     q, k, v = _qkv(x, ops.unsqueeze(pos_f, -1), a, c, K)
-    # cache * (1 - hit) + hit (x) new, both products as rank-3 matmuls.
+    # cache * (1 - hit) + hit * new, every factor broadcast to [B, n, dh] explicitly
+    # (exact: the factors are 0 or 1).
     hit = ops.reshape(ops.cast(ops.equal(ops.unsqueeze(pos, 1), ops.unsqueeze(K.iota_n(), 0)), F32), [B, n, 1])
-    keep = ops.matmul(1.0 - hit, K.ones(1, dh))  # [B, n, dh]
+    keep = ops.broadcast_to(1.0 - hit, [B, n, dh])
+    hit = ops.broadcast_to(hit, [B, n, dh])
     seen = ops.reshape(ops.cast(ops.unsqueeze(K.iota_n(), 0) <= ops.unsqueeze(pos, 1), F32), [B, 1, n])
     keys, values, heads = [], [], []
     for kv in range(Hkv):
@@ -520,7 +523,7 @@ def _attn_step(x, pos, pos_f, st, a: dict, c, K: _Consts, lay: StateLayout):
         def write(section: slice, new):
             start = section.start + kv * n * dh
             old = ops.reshape(st[:, start : start + n * dh], [B, n, dh])
-            return old * keep + ops.matmul(hit, ops.reshape(new[:, ch], [B, 1, dh]))
+            return old * keep + hit * ops.broadcast_to(ops.reshape(new[:, ch], [B, 1, dh]), [B, n, dh])
 
         kh, vh = write(lay.keys, k), write(lay.values, v)
         keys.append(ops.reshape(kh, [B, n * dh]))
