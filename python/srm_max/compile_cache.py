@@ -3,8 +3,9 @@
 A cold MAX compile takes minutes on a small CPU, and MAX's own cache still
 costs seconds per graph (and sometimes misses). So compiled models are
 exported as ``.mef`` files keyed on everything that changes the code:
-the MAX version, the graph's MLIR text (shapes, dtypes, device, constants,
-custom-op names) and the bytes of every kernel library it uses. Loading a
+the MAX version, the CPU the code is compiled for (``cpu_target``), the
+graph's MLIR text (shapes, dtypes, device, constants, custom-op names) and the
+bytes of every kernel library it uses. Loading a
 ``.mef`` takes milliseconds; weights are bound at load time, so one file
 serves every checkpoint of the same shape.
 """
@@ -21,6 +22,11 @@ from max import engine
 from max.engine import InferenceSession, Model
 from max.graph import Graph
 
+from . import cpu_target
+
+# before anything compiles: SRM_MAX_CPU_TARGET (a virtual CPU target) holds for every graph
+cpu_target.apply_requested()
+
 
 def cache_dir() -> Path:
     """``$SRM_MAX_CACHE`` or ``~/.cache/srm-max``."""
@@ -30,6 +36,7 @@ def cache_dir() -> Path:
 
 def graph_key(graph: Graph, extra: bytes = b"") -> str:
     digest = hashlib.sha256(engine.__version__.encode())
+    digest.update(cpu_target.current().encode())
     digest.update(str(graph).encode())
     for lib in sorted(str(p) for p in graph.kernel_libraries_paths):
         digest.update(Path(lib).read_bytes())

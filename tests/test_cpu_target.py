@@ -1,0 +1,67 @@
+"""The engine tests once more with CPU kernels compiled for AVX2 (``x86-64-v3``).
+
+Compiled CPU code differs between instruction sets: a fault that only AVX2 code
+has (16 vector registers, 32-byte vectors) cannot show on an AVX-512 machine
+running its own code. So where the host is not itself an ``x86-64-v3`` CPU, the
+engine tests run again in a child process with ``SRM_MAX_CPU_TARGET=x86-64-v3``
+(``srm_max.cpu_target``): every engine path compiled for AVX2 and checked against
+the reference. A child that crashes is reported as a failure naming the test it
+was in, instead of killing this run. ``SRM_MAX_TARGET_GUARD=1`` runs it on any
+x86-64 host (to check the guard itself).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from srm_max import cpu_target
+
+GUARD_TARGET = "x86-64-v3"
+ENGINE_TESTS = ("tests/test_engine.py", "tests/test_pha_engine.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _guard_reason() -> str | None:
+    """Why the guard does not run here (None: it runs)."""
+    if cpu_target.requested():
+        return f"this run already compiles for {cpu_target.requested()}"
+    host = cpu_target.host_x86_level()
+    if host is None:
+        return "not an x86-64 host"
+    if os.environ.get("SRM_MAX_TARGET_GUARD") == "1":
+        return None
+    if host == GUARD_TARGET:
+        return f"the host is an {GUARD_TARGET} CPU: the suite's own engine tests ran AVX2 code"
+    return None
+
+
+def last_started_test(verbose_output: str) -> str | None:
+    """The test pytest -v had started when its output ends (a crash cuts the line)."""
+    started = re.findall(r"^(tests/\S+::\S+)", verbose_output, flags=re.MULTILINE)
+    return started[-1] if started else None
+
+
+def test_last_started_test_names_the_test_a_crash_cut_short():
+    out = ("tests/test_engine.py::test_a PASSED      [ 50%]\n"
+           "tests/test_engine.py::test_b[float32] ")
+    assert last_started_test(out) == "tests/test_engine.py::test_b[float32]"
+    assert last_started_test("collected 0 items\n") is None
+
+
+@pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
+def test_engine_tests_pass_with_kernels_compiled_for_avx2():
+    env = os.environ | {cpu_target.ENV: GUARD_TARGET}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *ENGINE_TESTS],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    out = proc.stdout + proc.stderr
+    if proc.returncode < 0:
+        pytest.fail(f"the engine tests compiled for {GUARD_TARGET} crashed (signal "
+                    f"{-proc.returncode}) in {last_started_test(proc.stdout)}:\n{out[-3000:]}")
+    assert proc.returncode == 0, f"engine tests compiled for {GUARD_TARGET} failed:\n{out[-6000:]}"
