@@ -220,6 +220,8 @@ class CompiledGraphs:
     def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()
         job = self.graph_job(kind)
+        if not job.cached():
+            precompile([job])  # in a child process, saying what it compiles and for how long
         model = load_compiled(self.session, job.graph, self._registry, extra_key=job.extra_key,
                               mef=job.mef_path())
         self.compile_seconds[kind] = time.perf_counter() - t0
