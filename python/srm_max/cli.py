@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from .errors import SRMError
@@ -43,11 +44,27 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     return train_main(rest) or 0
 
 
+def _show_progress(on: bool) -> None:
+    """The package's log messages (what is compiling, for how long) on stderr."""
+    logger = logging.getLogger("srm_max")
+    if on and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("srm-max: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if on else logging.WARNING)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="srm-max", description="Structured Recurrent Mixers on MAX")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress messages on stderr (such as what is being compiled)")
     sub = parser.add_subparsers(dest="command", required=True)
+    # --quiet after the command too; SUPPRESS keeps the subcommand from resetting it
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="no progress messages on stderr")
 
-    p = sub.add_parser("convert", help="convert a PyTorch/safetensors SRM checkpoint, with a parity certificate")
+    p = sub.add_parser("convert", parents=[quiet], help="convert a PyTorch/safetensors SRM checkpoint, with a parity certificate")
     p.add_argument("src", help="state-dict file (.pt/.bin), .safetensors file, or Trainer checkpoint folder")
     p.add_argument("dst", help="output checkpoint directory")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the source's)")
@@ -58,20 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parity-tokens", type=int, default=None, help="tokens per sequence in the parity check (default 256)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
 
-    g = sub.add_parser("generate", help="generate text with a model (default: the embedded one)")
+    g = sub.add_parser("generate", parents=[quiet], help="generate text with a model (default: the embedded one)")
     g.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a fresh one, printed so the run can be replayed)")
     g.add_argument("--stop", action="append", default=None, help="stop string, repeatable")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
 
-    v = sub.add_parser("verify", help="re-check a model directory: integrity, parity, MAX against the reference")
+    v = sub.add_parser("verify", parents=[quiet], help="re-check a model directory: integrity, parity, MAX against the reference")
     v.add_argument("path", help="checkpoint directory")
     v.add_argument("--no-engine", action="store_true", help="skip the MAX-against-reference check")
 
@@ -85,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "train":
         return _train(argparse.Namespace(), argv[1:])
     args = parser.parse_args(argv)
+    _show_progress(not args.quiet)
     try:
         return {"convert": _convert, "generate": _generate, "verify": _verify}[args.command](args)
     except SRMError as e:
