@@ -1,4 +1,4 @@
-"""Kill `srm-max convert` at many points of its run; the output must be old, new or absent.
+"""Kill `srm-max convert` at many points of its run; the output must be the old or the new model.
 
     python bench/faults.py [--points 24]
 
@@ -6,7 +6,7 @@ Writes an old model (bfloat16), times one uninterrupted `srm-max convert --force
 to float32 over it, then repeats that convert ``--points`` times, killing it
 (SIGKILL) at evenly spaced moments from start to finish. After each kill the
 output directory must hold either the complete old model or the complete new
-one (loads, parity certificate present), never a mix; hidden temporary folders
+one (loads, parity certificate present), never a mix and never missing; hidden temporary folders
 left by the kill are counted. Writes ``bench/results/faults.json``; exits 1 if
 any kill left a broken model.
 """
@@ -35,11 +35,12 @@ def convert_command(source: Path, out: Path) -> list[str]:
 
 
 def outcome(out: Path, old_dtype: str) -> str:
-    """'old', 'new', 'absent' or 'broken: ...'."""
+    """'old', 'new' or 'broken: ...' (a missing output is broken: the destination must
+    hold the complete old or new model at every instant)."""
     from srm_max.checkpoint import load_checkpoint
 
     if not out.exists():
-        return "absent"
+        return "broken: the output is missing"
     try:
         ckpt = load_checkpoint(out)
     except Exception as e:  # noqa: BLE001 -- any failure to load is the finding

@@ -1,4 +1,5 @@
-"""Faults: a killed or failing convert leaves the old output or nothing, never half a model."""
+"""Faults: a killed or failing convert leaves the complete old or new output, never half a model
+or none."""
 
 import errno
 import os
@@ -33,6 +34,50 @@ def visible(directory):
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
+# Runs `convert --force` with the replace step held: the child says when it reaches the
+# swap, then waits on stdin, so the test kills it exactly there (no timing guesswork).
+HELD_AT_SWAP = """
+import sys
+import srm_max.checkpoint as checkpoint
+swap = checkpoint._swap_into_place
+def held(tmp, destination):
+    if sys.argv[1] == "before":
+        print("at-swap", flush=True)
+        sys.stdin.readline()
+    swap(tmp, destination)
+    if sys.argv[1] == "after":
+        print("at-swap", flush=True)
+        sys.stdin.readline()
+checkpoint._swap_into_place = held
+from srm_max.cli import main
+main(["convert", sys.argv[2], sys.argv[3], "--force", "--parity-tokens", "16"])
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_kill_at_the_replace_leaves_the_complete_old_or_new_model(source, tmp_path, when):
+    """The destination holds the complete old or new model at every instant: killed
+    right before or right after the swap, never missing, never hidden away."""
+    from srm_max.checkpoint import exchange_paths
+
+    probe = tmp_path / "probe"
+    (probe / "a").mkdir(parents=True)
+    (probe / "b").mkdir()
+    if not exchange_paths(probe / "a", probe / "b"):
+        pytest.skip("this file system has no atomic directory exchange (documented fallback)")
+    out = tmp_path / "models" / "out"
+    convert(source, out, dtype="bfloat16", parity_tokens=16)  # the old output
+    process = subprocess.Popen([sys.executable, "-c", HELD_AT_SWAP, when, str(source), str(out)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert process.stdout.readline().strip() == "at-swap"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert visible(out.parent) == ["out"]
+    now = load_checkpoint(out)
+    assert now.dtype == ("bfloat16" if when == "before" else "float32")
+    assert (out / "parity.json").exists()
+
+
 @pytest.mark.parametrize("delay", [0.5, 1.5, 3.0, 5.0])
 def test_killed_convert_leaves_old_output_or_nothing(source, tmp_path, delay):
     out = tmp_path / "out"
@@ -44,13 +89,12 @@ def test_killed_convert_leaves_old_output_or_nothing(source, tmp_path, delay):
     time.sleep(delay)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert visible(tmp_path) in (["out"], [])
-    if (tmp_path / "out").exists():
-        now = load_checkpoint(out)  # complete: old (bfloat16) or new (float32), never a mix
-        assert now.dtype in ("bfloat16", "float32")
-        assert (out / "parity.json").exists()
-        if now.dtype == old.dtype:
-            assert (out / "model.safetensors").stat().st_size == os.path.getsize(old.path / "model.safetensors")
+    assert visible(tmp_path) == ["out"]  # never missing, whenever the kill came
+    now = load_checkpoint(out)  # complete: old (bfloat16) or new (float32), never a mix
+    assert now.dtype in ("bfloat16", "float32")
+    assert (out / "parity.json").exists()
+    if now.dtype == old.dtype:
+        assert (out / "model.safetensors").stat().st_size == os.path.getsize(old.path / "model.safetensors")
 
 
 def test_full_disk_is_a_clear_error_and_keeps_the_old_output(source, tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ values. Every failure is a ``CheckpointError`` naming the file and the key.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -128,13 +130,55 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path, config, weights, _DTYPE_NAMES[dtypes.pop()], tokenizer if tokenizer.exists() else None)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the C library, kernel or file system does not offer it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_into_place(tmp: Path, destination: Path) -> None:
+    """Make the complete ``tmp`` the ``destination``.
+
+    A new destination is one rename. An existing one is exchanged with ``tmp`` in one
+    atomic step, so at every instant ``destination`` is the complete old or the complete
+    new directory; ``tmp`` then holds the old one and is removed. Where no atomic
+    exchange exists (not Linux, or a file system without it) the old directory is first
+    renamed aside: a kill between the two renames leaves ``destination`` missing and the
+    old model in a hidden ``.name.old-*/old`` folder beside it.
+    """
+    if not destination.exists():
+        os.replace(tmp, destination)
+    elif not exchange_paths(tmp, destination):
+        backup = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
+        os.replace(destination, backup / "old")
+        os.replace(tmp, destination)
+        shutil.rmtree(backup, ignore_errors=True)
+
+
 @contextmanager
 def atomic_directory(destination: str | Path, force: bool = False):
     """Yield a temporary directory beside ``destination``; on success it replaces it.
 
     Nothing is overwritten without ``force``; on any error (or a kill) the old
-    destination is untouched and the temporary directory is removed (or, after
-    a kill, left as a hidden ``.name.tmp-*`` that is never mistaken for a model).
+    destination stays whole and the temporary directory is removed (or, after a
+    kill, left as a hidden ``.name.tmp-*`` that is never mistaken for a model).
+    The replacement itself is atomic where the system can exchange two
+    directories (``_swap_into_place``).
     """
     destination = Path(destination)
     if destination.exists() and not force:
@@ -146,13 +190,7 @@ def atomic_directory(destination: str | Path, force: bool = False):
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
     try:
         yield tmp
-        if destination.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
-            os.replace(destination, backup / "old")
-            os.replace(tmp, destination)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            os.replace(tmp, destination)
+        _swap_into_place(tmp, destination)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
