@@ -12,10 +12,21 @@ project's format beside the weights, else (SRM only) it is inferred from the
 shapes. PHA checkpoints (keys ``embed.weight``, ``blocks.*``) need a config.
 
 Key mapping (the paper code's ``MLPMixer``, all in ``normalize_keys``):
-  * ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes are removed;
+  * ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes are removed, in any
+    nesting and order (``_orig_mod.module.`` is torch.compile over DDP);
   * a dropout layer in the channel MLP moves ``channel_mixing_layer.2`` to ``.3``: mapped back;
   * no ``decay_value`` keys means a model without decay (lam = 1).
 Everything else must match ``checkpoint.expected_shapes`` exactly, or the key is named.
+
+Only the paper code's mixed heads with per-head projections can be served. Its other
+token mixers (``parallel_heads``, ``use_projections=False``, ``combined_heads``,
+``heads=None``, ``kernel>1``) are recognised by their keys and refused by name
+(``check_supported_layout``). Its default ``RepeatHeads`` (every head column-repeat,
+no decay) has exactly the keys and shapes of mixed heads without decay, so nothing
+tells them apart: a checkpoint without decay is taken to be mixed heads.
+
+The parity certificate compares the converted model with the source's own forward
+where ``source_forward`` can rebuild it (see ``parity``).
 """
 
 from __future__ import annotations
@@ -40,12 +51,13 @@ from .checkpoint import (
 )
 from .config import SRMConfig, config_from_dict, load_config
 from .errors import CheckpointError, ConvertError
-from .parity import compute_parity
+from .parity import SourceForward, compute_parity, reference_class
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _PREFIXES = ("module.", "_orig_mod.")
 _BLOCK = re.compile(r"^mixer_blocks\.(\d+)\.")
+_TOKEN_MIXER = re.compile(r"^mixer_blocks\.(\d+)\.token_mixing_layer\.(.+)$")
 _HEAD = re.compile(r"^mixer_blocks\.0\.token_mixing_layer\.proj_head\.(\d+)\.weight$")
 
 
@@ -136,19 +148,65 @@ def _read_torch(path: Path) -> tuple[dict[str, np.ndarray], str]:
     return tensors, source_dtype if source_dtype in FLOAT_DTYPES else "float32"
 
 
+def split_prefixes(key: str) -> tuple[tuple[str, ...], str]:
+    """(the wrapper attributes, outermost first, the key inside them):
+    ``_orig_mod.module.x`` -> (("_orig_mod", "module"), "x")."""
+    wrappers = []
+    while prefix := next((p for p in _PREFIXES if key.startswith(p)), None):
+        wrappers.append(prefix[:-1])
+        key = key[len(prefix):]
+    return tuple(wrappers), key
+
+
 def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
-    out = {}
+    out, origin = {}, {}
     for key, value in tensors.items():
-        new = key
-        for prefix in _PREFIXES:
-            new = new.removeprefix(prefix)
-        out[new] = value
+        new = split_prefixes(key)[1]
+        if new in out:
+            raise ConvertError(f"{source}: keys {origin[new]!r} and {key!r} both map to {new!r}")
+        out[new], origin[new] = value, key
     has_dropout = any(".channel_mixing_layer.3." in k for k in out)
     if has_dropout:
         if any(".channel_mixing_layer.2." in k for k in out):
             raise ConvertError(f"{source}: both channel_mixing_layer.2 and .3 present; cannot map the channel MLP")
         out = {k.replace(".channel_mixing_layer.3.", ".channel_mixing_layer.2."): v for k, v in out.items()}
     return out
+
+
+def check_supported_layout(tensors: dict[str, np.ndarray], source: str) -> None:
+    """Refuse, by name, the paper code's token mixers that are not mixed heads with projections.
+
+    Their keys (``mixer_blocks.{l}.token_mixing_layer.*``, after ``normalize_keys``):
+      parallel_heads          in_proj.*, mixer_heads.weight [H, n] (one module for all heads)
+      combined_heads          mixer_heads.{h}.weight [2, n] (a row and a column vector per head)
+      use_projections=False   mixer_heads.{h}.* without proj_head.* (heads are channel slices)
+      heads=None              weight [1, n], bias [n] (one row-repeat mixer over all channels)
+      kernel>1 (heads=None)   weight [k, n], k > 1 (KernelRepeatLinear)
+    """
+    found: dict[str, str] = {}  # variant -> the first key that shows it
+    with_projections = {  # layers that have per-head input projections
+        m.group(1) for k in tensors if (m := _TOKEN_MIXER.match(k)) and m.group(2).startswith("proj_head.")
+    }
+    for key, value in tensors.items():
+        if not (m := _TOKEN_MIXER.match(key)):
+            continue
+        layer, rest = m.groups()
+        if rest.startswith("in_proj.") or rest in ("mixer_heads.weight", "mixer_heads.bias", "mixer_heads.decay_value"):
+            found.setdefault("parallel_heads", key)
+        elif re.fullmatch(r"mixer_heads\.\d+\.weight", rest):
+            if value.ndim == 2 and value.shape[0] == 2:
+                found.setdefault("combined_heads", key)
+            if layer not in with_projections:
+                found.setdefault("use_projections=False", key)
+        elif rest == "weight":
+            found.setdefault("kernel>1" if value.ndim == 2 and value.shape[0] > 1 else "heads=None", key)
+    if found:
+        named = ", ".join(f"{variant} (key {key!r})" for variant, key in found.items())
+        verb = "variants are" if len(found) > 1 else "variant is"
+        raise ConvertError(
+            f"{source}: the paper code's {named} {verb} not supported: only mixed heads with per-head "
+            "projections (proj_head.{h}, mixer_heads.{h}, out_proj) can be converted"
+        )
 
 
 def infer_config(tensors: dict[str, np.ndarray], source: str, overrides: dict | None = None) -> SRMConfig:
@@ -244,8 +302,9 @@ def convert(
     weights_path = resolve_source(src)
     if show_progress is None:
         show_progress = sys.stderr.isatty() and weights_path.stat().st_size > 64 * 2**20
-    tensors, source_dtype = read_source(weights_path, show_progress)
-    tensors = normalize_keys(tensors, str(weights_path))
+    raw, source_dtype = read_source(weights_path, show_progress)
+    tensors = normalize_keys(raw, str(weights_path))
+    check_supported_layout(tensors, str(weights_path))
     config = choose_config(tensors, weights_path, Path(config) if config else None, overrides)
     try:
         check_weights(config, {k: v.shape for k, v in tensors.items()}, str(weights_path))
@@ -256,25 +315,81 @@ def convert(
     if tokenizer is not None:
         _check_tokenizer(Path(tokenizer), config.vocab_size)
     dtype = dtype or source_dtype
+    source = source_forward(config, raw, dtype)
 
     try:
         with atomic_directory(dst, force) as tmp:
-            certificate = _write_and_certify(tmp, src, config, tensors, dtype, tokenizer, parity_tokens)
+            certificate = _write_and_certify(tmp, src, config, tensors, dtype, tokenizer, parity_tokens, source)
     except OSError as e:  # a full disk, a read-only folder: the old DST (if any) is untouched
         raise ConvertError(f"{dst}: cannot write ({e.strerror or e}); nothing was written") from None
     return certificate
 
 
-def _write_and_certify(tmp: Path, src: Path, config, tensors, dtype, tokenizer, parity_tokens) -> dict:
+def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForward:
+    """The source checkpoint's own model, built without ``normalize_keys``.
+
+    The reference class is rebuilt in the source's module layout: the paper code's
+    dropout channel MLP (Linear, SiLU, Dropout, Linear) where the keys have
+    ``channel_mixing_layer.3``, inside containers named by the DDP / torch.compile
+    prefixes. torch then binds each parameter to the key as stored, so a mapping
+    error in the converter shows up as different logits. The tensors are rounded to
+    the written dtype (rounding is per element, so it commutes with any renaming),
+    which makes the two models' float64 logits equal when the mapping is right.
+    """
+    import torch
+    import torch.nn as nn
+
+    chains = {split_prefixes(key)[0] for key in raw}
+    if len(chains) != 1:
+        listed = ", ".join(sorted(repr("".join(w + "." for w in chain)) for chain in chains))
+        return SourceForward(None, f"the keys carry different wrapper prefixes ({listed}); no single "
+                                   "module layout holds them all")
+    (chain,) = chains
+    dropout = config.architecture == "srm" and any(".channel_mixing_layer.3." in key for key in raw)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    state = {k: torch.from_numpy(np.asarray(v)).to(torch_dtype).to(torch.float64) for k, v in raw.items()}
+
+    with torch.device("meta"):
+        model = reference_class(config)(config)
+        if dropout:
+            for block in model.mixer_blocks:
+                block.channel_mixing_layer = nn.Sequential(
+                    nn.Linear(config.d_model, config.ffn_dim), nn.SiLU(), nn.Dropout(0.0),
+                    nn.Linear(config.ffn_dim, config.d_model))
+        root = model
+        for name in reversed(chain):
+            wrapper = nn.Module()
+            wrapper.add_module(name, root)
+            root = wrapper
+    try:
+        root.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        return SourceForward(None, f"the source's keys do not load into the rebuilt model: {str(e).splitlines()[0]}")
+    layout = f"srm_max.reference {type(model).__name__}"
+    if dropout:
+        layout += " with the dropout channel MLP (Linear, SiLU, Dropout, Linear)"
+    if chain:
+        layout += " inside " + ".".join(chain)
+    return SourceForward(model.eval(), layout)
+
+
+def _write_and_certify(tmp: Path, src: Path, config, tensors, dtype, tokenizer, parity_tokens, source) -> dict:
     write_checkpoint_files(tmp, config, tensors, dtype, Path(tokenizer) if tokenizer else None)
     # Certify what was written, read back through the real loader.
     from .checkpoint import load_checkpoint
 
     written = load_checkpoint(tmp)
-    certificate = compute_parity(config, written.weights, tokens=parity_tokens)
+    certificate = compute_parity(config, written.weights, tokens=parity_tokens, source=source)
     certificate |= {"source": str(src.resolve()), "dtype": dtype, "srm_max": __version__,
                     "config": config.to_dict(), "weights_sha256": file_sha256(tmp / WEIGHTS_FILE)}
     (tmp / PARITY_FILE).write_text(json.dumps(certificate, indent=2) + "\n")
+    checked = certificate.get("source_forward")
+    if checked is not None and not checked["passed"]:
+        raise ConvertError(
+            f"{src}: source-forward check failed: the converted model's logits differ from the source's own "
+            f"forward by {checked['max_abs_delta']:.3g} (tolerance {checked['tolerance']:.3g}), so the key "
+            "mapping is wrong; nothing was written"
+        )
     if not certificate["passed"]:
         raise ConvertError(
             f"{src}: parity check failed: {certificate['max_abs_delta']} exceeds {certificate['tolerance']:.3g}; "
