@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import inspect
+import re
+
 import numpy as np
 import pytest
 
@@ -18,6 +22,29 @@ def word_tokenizer(size: int):
     vocab = {f"w{i}": i for i in range(size - 1)} | {"[UNK]": size - 1}
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = WhitespaceSplit()
+    return tok
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map: the alphabet of byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+
+
+def byte_level_tokenizer(size: int = TINY.vocab_size):
+    """A byte-level BPE of ``size`` tokens in which most characters are split across tokens:
+    every 1-4 byte piece of a short text of 1-4 byte characters (single bytes first)."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    data = "ab é€😀中 üx".encode()
+    pieces = list(dict.fromkeys(data[i: i + n] for n in (1, 2, 3, 4) for i in range(len(data) - n + 1)))[:size]
+    chars = _byte_chars()
+    tok = Tokenizer(BPE({"".join(chars[b] for b in piece): i for i, piece in enumerate(pieces)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    assert tok.get_vocab_size() == size
     return tok
 
 
@@ -52,9 +79,15 @@ BAD = [
     ("top_p = 0", dict(prompts=[1], top_p=0.0), "top_p"),
     ("top_p > 1", dict(prompts=[1], top_p=1.5), "top_p"),
     ("top_k < 0", dict(prompts=[1], top_k=-3), "top_k"),
+    ("top_k < -1", dict(prompts=[1], top_k=-2), "top_k"),
     ("top_k float", dict(prompts=[1], top_k=2.5), "top_k"),
-    ("seed negative", dict(prompts=[1], seed=-1), "seed"),
-    ("per-prompt list too short", dict(prompts=[[1], [2]], temperature=[1.0]), "temperature"),
+    ("seed negative", dict(prompts=[1], seed=-1), "seed must be an integer in"),
+    ("seed 2**64", dict(prompts=[1], seed=2**64), "seed must be an integer in"),
+    ("seed float", dict(prompts=[1], seed=1.5), "seed must be an integer in"),
+    ("seed text", dict(prompts=[1], seed="7"), "seed must be an integer in"),
+    ("seed in a list negative", dict(prompts=[[1], [2]], seed=[1, -1]), r"seed\[1\] must be an integer"),
+    ("per-prompt list too short", dict(prompts=[[1], [2]], temperature=[1.0]),
+     r"temperature: expected one value or a list of 2 \(one per prompt\), got a list of 1"),
     ("stop id >= vocab", dict(prompts=[1], stop=[99]), "stop token id 99"),
 ]
 
@@ -65,6 +98,29 @@ def test_bad_input_is_named_before_any_work(unchecked, what, kwargs, message):
         unchecked.generate(**kwargs)
     with pytest.raises(GenerationError, match=message):
         unchecked.stream(**kwargs)  # raised at the call, not at the first next()
+
+
+SAMPLE_MANY_BAD = [
+    ("seed negative", dict(seed=-1), "seed must be an integer in"),
+    ("seed 2**64", dict(seed=2**64), "seed must be an integer in"),
+    ("seed float", dict(seed=1.5), "seed must be an integer in"),
+    ("seed bool", dict(seed=True), "seed must be an integer in"),
+    ("temperature list", dict(temperature=[0.5, 1.0]), "temperature: sample_many takes one value for all prompts"),
+    ("top_p list", dict(top_p=[0.5]), "top_p: sample_many takes one value for all prompts"),
+    ("top_k < -1", dict(top_k=-2), "top_k"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,message", SAMPLE_MANY_BAD, ids=[b[0] for b in SAMPLE_MANY_BAD])
+def test_sample_many_bad_input_is_named(unchecked, what, kwargs, message):
+    with pytest.raises(GenerationError, match=message):
+        unchecked.sample_many([[1], [2]], 2, **kwargs)
+
+
+def test_device_defaults_agree():
+    init = inspect.signature(Generator.__init__).parameters["device"].default
+    pretrained = inspect.signature(Generator.from_pretrained).parameters["device"].default
+    assert init == pretrained == "auto"
 
 
 def test_unknown_device_and_dtype(tiny_weights):
@@ -174,6 +230,51 @@ def test_scalar_seed_is_per_prompt_offset(generator):
     assert a[1].ids == generator.generate(p, seed=51, **kw).ids
 
 
+def test_seed_none_draws_a_fresh_seed_and_reports_it(generator):
+    p, q = rnd_prompt(9, 11), rnd_prompt(4, 12)
+    kw = dict(max_new_tokens=16, temperature=1.0)
+    a, b = generator.generate(p, **kw), generator.generate(p, **kw)
+    assert isinstance(a.seed, int) and 0 <= a.seed < 2**64
+    assert a.seed != b.seed
+    assert generator.generate(p, seed=a.seed, **kw).ids == a.ids
+    assert generator.generate(p, seed=b.seed, **kw).ids == b.ids
+    outs = generator.generate([p, q], **kw)
+    assert outs[1].seed == outs[0].seed + 1  # a scalar seed s gives prompt i the seed s + i
+    assert [o.ids for o in generator.generate([p, q], seed=[o.seed for o in outs], **kw)] == [o.ids for o in outs]
+    assert [o.ids for o in generator.generate([p, q], seed=outs[0].seed, **kw)] == [o.ids for o in outs]
+    assert generator.generate(q, seed=outs[1].seed, **kw).ids == outs[1].ids
+    assert generator.generate(p, seed=[2**64 - 1], **kw).seed == 2**64 - 1
+
+
+def test_sample_many_seed_none_draws_a_fresh_seed_and_reports_it(generator):
+    prompts = [rnd_prompt(5, 1), rnd_prompt(7, 2)]
+    kw = dict(max_new_tokens=6, temperature=1.0)
+
+    def key(s):
+        return s.prompt_index, s.sample_index
+
+    run = generator.sample_many(prompts, 3, **kw)
+    assert isinstance(run.seed, int) and 0 <= run.seed < 2**64
+    samples = sorted(run, key=key)
+    other = generator.sample_many(prompts, 3, **kw)
+    other.close()
+    assert other.seed != run.seed
+    replay = sorted(generator.sample_many(prompts, 3, seed=run.seed, **kw), key=key)
+    assert [(s.ids, s.seed) for s in replay] == [(s.ids, s.seed) for s in samples]
+    s = samples[-1]
+    assert generator.generate(prompts[s.prompt_index], seed=s.seed, **kw).ids == s.ids
+
+
+def test_top_k_minus_one_is_off(generator):
+    p = rnd_prompt(9, 3)
+    for top_p in (1.0, 0.9):
+        kw = dict(max_new_tokens=12, temperature=1.0, top_p=top_p, seed=21)
+        assert generator.generate(p, top_k=-1, **kw).ids == generator.generate(p, top_k=0, **kw).ids
+    kw = dict(max_new_tokens=6, temperature=1.0, seed=4)
+    assert ([s.ids for s in generator.sample_many([p], 2, top_k=-1, **kw)]
+            == [s.ids for s in generator.sample_many([p], 2, top_k=0, **kw)])
+
+
 def test_stream_equals_generate(engine):
     gen = Generator.from_engine(engine, tokenizer=word_tokenizer(TINY.vocab_size))
     prompts = [rnd_prompt(5, 1), rnd_prompt(90, 2)]
@@ -194,6 +295,106 @@ def test_stream_equals_generate(engine):
     assert [got[0], got[1]] == [o.ids for o in outs]
     assert [texts[0], texts[1]] == [o.text for o in outs]
     assert finished == {0: "length", 1: "context"}
+
+
+def streamed(gen, prompts, **kw):
+    """Each sample's concatenated stream text. Without stop strings, also checks that
+    a running sample's stream never ends inside a character (a trailing U+FFFD); a
+    held-back start of a stop string may follow an invalid byte's lasting U+FFFD."""
+    texts = [""] * len(prompts)
+    for ev in gen.stream(prompts, **kw):
+        for i, s in ev.texts.items():
+            texts[i] += s
+            if i not in ev.finished and not kw.get("stop"):
+                assert not texts[i].endswith("\ufffd")
+    return texts
+
+
+STREAM_PROMPTS = [rnd_prompt(3 + 5 * i, 20 + i) for i in range(4)]
+STREAM_KW = dict(max_new_tokens=30, temperature=1.0, seed=[5, 6, 7, 8])
+
+
+def rewrites_its_text(gen, ids) -> bool:
+    """Whether some token changes the decoded text before it (it completes a split character)."""
+    return any(not gen.decode(ids[: k + 1]).startswith(gen.decode(ids[:k])) for k in range(1, len(ids)))
+
+
+def test_stream_adds_up_with_characters_split_across_tokens(engine):
+    gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
+    outs = gen.generate(STREAM_PROMPTS, **STREAM_KW)
+    assert all(rewrites_its_text(gen, o.ids) for o in outs)  # the case under test, in every sample
+    assert any(ch in o.text for o in outs for ch in "é€😀中")
+    assert streamed(gen, STREAM_PROMPTS, **STREAM_KW) == [o.text for o in outs]
+
+
+def spanning_stop_string(gen, ids) -> str:
+    """Two characters of the sample's text, the first settled by token k, the second
+    added by token k + 1 (so the stop string spans those tokens)."""
+    for k in range(3, len(ids)):
+        before, after = gen.decode(ids[:k]), gen.decode(ids[: k + 1])
+        settled = before.rstrip("\ufffd")
+        if settled and after.startswith(settled) and len(after) > len(settled):
+            s = settled[-1] + after[len(settled)]
+            if "\ufffd" not in s:
+                return s
+    raise AssertionError("no two characters span a token boundary")
+
+
+def first_stop(gen, ids, stops):
+    """The ids and text a sample keeps under ``stops``: what ``generate`` should give."""
+    for k in range(1, len(ids) + 1):
+        text = gen.decode(ids[:k])
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return ids[:k], text[: min(hits)]
+    return None
+
+
+def test_stream_never_shows_a_stop_string(engine):
+    gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
+    free = gen.generate(STREAM_PROMPTS, **STREAM_KW)
+    stops = [spanning_stop_string(gen, o.ids) for o in free]
+    outs = gen.generate(STREAM_PROMPTS, stop=stops, **STREAM_KW)
+    for f, o in zip(free, outs):
+        ids, text = first_stop(gen, f.ids, stops)
+        assert (o.ids, o.text, o.finish_reason) == (ids, text, "stop")
+    texts = streamed(gen, STREAM_PROMPTS, stop=stops, **STREAM_KW)
+    assert texts == [o.text for o in outs]
+    assert not any(s in t for s in stops for t in texts)
+
+
+def test_stream_releases_a_held_back_tail_when_the_sample_ends(engine):
+    """Text that could start a stop string is held back, and released when the sample
+    ends without the stop string."""
+    gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
+    free = gen.generate(STREAM_PROMPTS, **STREAM_KW)
+    never = "\n"  # no token has a newline
+    stops = [o.text.rstrip("\ufffd")[-1] + never for o in free]
+    outs = gen.generate(STREAM_PROMPTS, stop=stops, **STREAM_KW)
+    assert [o.text for o in outs] == [o.text for o in free]
+    assert streamed(gen, STREAM_PROMPTS, stop=stops, **STREAM_KW) == [o.text for o in free]
+    last = free[0].ids[-1]  # and when a stop token ends it
+    cut = free[0].ids.index(last)
+    out = gen.generate(STREAM_PROMPTS[0], stop=[last, stops[0]], **STREAM_KW | dict(seed=5))
+    assert out.ids == free[0].ids[:cut] and out.finish_reason == "stop"
+    assert streamed(gen, [STREAM_PROMPTS[0]], stop=[last, stops[0]], **STREAM_KW | dict(seed=[5])) == [out.text]
+
+
+def test_cli_stream_prints_the_text_and_the_seed(engine, monkeypatch, capsys):
+    from srm_max.generate_cli import run_generate
+
+    gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: gen))
+    prompt = "a é"
+    args = argparse.Namespace(model="unused", device="cpu", dtype=None, prompt=[prompt], max_new_tokens=30,
+                              temperature=1.0, top_k=0, top_p=1.0, seed=None, stop=None, stream=True)
+    assert run_generate(args) == 0
+    out, err = capsys.readouterr()
+    seed = int(re.search(r"seed (\d+)", err).group(1))
+    expected = gen.generate(prompt, max_new_tokens=30, temperature=1.0, seed=seed)
+    assert out == prompt + expected.text + "\n"
+    assert run_generate(args) == 0
+    assert int(re.search(r"seed (\d+)", capsys.readouterr().err).group(1)) != seed
 
 
 def test_progress_callback(generator):

@@ -1,4 +1,8 @@
-"""``srm-max generate``: text in, text out, with progress on long runs."""
+"""``srm-max generate``: text in, text out, with progress on long runs.
+
+Without ``--seed`` a sampled run draws a fresh seed and names it on stderr, so
+``--seed`` with that value replays the run.
+"""
 
 from __future__ import annotations
 
@@ -30,14 +34,18 @@ class ProgressLine:
 def run_generate(args: argparse.Namespace) -> int:
     from .embedded import default_model_path
     from .generator import Generator
+    from .sampling import resolve_seed
 
     path = args.model if args.model is not None else default_model_path()
     generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype)
     if generator.tokenizer is None:
         print(f"srm-max generate: error: {path} has no tokenizer.json; text prompts need one", file=sys.stderr)
         return 2
+    seed = resolve_seed(getattr(args, "seed", None), "--seed")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, stop=args.stop)
+                   top_p=args.top_p, seed=seed, stop=args.stop)
+    if args.temperature > 0:  # greedy output does not depend on the seed
+        print(f"srm-max generate: seed {seed} (--seed {seed} replays this run)", file=sys.stderr)
     if args.stream:
         if len(args.prompt) != 1:
             print("srm-max generate: error: --stream takes exactly one prompt", file=sys.stderr)

@@ -4,6 +4,7 @@
     gen = Generator.from_pretrained("ckpt/", device="auto", dtype=None)
     out = gen.generate("Once upon a time", max_new_tokens=50, temperature=0.8, top_p=0.95, seed=1)
     out.text, out.ids, out.finish_reason          # "stop" | "length" | "context"
+    out.seed                                      # generate(out.prompt_ids, seed=out.seed) replays it
     outs = gen.generate(["a", "b"], ...)          # a list, one Completion per prompt
     for event in gen.stream(["a", "b"], ...):     # one StreamEvent per decode step
         ...
@@ -20,6 +21,14 @@ sample reaches n tokens it finishes with reason "context".
 included in ``ids``/``text``; a stop string ends the sample once the decoded
 text contains it: ``text`` is cut before it, ``ids`` keep the token(s) that
 produced it.
+
+``seed=None`` (the default) draws a fresh seed; every Completion and every
+``sample_many`` run reports the seed it used.
+
+Streamed texts add up to the final ``Completion.text`` of each sample: a
+stream holds back text until it is settled, that is, the bytes of a character
+split across tokens (decoded as a trailing U+FFFD until complete) and a tail
+that could be the start of a stop string; a finishing sample releases the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import numpy as np
 from .config import SRMConfig
 from .engine import Engine, resolve_device, resolve_dtype
 from .errors import GenerationError
-from .sampling import SamplingParams, check_max_new_tokens
+from .sampling import SamplingParams, check_max_new_tokens, resolve_seed
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -44,6 +53,7 @@ class Completion:
     ids: list[int]  # the new tokens
     finish_reason: str  # "stop" | "length" | "context"
     prompt_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # the sample's own seed: generate(prompt_ids, seed=seed) replays it
 
 
 @dataclass
@@ -52,8 +62,46 @@ class StreamEvent:
 
     step: int
     tokens: dict[int, int]  # new token of each sample that got one
-    texts: dict[int, str]  # the text it added (with a tokenizer)
+    texts: dict[int, str]  # the settled text it added (with a tokenizer); may be ""
     finished: dict[int, str]  # samples that finished at this step -> reason
+
+
+class SampleRun:
+    """What ``Generator.sample_many`` returns: an iterator over its Samples that
+    also tells the seed the run used (``sample_many(..., seed=run.seed)`` replays it)."""
+
+    def __init__(self, samples: Iterator, seed: int):
+        self._samples = samples
+        self.seed = seed
+
+    def __iter__(self) -> "SampleRun":
+        return self
+
+    def __next__(self):
+        return next(self._samples)
+
+    def close(self) -> None:
+        self._samples.close()
+
+
+def _settled(text: str, stop_strings: Sequence[str]) -> int:
+    """How much of a running sample's ``text`` its stream may show.
+
+    Not a trailing U+FFFD: a byte-level tokenizer decodes the first bytes of a
+    character split across tokens as U+FFFD until its last byte arrives. Not a
+    tail that could be the start of a stop string: the sample's text would be
+    cut before it.
+    """
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    held = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, end), held, -1):
+            if text.startswith(s[:k], end - k):
+                held = k
+                break
+    return end - held
 
 
 def _load_tokenizer(tokenizer):
@@ -92,7 +140,7 @@ class Generator:
     """Batched text generation with an SRM or a PHA model on MAX."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], tokenizer=None,
-                 dtype: str | None = "float32", device: str = "cpu", warmup: bool = True):
+                 dtype: str | None = "float32", device: str = "auto", warmup: bool = True):
         resolve_device(device)  # a bad device fails here, before any work
         dtype = resolve_dtype(dtype)
         tok = _load_tokenizer(tokenizer)
@@ -232,12 +280,26 @@ class Generator:
         results = self._completions(run)
         return results[0] if run["single"] else results
 
-    def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", **options):
+    def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", seed=None, **options) -> SampleRun:
         """``n`` samples of every prompt through a refilled pool of state slots, yielded in
-        order of completion (see ``slot_pool.sample_many`` for the options)."""
+        order of completion (see ``slot_pool.sample_many`` for the options).
+
+        ``seed=None`` draws a fresh seed. The returned iterator's ``seed`` replays the
+        whole run; each Sample's ``seed`` replays that sample alone through ``generate``.
+        Sampling parameters are one value for all prompts.
+        """
         from .slot_pool import sample_many
 
-        return sample_many(self, prompts, n, verifier=verifier, max_batch=max_batch, **options)
+        seed = resolve_seed(seed)
+        for name in ("temperature", "top_k", "top_p"):
+            value = options.get(name)
+            if isinstance(value, (list, tuple, np.ndarray)):
+                raise GenerationError(
+                    f"{name}: sample_many takes one value for all prompts, got a list of {np.size(value)}")
+        if isinstance(options.get("top_k"), (int, np.integer)) and options["top_k"] == -1:
+            options["top_k"] = 0  # -1 means off, as 0 does; the engine gets the one spelling
+        samples = sample_many(self, prompts, n, verifier=verifier, max_batch=max_batch, seed=seed, **options)
+        return SampleRun(samples, seed)
 
     def stream(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
                seed=None, stop=None, steps_per_call: int = 1) -> Iterator[StreamEvent]:
@@ -263,6 +325,7 @@ class Generator:
             "lengths": lengths, "budget": np.minimum(max_new, n - lengths),
             "out": np.zeros((B, max(1, min(max_new, n))), np.int64), "count": np.zeros(B, np.int64),
             "done": np.zeros(B, bool), "reason": [""] * B, "cut": [None] * B,
+            "shown": [0] * B,  # characters of each sample's text its stream has emitted
         }
 
     def _completions(self, run) -> list[Completion]:
@@ -272,7 +335,7 @@ class Generator:
             text = self.decode(ids)
             if text is not None and run["cut"][b] is not None:
                 text = text[: run["cut"][b]]
-            res.append(Completion(text, ids, run["reason"][b], p))
+            res.append(Completion(text, ids, run["reason"][b], p, run["params"].seed[b]))
         return res
 
     def _accept(self, run, rows: np.ndarray, tokens: np.ndarray, step: int, events: bool):
@@ -282,20 +345,19 @@ class Generator:
         r, t = rows[live], tokens[live]
         finished: dict[int, str] = {}
         is_stop = np.isin(t, run["stop_ids"])
-        for b in r[is_stop]:
+        stopped = r[is_stop]
+        for b in stopped:
             done[b], run["reason"][b] = True, "stop"
             finished[int(b)] = "stop"
         r, t = r[~is_stop], t[~is_stop]
         out[r, count[r]] = t
         count[r] += 1
-        texts: dict[int, str] = {}
-        if run["stop_strings"] or (events and self.tokenizer is not None):
+        streams_text = events and self.tokenizer is not None
+        decoded: dict[int, str] = {}
+        if run["stop_strings"] or streams_text:
             for b in r:
                 b = int(b)
-                text = self.decode(out[b, : count[b]].tolist())
-                if events:
-                    prev = self.decode(out[b, : count[b] - 1].tolist())
-                    texts[b] = text[len(prev):] if text.startswith(prev) else ""
+                text = decoded[b] = self.decode(out[b, : count[b]].tolist())
                 hits = [text.find(s) for s in run["stop_strings"] if s in text]
                 if hits:
                     done[b], run["reason"][b], run["cut"][b] = True, "stop", min(hits)
@@ -310,9 +372,26 @@ class Generator:
             elif run["lengths"][b] + count[b] >= self.config.context_length:
                 done[b], run["reason"][b] = True, "context"
                 finished[b] = "context"
-        if events:
-            return StreamEvent(step, {int(b): int(x) for b, x in zip(r, t)}, texts, finished)
-        return None
+        if not events:
+            return None
+        texts: dict[int, str] = {}
+        if streams_text:
+            for b in [*stopped.tolist(), *r.tolist()]:
+                text = decoded[b] if b in decoded else self.decode(out[b, : count[b]].tolist())
+                texts[b] = self._stream_text(run, b, text)
+        return StreamEvent(step, {int(b): int(x) for b, x in zip(r, t)}, texts, finished)
+
+    @staticmethod
+    def _stream_text(run, b: int, text: str) -> str:
+        """What sample ``b``'s stream adds, given its decoded ``text`` so far: the newly
+        settled part while it runs, the rest of its final text when it has finished."""
+        if run["done"][b]:
+            end = len(text) if run["cut"][b] is None else run["cut"][b]
+        else:
+            end = _settled(text, run["stop_strings"])
+        start = run["shown"][b]
+        run["shown"][b] = max(start, end)
+        return text[start:end]
 
     def _run(self, run, events: bool, progress) -> Iterator[StreamEvent]:
         eng = self.engine
@@ -368,4 +447,4 @@ class Generator:
                 progress(int(run["count"].sum()), total)
 
 
-__all__ = ["Generator", "Completion", "StreamEvent", "FINISH_REASONS"]
+__all__ = ["Generator", "Completion", "StreamEvent", "SampleRun", "FINISH_REASONS"]

@@ -2,11 +2,11 @@
 the in-graph sampler (for tests and for anyone checking a distribution).
 
 Every parameter may be a scalar (same for all prompts) or a sequence with one
-value per prompt. ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1``
-switch those filters off. ``seed=None`` draws a random seed; a scalar seed s
-gives prompt i the seed s + i; a list gives each prompt its own seed. A
-sample's tokens depend only on its prompt, its parameters and its seed,
-never on the rest of the batch.
+value per prompt. ``temperature=0`` is greedy; ``top_k=0`` (or -1) and
+``top_p=1`` switch those filters off. ``seed=None`` draws a fresh random seed;
+a scalar seed s gives prompt i the seed s + i (mod 2**64); a list gives each
+prompt its own seed. A sample's tokens depend only on its prompt, its
+parameters and its seed, never on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def _per_sample(name: str, value, batch: int) -> list:
     if isinstance(value, (list, tuple, np.ndarray)):
         values = list(np.asarray(value).tolist()) if isinstance(value, np.ndarray) else list(value)
         if len(values) != batch:
-            raise GenerationError(f"{name}: got {len(values)} values for {batch} prompts")
+            raise GenerationError(
+                f"{name}: expected one value or a list of {batch} (one per prompt), got a list of {len(values)}")
         return values
     return [value] * batch
 
@@ -37,6 +38,23 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """A seed as an int, or a GenerationError naming ``name``."""
+    if not _is_int(seed) or not 0 <= int(seed) <= _U64_MAX:
+        raise GenerationError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def fresh_seed() -> int:
+    # 63 bits: the seed also fits a signed int64 (numpy, JSON readers), so reporting it loses nothing.
+    return secrets.randbits(63)
+
+
+def resolve_seed(seed, name: str = "seed") -> int:
+    """``seed`` checked, or a fresh random one for ``None``."""
+    return fresh_seed() if seed is None else check_seed(seed, name)
 
 
 @dataclass
@@ -56,26 +74,19 @@ class SamplingParams:
                 raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         ks = _per_sample("top_k", top_k, batch)
         for k in ks:
-            if not _is_int(k) or int(k) < 0:
-                raise GenerationError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+            if not _is_int(k) or int(k) < -1:
+                raise GenerationError(f"top_k must be an integer >= 0, or -1 (0 and -1 = off), got {k!r}")
+        ks = [max(int(k), 0) for k in ks]
         ps = _per_sample("top_p", top_p, batch)
         for p in ps:
             if not _is_real(p) or not math.isfinite(float(p)) or not (0 < float(p) <= 1):
                 raise GenerationError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
-        if seed is None:
-            base = secrets.randbits(63)
-            seeds = [base + i for i in range(batch)]
-        elif isinstance(seed, (list, tuple, np.ndarray)):
-            seeds = _per_sample("seed", seed, batch)
+        if isinstance(seed, (list, tuple, np.ndarray)):
+            seeds = [check_seed(s, f"seed[{i}]") for i, s in enumerate(_per_sample("seed", seed, batch))]
         else:
-            if not _is_int(seed):
-                raise GenerationError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-            seeds = [int(seed) + i for i in range(batch)]
-        for s in seeds:
-            if not _is_int(s) or not (0 <= int(s) <= _U64_MAX):
-                raise GenerationError(f"seed must be an integer in [0, 2**64), got {s!r}")
-        return cls([float(t) for t in temps], [int(k) for k in ks], [float(p) for p in ps],
-                   [int(s) & _U64_MAX for s in seeds])
+            base = resolve_seed(seed)
+            seeds = [(base + i) & _U64_MAX for i in range(batch)]
+        return cls([float(t) for t in temps], ks, [float(p) for p in ps], seeds)
 
     def arrays(self):
         from .engine import SamplingArrays
@@ -153,4 +164,5 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
 
 
-__all__ = ["SamplingParams", "check_max_new_tokens", "uniform_np", "filtered_probs", "draw_np"]
+__all__ = ["SamplingParams", "check_max_new_tokens", "check_seed", "fresh_seed", "resolve_seed", "uniform_np",
+           "filtered_probs", "draw_np"]

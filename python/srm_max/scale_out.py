@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import GenerationError
+from .sampling import resolve_seed
 from .slot_pool import PoolStats, Sample, _run, plan_max_batch, sample_many
 
 
@@ -149,6 +150,8 @@ class RaySampler:
         worker, as locally) before any work; an error in a worker is raised here as the
         worker raised it, with its traceback."""
         ray = _ray()
+        # one seed for every worker: a fresh one drawn here, not one per worker
+        options["seed"] = resolve_seed(options.get("seed"))
         request = self._get(self._workers[0].plan.remote(prompts, n, max_batch, options), 0, "", cause=True)
         pairs = [(p, s) for p in range(len(request.prompts)) for s in range(n)]
         if chunk_size is None:

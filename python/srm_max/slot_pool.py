@@ -23,7 +23,7 @@ import numpy as np
 
 from .engine import SamplingArrays
 from .errors import GenerationError
-from .sampling import SamplingParams, check_max_new_tokens
+from .sampling import SamplingParams, check_max_new_tokens, resolve_seed
 
 # Per-sample memory the decode step needs besides its state: logits, sorted
 # logits and probabilities for top-k/top-p, and the activations of one layer.
@@ -86,12 +86,14 @@ class PoolStats:
 
 
 def sample_many(generator, prompts, n: int, verifier: Callable | None = None, max_batch="auto",
-                max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int = 0, stop=None,
+                max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int | None = None, stop=None,
                 memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None) -> Iterator[Sample]:
     """Yield ``n`` samples of every prompt, in order of completion (see module docs).
 
     ``verifier(text)`` (or ``verifier(ids)`` without a tokenizer) scores each sample.
+    ``seed=None`` draws a fresh seed (``Generator.sample_many`` reports it).
     """
+    seed = resolve_seed(seed)
     ids, _ = generator._normalize_prompts(prompts if isinstance(prompts, list) else [prompts])
     if not isinstance(n, int) or n < 1:
         raise GenerationError(f"n must be an integer >= 1, got {n!r}")
