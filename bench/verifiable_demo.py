@@ -8,9 +8,9 @@
    (slot refill, ``sample_many``) and report pass@k for k = 1..64 against the
    number of samples and against seconds (timed pools of k samples/problem).
 3. (b) From the same start, run GRPO twice -- balanced resampling vs plain
-   (the first G samples) -- with the same number of updates and the same
-   rollout budget; report greedy and temperature-1 accuracy on the held-out
-   set before and after.
+   (the first G samples) -- on the same prompts, with the same number of
+   updates and the same rollout budget; report greedy and temperature-1
+   accuracy on the held-out set before and after.
 
 Writes ``bench/results/verifiable_demo.json`` and ``.png`` and prints a
 markdown table.
@@ -207,6 +207,10 @@ def main(argv=None):
                       "history": [e.__dict__ for e in hist],
                       "rollouts": args.iterations * args.prompts_per_iter * args.samples,
                       "updates": args.iterations * 2}
+
+    prompt_sequences = [[e["prompts"] for e in run["history"]] for run in runs.values()]
+    if prompt_sequences[0] != prompt_sequences[1]:
+        raise RuntimeError("the balanced and the plain GRPO runs trained on different prompts")
 
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
               "task": {"min_digits": args.min_digits, "max_digits": args.max_digits, "heldout": len(heldout),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ torch = pytest.importorskip("torch")
 
 from srm_max import arithmetic  # noqa: E402
 from srm_max.config import SRMConfig  # noqa: E402
+from srm_max import grpo  # noqa: E402
 from srm_max.grpo import (  # noqa: E402
-    completion_logprobs, grpo_loss, grpo_step, kl_k3, pad_sequences, recurrent_logprobs, select_group,
-    token_logprobs)
+    GRPOConfig, completion_logprobs, grpo_loss, grpo_step, kl_k3, pad_sequences, recurrent_logprobs,
+    select_group, token_logprobs, train_grpo)
 from srm_max.reference.srm import SRM  # noqa: E402
 
 # torch only: no MAX graph is compiled here, so the config need not be the suite's TINY.
@@ -110,6 +112,30 @@ def test_group_selection():
     assert select_group(rewards, 4, balanced=False, rng=random.Random(0)) == [0, 1, 2, 3]
     g = select_group(rewards, 4, balanced=True, rng=random.Random(0))
     assert sorted(rewards[i] for i in g) == [0, 0, 1, 1]
+
+
+def test_balanced_and_plain_runs_train_on_the_same_prompts(monkeypatch):
+    """Balanced resampling draws random shuffles and plain GRPO does not; the prompts
+    of each iteration must not depend on that."""
+    seen = []
+
+    def fake_rollouts(generator, batch_prompts, n, verify, *, seed, **kw):
+        seen[-1].append([p[-1] for p in batch_prompts])
+        rng = np.random.default_rng(seed)
+        return [[SimpleNamespace(score=float(rng.integers(0, 2)), ids=[5, 6], finish_reason="length")
+                 for _ in range(n)] for _ in batch_prompts]
+
+    monkeypatch.setattr(grpo, "rollouts", fake_rollouts)  # no MAX generator: the prompts are what matters
+    prompts = [[3, 4, i] for i in range(CFG.vocab_size)]
+    logs = {}
+    for balanced in (True, False):
+        seen.append([])
+        cfg = GRPOConfig(iterations=4, prompts_per_iter=3, samples_per_prompt=6, group_size=4, balanced=balanced,
+                         epochs=1, seed=3)
+        logs[balanced] = train_grpo(model(), lambda weights: None, prompts, lambda i, ids: 0.0, cfg, stop_id=1)
+    assert seen[0] == seen[1]
+    assert len({tuple(chosen) for chosen in seen[0]}) > 1  # a new choice every iteration
+    assert [e.prompts for e in logs[True]] == [e.prompts for e in logs[False]] == seen[0]
 
 
 def test_arithmetic_task():

@@ -1,7 +1,8 @@
 """pass@k and balanced resampling."""
 
 import random
-from math import comb
+import warnings
+from math import comb, sqrt
 
 import numpy as np
 import pytest
@@ -59,3 +60,23 @@ def test_group_advantages():
     assert adv.mean() == pytest.approx(0)
     assert adv[0] > 0 > adv[1]
     assert np.allclose(group_advantages([1, 1, 1]), 0)
+
+
+def test_group_advantages_use_the_unbiased_std():
+    """As the reference GRPO code does, with torch's default (unbiased, ddof=1) std."""
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    mean = 0.25
+    std = sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+    expected = [(r - mean) / (std + 1e-4) for r in rewards]
+    assert group_advantages(rewards) == pytest.approx(expected, rel=1e-12)
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(rewards, dtype=torch.float64)
+    assert group_advantages(rewards) == pytest.approx(((t - t.mean()) / (t.std() + 1e-4)).tolist(), rel=1e-12)
+
+
+@pytest.mark.parametrize("rewards", [[1.0] * 5, [0.0] * 8, [1.0], [0.0], [0.5]])
+def test_group_advantages_of_degenerate_groups_are_zero(rewards):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no division by zero, no degrees-of-freedom warning
+        adv = group_advantages(rewards)
+    assert adv.tolist() == [0.0] * len(rewards)

@@ -9,7 +9,8 @@ One iteration:
 3. Pick a group of ``group_size`` per prompt: with ``balanced=True`` the
    paper's balanced resampling (``verifiable.balanced_group``: up to G/2
    correct, filled with incorrect), otherwise plain GRPO (the first G samples).
-   Both see the same rollout budget.
+   Both see the same prompts (prompt choice has its own random stream) and
+   the same rollout budget.
 4. Group-normalised advantages, then ``epochs`` gradient steps on the clipped
    ratio objective with a KL penalty to the frozen reference (k3 estimator):
 
@@ -154,10 +155,22 @@ class IterationLog:
     update_seconds: float
     rebuild_seconds: float
     eval: dict = field(default_factory=dict)
+    prompts: list[int] = field(default_factory=list)  # indices of the iteration's prompts
 
 
 def weights_numpy(model) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().float().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def random_streams(seed: int) -> tuple[random.Random, random.Random]:
+    """Independent generators for prompt choice and for group shuffles.
+
+    Balanced resampling draws from its generator and plain GRPO does not; with
+    one shared generator the two modes would then train on different prompts.
+    """
+    prompts, shuffles = np.random.SeedSequence(seed).spawn(2)
+    return (random.Random(int(prompts.generate_state(1, np.uint64)[0])),
+            random.Random(int(shuffles.generate_state(1, np.uint64)[0])))
 
 
 def select_group(rewards: Sequence[float], group_size: int, balanced: bool, rng: random.Random) -> list[int]:
@@ -197,13 +210,13 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
         p.requires_grad_(False)
     policy.eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
+    prompt_rng, shuffle_rng = random_streams(cfg.seed)
     history = []
     for it in range(cfg.iterations):
         t0 = time.perf_counter()
         gen = make_generator(weights_numpy(policy))
         t1 = time.perf_counter()
-        chosen = rng.sample(range(len(prompts)), min(cfg.prompts_per_iter, len(prompts)))
+        chosen = prompt_rng.sample(range(len(prompts)), min(cfg.prompts_per_iter, len(prompts)))
         batch_prompts = [list(prompts[i]) for i in chosen]
         samples = rollouts(gen, batch_prompts, cfg.samples_per_prompt, lambda p, ids: verify(chosen[p], ids),
                            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_id=stop_id,
@@ -213,7 +226,7 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
         for p, group_all in enumerate(samples):
             rewards = [s.score for s in group_all]
             all_rewards += rewards
-            idx = select_group(rewards, cfg.group_size, cfg.balanced, rng)
+            idx = select_group(rewards, cfg.group_size, cfg.balanced, shuffle_rng)
             r = [rewards[i] for i in idx]
             group_rewards += r
             adv = group_advantages(r)
@@ -225,7 +238,7 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
         info = grpo_step(policy, reference, optimizer, P, C, A, cfg.epochs, cfg.clip_eps, cfg.beta, pad_id)
         t3 = time.perf_counter()
         entry = IterationLog(it, float(np.mean(all_rewards)), float(np.mean(group_rewards)), useful, info["kl"],
-                             info["loss"], t2 - t1, t3 - t2, t1 - t0)
+                             info["loss"], t2 - t1, t3 - t2, t1 - t0, prompts=list(chosen))
         if evaluate is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == cfg.iterations):
             entry.eval = evaluate(make_generator(weights_numpy(policy)))
         history.append(entry)
@@ -235,5 +248,5 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
 
 
 __all__ = ["pad_sequences", "token_logprobs", "completion_logprobs", "recurrent_logprobs", "kl_k3", "grpo_loss",
-           "grpo_step", "GRPOConfig", "IterationLog", "train_grpo", "rollouts", "select_group",
+           "grpo_step", "GRPOConfig", "IterationLog", "train_grpo", "rollouts", "select_group", "random_streams",
            "completion_tokens", "weights_numpy", "asdict"]

@@ -57,6 +57,12 @@ def balanced_group(rewards: Sequence[float], group_size: int, rng: random.Random
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-4) -> np.ndarray:
-    """GRPO's group-normalised advantages (r - mean) / (std + eps)."""
+    """GRPO's group-normalised advantages (r - mean) / (std + eps).
+
+    ``std`` is the unbiased one (ddof=1), torch's default, as in the reference
+    GRPO code. A group of identical rewards, or of one sample, has zero advantages.
+    """
     r = np.asarray(rewards, dtype=np.float64)
-    return (r - r.mean()) / (r.std() + eps)
+    if r.size < 2:
+        return np.zeros_like(r)  # the unbiased std of one sample is undefined; it is its own mean
+    return (r - r.mean()) / (r.std(ddof=1) + eps)
