@@ -26,7 +26,7 @@ LIMITS = {
 
 @dataclass(frozen=True)
 class SRMConfig:
-    """Sizes of a Structured Recurrent Mixer (see docs: ``shared/docs/srm.md``).
+    """Sizes of a Structured Recurrent Mixer (see ``docs/srm.md``).
 
     ``context_length`` is n: the number of positions the mixer vectors cover.
     A prompt plus its completion can never be longer.

@@ -1,6 +1,6 @@
 """Configuration of the Parallel Hybrid Architecture (``architecture = "pha"``).
 
-See ``shared/docs/pha.md``. Every choice the paper leaves open is a field here,
+See ``docs/pha.md``. Every choice the paper leaves open is a field here,
 so a checkpoint's ``config.json`` says exactly which model it holds. Sizes left
 as ``None`` are resolved in ``__post_init__`` (F = 4E, H = E/4, FFNs = 2 x 2E),
 so a saved config always holds explicit numbers.

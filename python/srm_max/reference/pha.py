@@ -1,6 +1,6 @@
 """The Parallel Hybrid Architecture (PHA) in plain PyTorch: the ground truth.
 
-Reads like ``shared/docs/pha.md``:
+Reads like ``docs/pha.md``:
 
     x = embed[ids]
     for each block:

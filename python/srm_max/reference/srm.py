@@ -1,6 +1,6 @@
 """The Structured Recurrent Mixer in plain PyTorch: the ground truth.
 
-Reads like ``shared/docs/srm.md``. Parameter names are those of the paper's
+Reads like ``docs/srm.md``. Parameter names are those of the paper's
 code (``blbadger/mrm``, ``MLPMixer`` with mixed heads), so its checkpoints
 load without renaming:
 
