@@ -68,8 +68,31 @@ comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
 comptime PANEL = 64  # output columns per packed panel (srm_max/packing.py)
 comptime PAD = 16  # output rows of a packed matrix are padded to a multiple of this
-comptime NV = 4  # SIMD vectors of columns per register tile
-comptime MR = 6 if W >= 16 else 3  # batch rows per register tile: MR * NV accumulators
+# A register tile is MR batch rows x NV SIMD vectors of columns: MR * NV accumulators,
+# NV weight vectors and one broadcast must fit in the vector registers. AVX and AVX2
+# (8 floats a vector) have 16 registers: 6 x 2 (15 in use); AVX-512 and NEON have 32:
+# 6 x 4 (29 in use).
+comptime NV = 2 if W == 8 else 4
+comptime MR = 6
+# A unit of few batch rows (small batches) streams its panel from memory and needs
+# few accumulators: it takes wider tiles (``_tile_vectors``), up to the whole panel.
+comptime NV1 = PANEL // W
+
+
+@always_inline
+def _tile_vectors(rows: Int) -> Int:
+    """Vectors of columns per register tile in a unit of ``rows`` batch rows: as many as
+    the 16 registers of AVX2 hold beside the weights and a broadcast (wider sub-panels
+    read more of each cache line of the panel per pass); NV elsewhere."""
+    comptime if W != 8:
+        return NV
+    if rows <= 1:
+        return NV1
+    if rows <= 3:
+        return 4
+    if rows == 4:
+        return 3
+    return NV
 comptime KU = 4  # k unrolled
 comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
 comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
@@ -151,7 +174,7 @@ def _tile[R: Int, NVT: Int, WD: DType](
 ):
     """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
     columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
-    array with constant indices after unrolling); t's rows are NV*W apart. With
+    array with constant indices after unrolling); t's rows are PANEL apart. With
     fetch, step k also prefetches the k-th cache line from ``ahead``."""
     comptime LINE = 64 // size_of[WD]()
     # allocated here, not in the loops: a stack array there would grow the stack at
@@ -188,7 +211,7 @@ def _tile[R: Int, NVT: Int, WD: DType](
         k += 1
     comptime for r in range(R):
         comptime for v in range(NVT):
-            t.unsafe_store(r * NV * W + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
+            t.unsafe_store(r * PANEL + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
 
 
 @always_inline
@@ -287,10 +310,12 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     var next_q = (u + a.workers) // chunks
     var fetch_next = next_q != q and next_q < panels
     var next_panel = p.unsafe_offset((next_q - q) * PANEL * K)
-    var t = stack_allocation[MR * NV * W, Float32]()
+    var t = stack_allocation[MR * PANEL, Float32]()
+    var unit_rows = r1 - r0
+    var nv_max = _tile_vectors(unit_rows) if unit_rows <= MR else NV
     var c0 = 0
-    while c0 < width:  # sub-panels of up to NV vectors
-        var nv = min(NV, (width - c0) // W)
+    while c0 < width:  # sub-panels of up to nv_max vectors
+        var nv = min(nv_max, (width - c0) // W)
         var r = r0
         while r < r1:
             var rows = min(MR, r1 - r)
@@ -298,19 +323,21 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             var pc = p.unsafe_offset(c0)
             var tile = (r - r0) // MR
             var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
-            var fetch = fetch_next and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
+            # the first sub-panel's tiles prefetch the whole next panel
+            var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
             comptime for R in range(1, MR + 1):
-                comptime for NVT in range(1, NV + 1):
-                    if rows == R and nv == NVT:
-                        _tile[R, NVT, WD](t, xr, K, pc, width, K, ahead, fetch)
+                comptime for NVT in range(1, NV1 + 1):
+                    comptime if NVT <= NV or R == 1 or (R <= 3 and NVT <= 4) or (R == 4 and NVT <= 3):
+                        if rows == R and nv == NVT:
+                            _tile[R, NVT, WD](t, xr, K, pc, width, K, ahead, fetch)
             for i in range(rows):
                 for v in range(nv):
                     var c = q * PANEL + c0 + v * W
                     if c + W <= N:
-                        _epilogue[kind, WD, W](a, l, r + i, c, t.unsafe_load[width=W](i * NV * W + v * W))
+                        _epilogue[kind, WD, W](a, l, r + i, c, t.unsafe_load[width=W](i * PANEL + v * W))
                     else:
                         for j in range(N - c):
-                            _epilogue[kind, WD, 1](a, l, r + i, c + j, t.unsafe_load[width=1](i * NV * W + v * W + j))
+                            _epilogue[kind, WD, 1](a, l, r + i, c + j, t.unsafe_load[width=1](i * PANEL + v * W + j))
             r += rows
         c0 += nv * W
 
