@@ -1,4 +1,5 @@
-"""CPU decode speed: srm-max against PyTorch eager, and against the machine's limits.
+"""CPU decode speed: srm-max against PyTorch (the readable reference and the strongest plain
+PyTorch step), and against the machine's limits.
 
     python bench/cpu_decode.py [--quick] [--profile] [--dtype float32|bfloat16]
                                [--batches 1 2 4 16 64 256] [--steps 32]
@@ -14,8 +15,21 @@ side by side in one run (best of ``--repeats``, engines interleaved):
                      and MAX's sampler per step, the path of sampled decoding
     srm-max-unfused  that loop with the step as plain MAX ops (matmuls, norms,
                      adds, the Mojo mixer update): what the whole-step op replaced
-    torch-eager      the PyTorch reference's recurrent step (same math), the best
-                     of 1 and 2 threads
+    torch-eager-1/2  the readable PyTorch reference's recurrent step (``SRM.step``: it
+                     rebuilds the mixer parameters and runs one Linear per head every
+                     step) at 1 and 2 threads
+    torch-fused-1/2  the strongest eager PyTorch step (bench/torch_decode.py): heads in
+                     one projection, mixer coefficients precomputed per position and
+                     channel, the mixer update two elementwise ops; at 1 and 2 threads
+    torch-compile-1/2
+                     that step through ``torch.compile`` (inductor, static shapes, frozen
+                     weights, "max-autotune-no-cudagraphs": each matrix product runs
+                     the faster of inductor's C++ GEMM and the BLAS), compiled for each
+                     batch and thread count before timing, at 1 and 2 threads
+
+Each row gives srm-max's speed over each torch variant at its best thread count:
+``srm_max_over_torch_reference`` (the readable reference step), ``_fused`` and
+``_compile``, and over the fastest of them all, ``srm_max_over_strongest_torch``.
 
 Limits, measured in the same run:
     roof (batch >= 64)      float32 2048x2048 matmul FLOP/s (the best of numpy and
@@ -35,9 +49,9 @@ for its arithmetic to count (d 16, 2 layers): the fixed cost of a step (the op's
 phases and its share of the call) against srm-max's step.
 
 Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
-previous one's worker threads still spin. The greedy tokens of all engines must
-agree (with ``--dtype bfloat16``, where torch stays float32, the agreement is
-recorded instead). Writes bench/results/cpu_decode[_bf16].json.
+previous one's worker threads still spin. The greedy tokens of all engines, every
+torch variant included, must agree (with ``--dtype bfloat16``, where torch stays
+float32, the agreement is recorded instead). Writes bench/results/cpu_decode[_bf16].json.
 """
 
 from __future__ import annotations
@@ -55,11 +69,14 @@ sys.path.insert(0, str(ROOT))
 
 from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
                     loop_engine, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
+from torch_decode import TorchFusedDecode  # noqa: E402
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
 # while after a call, and must not eat into the next engine's time.
 SETTLE_S = 0.25
+# The torch variants by the engine names' prefixes; each is reported at its best thread count.
+TORCH_KINDS = {"reference": "torch-eager-", "fused": "torch-fused-", "compile": "torch-compile-"}
 
 
 def _best(fn, repeats: int) -> float:
@@ -92,7 +109,8 @@ class MaxDecode:
 
 
 class TorchDecode:
-    """The reference's recurrent step, ``steps`` greedy steps, at ``threads``."""
+    """The readable reference's recurrent step (``SRM.step``), ``steps`` greedy steps, at
+    ``threads``."""
 
     def __init__(self, model, threads: int):
         self.model, self.threads = model, threads
@@ -226,7 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="also time the step's matmuls alone")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="srm-max's weights (torch eager stays float32: then tokens are compared, "
+                    help="srm-max's weights (torch stays float32: then tokens are compared, "
                          "not required to agree)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default bench/results/cpu_decode.json (cpu_decode_bf16.json for bfloat16)")
@@ -252,7 +270,11 @@ def main(argv=None) -> int:
     engines = {"srm-max": MaxDecode(Engine(config, weights, a.dtype, kernels=True)),
                "srm-max-loop": MaxDecode(loop_engine(config, weights, a.dtype)),
                "srm-max-unfused": MaxDecode(unfused_engine(config, weights, a.dtype)),
-               "torch-eager-1": TorchDecode(model, 1), "torch-eager-2": TorchDecode(model, 2)}
+               "torch-eager-1": TorchDecode(model, 1), "torch-eager-2": TorchDecode(model, 2),
+               "torch-fused-1": TorchFusedDecode(model, 1, start_position=START_POSITION),
+               "torch-fused-2": TorchFusedDecode(model, 2, start_position=START_POSITION),
+               "torch-compile-1": TorchFusedDecode(model, 1, compile=True, start_position=START_POSITION),
+               "torch-compile-2": TorchFusedDecode(model, 2, compile=True, start_position=START_POSITION)}
     for name in ("srm-max", "srm-max-loop", "srm-max-unfused"):
         t = time.perf_counter()
         engines[name].engine.warmup()
@@ -263,8 +285,11 @@ def main(argv=None) -> int:
 
     rows = []
     for b in a.batches:
-        for e in engines.values():
+        for name, e in engines.items():
+            t = time.perf_counter()
             e.prepare(b, a.steps)
+            if name.startswith("torch-compile"):
+                print(f"batch {b}: {name} compiled in {time.perf_counter() - t:.1f} s", flush=True)
         best = {name: math.inf for name in engines}
         tokens = {}
         probe.reset()
@@ -281,9 +306,13 @@ def main(argv=None) -> int:
             print(f"batch {b}: greedy tokens differ from srm-max: {agreement}", file=sys.stderr)
             return 1
         tps = {n: b * a.steps / s for n, s in best.items()}
-        torch_best = max(tps["torch-eager-1"], tps["torch-eager-2"])
+        torch_tps = {kind: max(v for n, v in tps.items() if n.startswith(prefix))
+                     for kind, prefix in TORCH_KINDS.items()}
+        strongest = max(torch_tps.values())
         row = {"batch": b, "steps": a.steps, "tokens_per_s": tps, "token_agreement_with_srm_max": agreement,
-               "srm_max_over_torch": tps["srm-max"] / torch_best,
+               "torch_tokens_per_s_best_threads": torch_tps,
+               **{f"srm_max_over_torch_{kind}": tps["srm-max"] / v for kind, v in torch_tps.items()},
+               "srm_max_over_strongest_torch": tps["srm-max"] / strongest,
                "srm_max_over_loop": tps["srm-max"] / tps["srm-max-loop"],
                "srm_max_over_unfused": tps["srm-max"] / tps["srm-max-unfused"],
                "limits_alongside": probe.limits(),
@@ -299,7 +328,9 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"batch {b:4d}: srm-max {tps['srm-max']:9,.0f}  loop {tps['srm-max-loop']:9,.0f}  "
               f"unfused {tps['srm-max-unfused']:9,.0f}  "
-              f"torch {torch_best:9,.0f} tok/s   x{row['srm_max_over_torch']:.2f} torch   "
+              f"torch reference {torch_tps['reference']:9,.0f}  fused {torch_tps['fused']:9,.0f}  "
+              f"compile {torch_tps['compile']:9,.0f} tok/s   x{row['srm_max_over_torch_reference']:.2f} "
+              f"reference  x{row['srm_max_over_strongest_torch']:.2f} strongest torch   "
               f"{row['percent_of_roof_alongside']:.0f}% roof   {row['percent_of_streaming_alongside']:.0f}% "
               f"streaming (limits measured alongside)", flush=True)
 
@@ -319,18 +350,21 @@ def main(argv=None) -> int:
         row["percent_of_streaming"] = 100 * (tok_s / row["batch"]) / stream_tps
 
     table = markdown_table(
-        ["batch", "srm-max tok/s", "loop tok/s", "unfused tok/s", "torch eager tok/s (best threads)",
-         "srm-max / torch", "% of roof: alongside / run's best", "% of weight streaming: alongside / run's best"],
+        ["batch", "srm-max tok/s", "loop tok/s", "unfused tok/s", "torch reference tok/s (best threads)",
+         "torch fused tok/s (best threads)", "torch.compile tok/s (best threads)", "srm-max / torch reference",
+         "srm-max / strongest torch", "% of roof: alongside / run's best",
+         "% of weight streaming: alongside / run's best"],
         [[r["batch"], f"{r['tokens_per_s']['srm-max']:,.0f}", f"{r['tokens_per_s']['srm-max-loop']:,.0f}",
           f"{r['tokens_per_s']['srm-max-unfused']:,.0f}",
-          f"{max(r['tokens_per_s']['torch-eager-1'], r['tokens_per_s']['torch-eager-2']):,.0f}",
-          f"{r['srm_max_over_torch']:.2f}x",
+          *(f"{r['torch_tokens_per_s_best_threads'][kind]:,.0f}" for kind in TORCH_KINDS),
+          f"{r['srm_max_over_torch_reference']:.2f}x", f"{r['srm_max_over_strongest_torch']:.2f}x",
           f"{r['percent_of_roof_alongside']:.0f} / {r['percent_of_roof']:.0f}%",
           f"{r['percent_of_streaming_alongside']:.0f} / {r['percent_of_streaming']:.0f}%"]
          for r in rows])
     print(table)
     write_json(a.out, {
-        "what": "SRM greedy decode on the CPU: srm-max vs its graph loop vs its unfused graph vs PyTorch eager, one run",
+        "what": "SRM greedy decode on the CPU: srm-max vs its graph loop vs its unfused graph vs PyTorch "
+                "(the readable reference step, the fused eager step, the fused step compiled), one run",
         "dtype": a.dtype, "weight_bytes_per_step": weight_bytes, "settle_seconds": SETTLE_S,
         "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
         "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
