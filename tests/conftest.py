@@ -85,9 +85,12 @@ def suite_graphs(request):
     """Compile every graph the run needs up front, side by side (one process per core):
     a cold compile takes minutes on one core, and CI has two."""
     from srm_max.precompile import precompile
+    from srm_max.shipped_graphs import install
 
     files = {Path(str(item.path)).name for item in request.session.items}
-    return precompile(suite_graph_jobs(files))
+    jobs = suite_graph_jobs(files)
+    install(jobs)  # the embedded model's graphs ship with the package (checked, not compiled)
+    return precompile(jobs)
 
 
 @pytest.fixture(scope="session")

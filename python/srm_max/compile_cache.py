@@ -4,16 +4,21 @@ A cold MAX compile takes minutes on a small CPU, and MAX's own cache still
 costs seconds per graph (and sometimes misses). So compiled models are
 exported as ``.mef`` files keyed on everything that changes the code:
 the MAX version, the CPU the code is compiled for (``cpu_target``), the
-graph's MLIR text (shapes, dtypes, device, constants, custom-op names) and the
-bytes of every kernel library it uses. Loading a
-``.mef`` takes milliseconds; weights are bound at load time, so one file
-serves every checkpoint of the same shape.
+graph's MLIR text (shapes, dtypes, device, constants, custom-op names) and
+every kernel library it uses. Loading a ``.mef`` takes milliseconds; weights
+are bound at load time, so one file serves every checkpoint of the same shape.
+
+The key does not depend on where the files are (the cache directory, a source
+checkout or an installed wheel), so a graph compiled on one machine for a named
+CPU target has the same key on every other: that is how the package's shipped
+graphs (``shipped_graphs``) are found.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,12 +39,31 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def graph_key(graph: Graph, extra: bytes = b"") -> str:
+def _library_identity(lib: Path) -> bytes:
+    """What identifies a kernel library on every machine.
+
+    Our Mojo packages (``kernels.kernel_library``) are named after a digest of
+    the MAX version and every ``.mojo`` source; their bytes also record where
+    the sources were, so they differ between a checkout and an installed wheel
+    while the compiled code does not. Their name identifies them; any other
+    library, its bytes."""
+    if re.fullmatch(r"kernels_[0-9a-f]{16}\.mojoc", lib.name):
+        return lib.name.encode()
+    return lib.read_bytes()
+
+
+def graph_key(graph: Graph, extra: bytes = b"", target: str | None = None) -> str:
+    """The cache key of ``graph`` compiled for the CPU ``target`` (default: what
+    this process compiles for, ``cpu_target.current()``)."""
     digest = hashlib.sha256(engine.__version__.encode())
-    digest.update(cpu_target.current().encode())
-    digest.update(str(graph).encode())
-    for lib in sorted(str(p) for p in graph.kernel_libraries_paths):
-        digest.update(Path(lib).read_bytes())
+    digest.update((target or cpu_target.current()).encode())
+    libs = sorted(str(p) for p in graph.kernel_libraries_paths)
+    text = str(graph)
+    for lib in libs:  # the MLIR names each library by its path, which is this machine's
+        text = text.replace(lib, Path(lib).name)
+    digest.update(text.encode())
+    for lib in libs:
+        digest.update(_library_identity(Path(lib)))
     digest.update(extra)
     return digest.hexdigest()[:24]
 

@@ -31,7 +31,7 @@ from max.dtype import DType
 from max.engine import InferenceSession, Model
 from max.graph import DeviceRef
 
-from . import packing
+from . import packing, shipped_graphs
 from .compile_cache import load_compiled
 from .precompile import GraphJob, precompile
 from .config import SRMConfig
@@ -220,8 +220,10 @@ class CompiledGraphs:
     def _load(self, kind: str) -> Model:
         t0 = time.perf_counter()
         job = self.graph_job(kind)
-        if not job.cached():
-            precompile([job])  # in a child process, saying what it compiles and for how long
+        # a miss: a shipped graph if one matches (checked once, then cached), else compile
+        # in a child process, saying what it compiles and for how long
+        if not job.cached() and not shipped_graphs.install([job]):
+            precompile([job])
         model = load_compiled(self.session, job.graph, self._registry, extra_key=job.extra_key,
                               mef=job.mef_path())
         self.compile_seconds[kind] = time.perf_counter() - t0
@@ -259,7 +261,9 @@ class CompiledGraphs:
         """Load every graph; cold ones compile side by side, one process each."""
         with self._lock:
             t0 = time.perf_counter()
-            compiled = precompile([self.graph_job(kind) for kind in self.graph_kinds()])
+            jobs = [self.graph_job(kind) for kind in self.graph_kinds()]
+            shipped_graphs.install(jobs)  # checked together, once: then they are cache hits
+            compiled = precompile(jobs)
             if compiled:
                 self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
             for kind in self.graph_kinds():

@@ -1,0 +1,160 @@
+"""Rebuild the compiled graphs shipped for the embedded model, and their known answer.
+
+    .venv/bin/python scripts/build_shipped_graphs.py [--targets x86-64-v3 ...] [--workers N]
+
+Writes ``python/srm_max/model/compiled/``:
+
+* ``known_answer.npz``: what the float64 PyTorch reference computes for the
+  embedded model on a fixed prompt (prefill logits and states, then greedy
+  decode tokens and states), which a shipped graph must reproduce before it is
+  used (``srm_max.shipped_graphs``);
+* ``max-<MAX version>/<target>/<graph>-<key>.mef`` for each target: the
+  prefill, decode and decode_greedy graphs (float32, CPU, Mojo ops), each
+  compiled in a fresh cache by a ``srm_max.precompile`` child with
+  ``SRM_MAX_CPU_TARGET=<target>``. Graphs shipped for other MAX versions are
+  removed.
+
+Run it after any change to graphs/, mojo/, the graph-building code or MAX:
+tests/test_shipped_graphs.py fails until the shipped files match again. Each
+target takes minutes per graph on a small CPU. The files are then checked
+against the known answer where this CPU can run them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# a passage longer than one prefill chunk (graphs/layers.py CHUNK = 32 tokens), so the
+# check crosses a chunk boundary
+PROMPT = ("To be, or not to be, that is the question:\n"
+          "Whether 'tis nobler in the mind to suffer\n"
+          "The slings and arrows of outrageous fortune,\n")
+DECODE_STEPS = 8
+# a greedy choice whose lead over the runner-up is below this (relative to the logit
+# scale) could flip between float32 and float64: such a known answer would be fragile
+MIN_MARGIN = 1e-3
+
+
+def known_answer() -> dict[str, np.ndarray]:
+    """The float64 reference's outputs for the embedded model on ``PROMPT``."""
+    import torch
+
+    from srm_max.checkpoint import load_checkpoint
+    from srm_max.embedded import EMBEDDED_MODEL_DIR
+    from srm_max.graphs.layers import CHUNK
+    from srm_max.parity import reference_model
+    from tokenizers import Tokenizer
+
+    ckpt = load_checkpoint(EMBEDDED_MODEL_DIR)
+    prompt = Tokenizer.from_file(str(ckpt.tokenizer_path)).encode(PROMPT).ids
+    assert len(prompt) > CHUNK, f"the prompt has {len(prompt)} tokens; it should span two prefill chunks"
+    model = reference_model(ckpt.config, ckpt.weights)
+
+    def greedy(logits: torch.Tensor) -> int:
+        top = torch.topk(logits, 2).values
+        scale = max(1.0, float(logits.abs().max()))
+        margin = float(top[0] - top[1]) / scale
+        if margin < MIN_MARGIN:
+            raise SystemExit(f"a greedy choice leads by {margin:.2g} only: pick another PROMPT")
+        return int(logits.argmax())
+
+    with torch.no_grad():
+        logits, states = model.prefill(torch.tensor([prompt]))
+        tokens = [greedy(logits[0, -1])]
+        decode_states = states
+        for i in range(DECODE_STEPS):
+            step_logits, decode_states = model.step(torch.tensor([tokens[-1]]), torch.tensor([len(prompt) + i]),
+                                                    decode_states)
+            tokens.append(greedy(step_logits[0]))
+    weights = (EMBEDDED_MODEL_DIR / "model.safetensors").read_bytes()
+    return {
+        "prompt_ids": np.array(prompt, np.int64),
+        "logits": logits[0, -1].numpy().astype(np.float32),
+        "states": states.numpy().astype(np.float32),
+        "tokens": np.array(tokens, np.int64),
+        "decode_states": decode_states.numpy().astype(np.float32),
+        "weights_sha256": np.array(hashlib.sha256(weights).hexdigest()),
+    }
+
+
+def build_target(target: str, workers: int) -> list[Path]:
+    """Compile the shipped graphs for ``target`` in a fresh cache; -> the shipped files."""
+    from srm_max import cpu_target, shipped_graphs
+    from srm_max.precompile import compile_in_workers
+
+    jobs = shipped_graphs.embedded_jobs()
+    saved = {k: os.environ.get(k) for k in ("SRM_MAX_CACHE", cpu_target.ENV)}
+    with tempfile.TemporaryDirectory(prefix="srm-shipped-") as cache:
+        # the children inherit both: a cold compile for exactly this target
+        os.environ["SRM_MAX_CACHE"] = cache
+        os.environ[cpu_target.ENV] = target
+        try:
+            compile_in_workers(jobs, workers)
+            out = shipped_graphs.version_dir() / target
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir(parents=True)
+            files = []
+            for job in jobs:
+                shipped = shipped_graphs.shipped_file(job, target)
+                # the child keyed it for the target it compiled for: the same name
+                shutil.copyfile(Path(cache) / "mef" / shipped.name, shipped)
+                files.append(shipped)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    from srm_max import cpu_target, shipped_graphs
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", nargs="+", default=list(shipped_graphs.DEFAULT_TARGETS),
+                        choices=shipped_graphs.X86_LEVELS[1:], help="CPU targets to compile for")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="compiles at once (default: one per core)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    shipped_graphs.SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
+    np.savez(shipped_graphs.KNOWN_ANSWER, **known_answer())
+    print(f"wrote {shipped_graphs.KNOWN_ANSWER}")
+    for stale in shipped_graphs.SHIPPED_DIR.glob("max-*"):
+        if stale != shipped_graphs.version_dir():
+            shutil.rmtree(stale)
+            print(f"removed {stale} (another MAX version)")
+
+    host = cpu_target.host_x86_level()
+    failed = False
+    for target in args.targets:
+        t = time.perf_counter()
+        files = build_target(target, args.workers)
+        print(f"{target}: compiled in {time.perf_counter() - t:.0f} s")
+        for f in files:
+            print(f"  {f.relative_to(shipped_graphs.SHIPPED_DIR)}  {f.stat().st_size / 2**20:.1f} MiB")
+        if host in shipped_graphs.X86_LEVELS and \
+                shipped_graphs.X86_LEVELS.index(target) <= shipped_graphs.X86_LEVELS.index(host):
+            problem = shipped_graphs.check(dict(zip(shipped_graphs.embedded_jobs(), files)))
+            print(f"  known answer: {problem or 'ok'}")
+            failed |= problem is not None
+        else:
+            print(f"  known answer: not checked, this CPU ({host}) cannot run {target} code")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
