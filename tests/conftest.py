@@ -65,7 +65,7 @@ def suite_graph_jobs(test_files: set[str]) -> list:
 
     jobs = []
     if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
-                     "test_bench.py", "test_scale_out.py"}:
+                     "test_bench.py", "test_scale_out.py", "test_server.py"}:
         jobs += [GraphJob.of(kind, TINY, kernels=True) for kind in KERNEL_KINDS]
     if "test_engine.py" in test_files:
         jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY)]

@@ -1,4 +1,4 @@
-"""The ``srm-max`` command line: convert, generate, verify, train."""
+"""The ``srm-max`` command line: convert, generate, compile, verify, serve, train."""
 
 from __future__ import annotations
 
@@ -29,6 +29,22 @@ def _generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
+def _compile(args: argparse.Namespace) -> int:
+    import time
+
+    from .compile_cache import cache_dir
+    from .generator import Generator
+
+    t = time.perf_counter()
+    generator = Generator.from_pretrained(args.path, device=args.device, dtype=args.dtype, warmup=False)
+    engine = generator.engine
+    engine.warmup()  # cold graphs compile side by side, with progress on stderr
+    kinds = engine.graph_kinds()
+    print(f"ready: {', '.join(kinds)} graphs ({engine.dtype}, {engine.graph_job(kinds[0]).device}) "
+          f"in {time.perf_counter() - t:.0f} s, cached under {cache_dir() / 'mef'}")
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
@@ -36,6 +52,12 @@ def _verify(args: argparse.Namespace) -> int:
     for check in checks:
         print(f"{'ok  ' if check.passed else 'FAIL'} {check.name}: {check.detail}")
     return 0 if all(c.passed for c in checks) else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server.run import run_serve
+
+    return run_serve(args)
 
 
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -51,6 +73,7 @@ def _show_progress(on: bool) -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("srm-max: %(message)s"))
         logger.addHandler(handler)
+        logger.propagate = False  # a root handler (set up by other libraries) would print it twice
     logger.setLevel(logging.INFO if on else logging.WARNING)
 
 
@@ -89,9 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
 
+    c = sub.add_parser("compile", parents=[quiet],
+                       help="compile a model's graphs for this machine now, so its first generate starts at once")
+    c.add_argument("path", nargs="?", default=None, metavar="DIR",
+                   help="checkpoint directory (default: the embedded model)")
+    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the dtype generate will run in (default: the checkpoint's)")
+    c.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+
     v = sub.add_parser("verify", parents=[quiet], help="re-check a model directory: integrity, parity, MAX against the reference")
     v.add_argument("path", help="checkpoint directory")
     v.add_argument("--no-engine", action="store_true", help="skip the MAX-against-reference check")
+
+    s = sub.add_parser("serve", parents=[quiet], help="an OpenAI-compatible HTTP server with continuous batching")
+    from .server.run import add_arguments as add_serve_arguments  # argparse only: no web packages
+
+    add_serve_arguments(s)
 
     sub.add_parser("train", help="train a reference model (see `srm-max train --help`)", add_help=False)
     return parser
@@ -105,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _show_progress(not args.quiet)
     try:
-        return {"convert": _convert, "generate": _generate, "verify": _verify}[args.command](args)
+        return {"convert": _convert, "generate": _generate, "compile": _compile, "verify": _verify,
+                "serve": _serve}[args.command](args)
     except SRMError as e:
         print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
         return 2
