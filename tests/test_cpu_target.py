@@ -54,14 +54,35 @@ def test_last_started_test_names_the_test_a_crash_cut_short():
     assert last_started_test("collected 0 items\n") is None
 
 
-@pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
-def test_engine_tests_pass_with_kernels_compiled_for_avx2():
-    env = os.environ | {cpu_target.ENV: GUARD_TARGET}
+def run_for_target(test_paths, target: str, cwd: Path = ROOT) -> str | None:
+    """Run pytest on ``test_paths`` in a child process compiling for ``target``;
+    -> None when they pass, else what went wrong (a crash names the test it hit)."""
+    env = os.environ | {cpu_target.ENV: target}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *ENGINE_TESTS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *map(str, test_paths)],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
     out = proc.stdout + proc.stderr
     if proc.returncode < 0:
-        pytest.fail(f"the engine tests compiled for {GUARD_TARGET} crashed (signal "
-                    f"{-proc.returncode}) in {last_started_test(proc.stdout)}:\n{out[-3000:]}")
-    assert proc.returncode == 0, f"engine tests compiled for {GUARD_TARGET} failed:\n{out[-6000:]}"
+        return (f"the tests compiled for {target} crashed (signal {-proc.returncode}) in "
+                f"{last_started_test(proc.stdout)}:\n{out[-3000:]}")
+    if proc.returncode != 0:
+        return f"the tests compiled for {target} failed:\n{out[-6000:]}"
+    return None
+
+
+def test_a_crash_in_the_child_fails_naming_the_test(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_crash.py").write_text(
+        "import os, signal\n\n"
+        "def test_fine():\n    pass\n\n"
+        "def test_segfaults():\n    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    problem = run_for_target(["tests/test_crash.py"], GUARD_TARGET, cwd=tmp_path)
+    assert problem is not None and "crashed (signal 11) in tests/test_crash.py::test_segfaults" in problem
+
+
+@pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
+def test_engine_tests_pass_with_kernels_compiled_for_avx2():
+    problem = run_for_target(ENGINE_TESTS, GUARD_TARGET)
+    if problem:
+        pytest.fail(problem)
