@@ -29,7 +29,7 @@ MiB = 1 << 20
 
 # ------------------------------------------------------------------ configs
 def srm_config(d_model=256, n_layers=8, n_heads=4, context_length=1024, vocab_size=4096):
-    from srm_max.config import SRMConfig
+    from srm_max.models.srm.config import SRMConfig
 
     return SRMConfig(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
                      context_length=context_length)
@@ -61,10 +61,13 @@ def srm_weights(model) -> dict[str, np.ndarray]:
 def unfused_engine(config, weights, dtype: str = "float32"):
     """An SRM Engine with the Mojo mixer ops whose decode graph is plain MAX ops (matmuls,
     norms, adds) instead of the whole-step op of mojo/decode_step.mojo: the graph before it."""
-    from srm_max.compile_cache import load_compiled
-    from srm_max.engine import DTYPES, Engine
-    from srm_max.graphs.decode import build_decode_graph
-    from srm_max.precompile import GRAPH_KEY
+    from srm_max.graphs.srm.decode import build_decode_graph
+    from srm_max.models.srm import schema
+    from srm_max.models.srm.build import GRAPH_KEY
+    from srm_max.models.srm.engine import Engine
+    from srm_max.runtime.compile_cache import load_compiled
+    from srm_max.runtime.device import DTYPES
+    from srm_max.runtime.kernels import kernel_library
 
     class Unfused(Engine):
         greedy_steps_in_one_op = False  # greedy decode too runs the unfused loop
@@ -73,9 +76,9 @@ def unfused_engine(config, weights, dtype: str = "float32"):
             if kind != "decode":
                 return super()._load(kind)
             dt = "f32" if dtype == "float32" else "bf16"
-            graph = build_decode_graph(self.config, DTYPES[dtype], kernels=True, fused=False,
+            graph = build_decode_graph(self.config, schema, DTYPES[dtype], kernel_library=kernel_library(),
                                        name=f"srm_decode_{dt}_kernels_unfused")
-            return load_compiled(self.session, graph, self._registry, extra_key=GRAPH_KEY)
+            return load_compiled(self.session, graph, self.weights, extra_key=GRAPH_KEY)
 
     return Unfused(config, weights, dtype, kernels=True)
 
@@ -84,7 +87,7 @@ def loop_engine(config, weights, dtype: str = "float32"):
     """The CPU SRM Engine, but greedy decode runs its decode graph's loop (one whole-step
     op and MAX's sampler per step), as sampled decoding always does, instead of every
     step in one op."""
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     class Loop(Engine):
         greedy_steps_in_one_op = False

@@ -1,7 +1,7 @@
 """Concurrency: the largest batch whose decode state fits a memory budget, SRM vs Transformer.
 
-    python bench/concurrency.py                       # 4 GiB, contexts 1024 and 2048
-    python bench/concurrency.py --budget-gib 8 --contexts 2048
+    python -m bench.concurrency                       # 4 GiB, contexts 1024 and 2048
+    python -m bench.concurrency --budget-gib 8 --contexts 2048
 
 For each model and context T the benchmark really allocates the weights plus the
 structures a decode step keeps per sample, and finds the largest batch B within the
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common
 
 MODELS = ("srm-max", "srm-torch", "llama-hf", "mamba-hf")
 TORCH_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -101,7 +100,7 @@ class SRMMax(Model):
     name = "srm-max"
 
     def __init__(self, config, weights):
-        from srm_max.engine import Engine
+        from srm_max.models.srm.engine import Engine
 
         # Building an Engine compiles nothing (graphs are loaded on first use).
         self.engine = Engine(config, weights, dtype="float32", device="cpu")
@@ -109,12 +108,12 @@ class SRMMax(Model):
 
     def weight_bytes(self):
         total = 0
-        for v in self.engine._registry.values():
+        for v in self.engine.weights.values():
             total += v.nbytes if isinstance(v, np.ndarray) else _buffer_bytes(v)
         return total
 
     def allocate(self, tally, batch, context):
-        from srm_max.engine import SamplingArrays
+        from srm_max.runtime.compiled import SamplingArrays
 
         c, eng = self.config, self.engine
         tally.check(4 * c.n_layers * batch * c.d_model)
@@ -123,7 +122,7 @@ class SRMMax(Model):
         tally.add(st, _buffer_bytes(st))
         for arr in (np.zeros(batch, np.int64), np.full(batch, context - 1, np.int64)):  # ids, positions
             tally.check(arr.nbytes)
-            b = eng._dev(arr)
+            b = eng.to_device(arr)
             tally.add(b, _buffer_bytes(b))
         s = SamplingArrays.greedy(batch)
         tally.check(batch * 24)

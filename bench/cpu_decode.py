@@ -1,7 +1,7 @@
 """CPU decode speed: srm-max against PyTorch (the readable reference and the strongest plain
 PyTorch step), and against the machine's limits.
 
-    python bench/cpu_decode.py [--quick] [--profile] [--dtype float32|bfloat16]
+    python -m bench.cpu_decode [--quick] [--profile] [--dtype float32|bfloat16]
                                [--batches 1 2 4 16 64 256] [--steps 32]
 
 One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
@@ -64,12 +64,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 
-from common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
+from bench.common import (RESULTS, build_srm_reference, command_line, machine_info, markdown_table,  # noqa: E402
                     loop_engine, srm_config, srm_matmul_params, srm_weights, unfused_engine, write_json)
-from torch_decode import TorchFusedDecode  # noqa: E402
+from bench.torch_decode import TorchFusedDecode  # noqa: E402
 
 START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t], beta[t])
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
@@ -96,7 +94,7 @@ class MaxDecode:
         self.engine = engine
 
     def prepare(self, batch: int, steps: int):
-        from srm_max.engine import SamplingArrays
+        from srm_max.runtime.compiled import SamplingArrays
 
         e = self.engine
         self.args = (np.arange(batch, dtype=np.int64) * 7 % e.config.vocab_size,
@@ -192,7 +190,7 @@ def fixed_step_seconds(batches, steps, repeats) -> dict:
     """Seconds per step of srm-max's decode on a model too small for its arithmetic to
     count (d 16, 2 layers, vocab 64): the phases' waits, the greedy choice and the
     step's share of the call, which every step pays whatever the model."""
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     config = srm_config(d_model=16, n_layers=2, n_heads=2, context_length=96, vocab_size=64)
     decode = MaxDecode(Engine(config, srm_weights(build_srm_reference(config)), kernels=True).warmup())
@@ -209,8 +207,8 @@ def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
     from max.dtype import DType
     from max.engine import InferenceSession
     from max.graph import DeviceRef, Graph, TensorType, Weight, ops
-    from srm_max.compile_cache import load_compiled
-    from srm_max.graphs.layers import derived_weights
+    from srm_max.runtime.compile_cache import load_compiled
+    from srm_max.models.srm.schema import derived_weights
 
     c, dev = config, DeviceRef.CPU()
     names = []
@@ -255,7 +253,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     config = srm_config()
     model = build_srm_reference(config).eval()

@@ -1,6 +1,6 @@
 """Kill `srm-max convert` at many points of its run; the output must be the old or the new model.
 
-    python bench/faults.py [--points 24]
+    python -m bench.faults [--points 24]
 
 Writes an old model (bfloat16), times one uninterrupted `srm-max convert --force`
 to float32 over it, then repeats that convert ``--points`` times, killing it
@@ -23,10 +23,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 
-from common import RESULTS, command_line, machine_info, write_json  # noqa: E402
+from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
 
 
 def convert_command(source: Path, out: Path) -> list[str]:
@@ -37,7 +35,7 @@ def convert_command(source: Path, out: Path) -> list[str]:
 def outcome(out: Path, old_dtype: str) -> str:
     """'old', 'new' or 'broken: ...' (a missing output is broken: the destination must
     hold the complete old or new model at every instant)."""
-    from srm_max.checkpoint import load_checkpoint
+    from srm_max.checkpoints.format import load_checkpoint
 
     if not out.exists():
         return "broken: the output is missing"
@@ -58,8 +56,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from srm_max.config import SRMConfig
-    from srm_max.convert import convert
+    from srm_max.models.srm.config import SRMConfig
+    from srm_max.checkpoints.convert import convert
     from srm_max.reference.srm import SRM
 
     config = SRMConfig(2048, 128, 4, 2, 256)  # the fault test's model: a few seconds to convert

@@ -1,7 +1,7 @@
 """bench-h100: the throughput benchmark on a GPU, bfloat16, at the paper's size.
 
-    python bench/h100.py            # batch 1 .. 65536 (until memory runs out), prompt 16/512/1024
-    python bench/h100.py --quick    # batch 1, 64, 1024, 16384 at prompt 16 and 1024
+    python -m bench.h100            # batch 1 .. 65536 (until memory runs out), prompt 16/512/1024
+    python -m bench.h100 --quick    # batch 1, 64, 1024, 16384 at prompt 16 and 1024
 
 SRM d=1024, 16 layers, 4 heads, n=1024, vocab 8000 (about 184 M parameters) on MAX
 (``Generator(dtype="bfloat16", device="gpu")``) against a Llama of the same size
@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common
 
 PAPER_SIZE = ["--d-model", "1024", "--layers", "16", "--heads", "4", "--context", "1024", "--vocab", "8000"]
 GPU_ENGINES = ("srm-max", "llama-hf", "vllm", "srm-torch")
@@ -95,7 +94,7 @@ def gpu_defaults(argv: list[str]) -> list[str]:
 
 def child(argv: list[str]) -> int:
     """One engine, in this process (called by the parent with --child ENGINE)."""
-    import throughput
+    from bench import throughput
 
     return throughput.main(argv, gpu=True)
 
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return NO_GPU_EXIT
     if "--child" in argv:
         return child([x for x in argv if x != "--child"])
-    import throughput
+    from bench import throughput
 
     argv = gpu_defaults(argv)
     a = throughput.parse_args(argv, gpu=True)  # validates every option before any run
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def merge(a, children: dict, elapsed: float) -> dict:
     """One result in the layout of throughput.py from the per-engine results."""
-    import throughput
+    from bench import throughput
 
     ok = {e: c for e, c in children.items() if "runs" in c}
     first = next(iter(ok.values()), None)

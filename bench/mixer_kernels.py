@@ -1,6 +1,6 @@
 """The Mojo mixer ops against the same graphs of plain MAX ops: prefill and decode tokens/s.
 
-    python bench/mixer_kernels.py [--quick] [--batches 1 16 64 256] [--steps 32]
+    python -m bench.mixer_kernels [--quick] [--batches 1 16 64 256] [--steps 32]
 
 Two engines on the same weights, differing only in the token mixer
 (``Engine(kernels=False)``: plain ops, the chunked-scan prefill and the
@@ -22,15 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 
-from common import (RESULTS, build_srm_reference, command_line, machine_info,  # noqa: E402
+from bench.common import (RESULTS, build_srm_reference, command_line, machine_info,  # noqa: E402
                     srm_config, srm_weights, unfused_engine, write_json)
 
 
 def decode_seconds(engine, batch: int, steps: int, position: int) -> tuple[float, np.ndarray]:
-    from srm_max.engine import SamplingArrays
+    from srm_max.runtime.compiled import SamplingArrays
 
     states = engine.empty_states(batch)
     sampling = engine.sampling_buffers(SamplingArrays.greedy(batch))
@@ -66,7 +64,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.batches, args.repeats, args.prefill_shapes = [1, 16, 64], 2, ["1x1024", "16x256"]
 
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     config = srm_config(d_model=args.d_model, n_layers=args.n_layers, context_length=args.context,
                         vocab_size=args.vocab)

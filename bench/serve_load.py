@@ -1,6 +1,6 @@
 """Load test of ``srm-max serve`` on loopback, against ``Generator.generate`` at the same batch.
 
-    python bench/serve_load.py [--quick] [--clients 256] [--requests 2] [--max-tokens 64]
+    python -m bench.serve_load [--quick] [--clients 256] [--requests 2] [--max-tokens 64]
 
 1. ``Generator.generate`` on the embedded model: one batch of ``--clients``
    prompts, ``--max-tokens`` new tokens each, sampled (the best of two runs before
@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
-from common import RESULTS, command_line, machine_info, write_json  # noqa: E402
+from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
 
 PROMPTS = ["ROMEO:\n", "To be, or not to be, that is the question:\n", "KING HENRY:\nOnce more unto the breach,",
            "First Citizen:\nBefore we proceed any further, hear me speak.\n", "JULIET:\n", "HAMLET:\nO, that this",

@@ -1,6 +1,6 @@
 """Slot refill against fixed batches, on completions of varied length.
 
-    python bench/slot_refill.py [--slots 64] [--prompts 16] [--n 32]
+    python -m bench.slot_refill [--slots 64] [--prompts 16] [--n 32]
 
 The same samples (same prompts, same per-sample seeds, hence the same tokens)
 are produced twice with the MAX Generator:
@@ -20,18 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
 
-from srm_max.config import SRMConfig  # noqa: E402
-from srm_max.generator import Generator  # noqa: E402
-from srm_max.slot_pool import PoolStats, sample_many, sample_seed  # noqa: E402
+from srm_max.models.srm.config import SRMConfig  # noqa: E402
+from srm_max.serve.generator import Generator  # noqa: E402
+from srm_max.serve.sample_many import sample_many, sample_seed  # noqa: E402
+from srm_max.serve.scheduler import PoolStats  # noqa: E402
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """Soak: 100,000 decode steps of a refilled slot pool; memory, finiteness, steady speed.
 
-    python bench/soak.py [--steps 100000] [--slots 64] [--every 5000]
+    python -m bench.soak [--steps 100000] [--slots 64] [--every 5000]
 
 Runs ``Generator.sample_many`` (the slot pool users run for hours) on a small
 random SRM until the pool has made ``--steps`` decode steps, sampling at
@@ -17,16 +17,13 @@ reused; the point is leaks and numerical drift over time, not speed.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
 
-from common import RESULTS, command_line, machine_info, rss_bytes, write_json  # noqa: E402
+from bench.common import RESULTS, command_line, machine_info, rss_bytes, write_json  # noqa: E402
 
 MiB = 1 << 20
 
@@ -77,11 +74,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     args = ap.parse_args(argv)
 
-    from srm_max.config import SRMConfig
-    from srm_max.engine import Engine
-    from srm_max.generator import Generator
+    from srm_max.models.srm.config import SRMConfig
+    from srm_max.models.srm.engine import Engine
+    from srm_max.serve.generator import Generator
     from srm_max.reference.srm import random_srm
-    from srm_max.slot_pool import PoolStats
+    from srm_max.serve.scheduler import PoolStats
 
     config = SRMConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=2,
                        context_length=args.context)

@@ -1,7 +1,7 @@
 """Generated tokens per second, SRM against a Transformer and Mamba, one run, one machine.
 
-    python bench/throughput.py --quick          # a subset of the grid, < 10 minutes on 2 cores
-    python bench/throughput.py                  # the whole grid (long on a small CPU)
+    python -m bench.throughput --quick          # a subset of the grid, < 10 minutes on 2 cores
+    python -m bench.throughput                  # the whole grid (long on a small CPU)
 
 Engines (all randomly initialised, about the same number of parameters):
 
@@ -45,8 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
+from bench import common
 
 ENGINES = ("srm-max", "srm-torch", "llama-hf", "mamba-hf", "vllm")
 BASELINES = ("srm-torch", "llama-hf", "mamba-hf", "vllm")
@@ -91,7 +90,7 @@ class SRMMaxRunner(Runner):
 
     def __init__(self, config, weights, device="cpu", dtype="float32", steps_per_call=32, pin=True):
         super().__init__(config, device, dtype)
-        from srm_max.generator import Generator
+        from srm_max.serve.generator import Generator
 
         t = time.perf_counter()
         self.gen = Generator(config, weights, dtype=dtype, device=device)
@@ -149,11 +148,10 @@ def _pinned_max_child(conn, config_dict: dict, cores: int, dtype: str, steps_per
     """Child process: pin to ``cores`` CPUs before MAX starts, then serve ``run`` requests."""
     try:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:cores]))
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import common as cm
+        from bench import common as cm
 
-        from srm_max.config import SRMConfig
-        from srm_max.generator import Generator
+        from srm_max.models.srm.config import SRMConfig
+        from srm_max.serve.generator import Generator
 
         config = SRMConfig(**config_dict)
         # The same seed as the parent: the same weights.

@@ -1,6 +1,6 @@
 """Verifiable-task demo: pass@k from massive sampling, and GRPO with and without balanced resampling.
 
-    python bench/verifiable_demo.py            # a few minutes on CPU
+    python -m bench.verifiable_demo            # a few minutes on CPU
 
 1. Train a tiny SRM on multi-digit addition ("12+34=" -> "46<e>") by supervised
    learning, briefly, so that it is partly right.
@@ -29,15 +29,15 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
 
-from srm_max import arithmetic as ar  # noqa: E402
-from srm_max.config import SRMConfig  # noqa: E402
-from srm_max.generator import Generator  # noqa: E402
-from srm_max.grpo import GRPOConfig, pad_sequences, train_grpo, weights_numpy  # noqa: E402
+from srm_max.rl import arithmetic as ar  # noqa: E402
+from srm_max.models.srm.config import SRMConfig  # noqa: E402
+from srm_max.serve.generator import Generator  # noqa: E402
+from srm_max.rl.grpo import GRPOConfig, pad_sequences, train_grpo, weights_numpy  # noqa: E402
 from srm_max.reference.srm import SRM  # noqa: E402
-from srm_max.slot_pool import PoolStats, sample_many  # noqa: E402
-from srm_max.verifiable import mean_pass_at_k  # noqa: E402
+from srm_max.serve.sample_many import sample_many  # noqa: E402
+from srm_max.serve.scheduler import PoolStats  # noqa: E402
+from srm_max.rl.groups import mean_pass_at_k  # noqa: E402
 
 
 def config(args) -> SRMConfig:

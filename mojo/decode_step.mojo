@@ -40,9 +40,9 @@ bias; biases holds fc2, proj and out biases; lam is the decay per step. Per laye
     column:  s = u + lam*s;          y = w[h,t]*s + beta[h,t]
     row:     s = w[h,t]*u + lam*s;   y = s + beta[h,t]
     x += out y + out_b
-then logits = head x (no bias). The same math as graphs/decode.py's `step`.
+then logits = head x (no bias). The same math as graphs/srm/decode.py's `step`.
 
-The five matrices come packed (srm_max/packing.py): a [N, K] matrix (out, in)
+The five matrices come packed (srm_max/models/srm/packing.py): a [N, K] matrix (out, in)
 has its rows padded with zeros to a multiple of 16 and is stored as panels of 64
 output columns (the last may be narrower), each panel [K, width] row-major, so
 the product streams a panel once per chunk of rows with no transposes or
@@ -66,7 +66,7 @@ comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
-comptime PANEL = 64  # output columns per packed panel (srm_max/packing.py)
+comptime PANEL = 64  # output columns per packed panel (srm_max/models/srm/packing.py)
 comptime PAD = 16  # output rows of a packed matrix are padded to a multiple of this
 # A register tile is MR batch rows x NV SIMD vectors of columns: MR * NV accumulators,
 # NV weight vectors and one broadcast must fit in the vector registers. AVX and AVX2
@@ -81,17 +81,17 @@ comptime NV1 = PANEL // W
 
 @always_inline
 def _tile_vectors(rows: Int) -> Int:
-    """Vectors of columns per register tile in a unit of ``rows`` batch rows: as many as
-    the 16 registers of AVX2 hold beside the weights and a broadcast (wider sub-panels
-    read more of each cache line of the panel per pass); NV elsewhere."""
+    """Vectors of columns per register tile in a unit of ``rows`` batch rows on AVX2: the
+    whole panel for 1-2 rows, 4 vectors for 3-4 rows, NV beyond; NV elsewhere. Wider
+    sub-panels read more of each cache line of the panel per pass, which at these row
+    counts outweighs the accumulators that no longer fit in the 16 registers (the
+    fastest choice in bench/cpu_decode.py at batch 2 and 4)."""
     comptime if W != 8:
         return NV
-    if rows <= 1:
+    if rows <= 2:
         return NV1
-    if rows <= 3:
+    if rows <= 4:
         return 4
-    if rows == 4:
-        return 3
     return NV
 comptime KU = 4  # k unrolled
 comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
@@ -327,7 +327,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
             comptime for R in range(1, MR + 1):
                 comptime for NVT in range(1, NV1 + 1):
-                    comptime if NVT <= NV or R == 1 or (R <= 3 and NVT <= 4) or (R == 4 and NVT <= 3):
+                    comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
                         if rows == R and nv == NVT:
                             _tile[R, NVT, WD](t, xr, K, pc, width, K, ahead, fetch)
             for i in range(rows):

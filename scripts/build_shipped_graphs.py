@@ -9,8 +9,8 @@ Writes ``python/srm_max/model/compiled/``:
   decode tokens and states), which a shipped graph must reproduce before it is
   used (``srm_max.shipped_graphs``);
 * ``max-<MAX version>/<target>/<graph>-<key>.mef`` for each target: the
-  prefill, decode and decode_greedy graphs (float32, CPU, Mojo ops), each
-  compiled in a fresh cache by a ``srm_max.precompile`` child with
+  prefill, decode, sample and decode_greedy graphs (float32, CPU, Mojo ops), each
+  compiled in a fresh cache by a ``srm_max.runtime.precompile`` child with
   ``SRM_MAX_CPU_TARGET=<target>``. Graphs shipped for other MAX versions are
   removed.
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-# a passage longer than one prefill chunk (graphs/layers.py CHUNK = 32 tokens), so the
+# a passage longer than one prefill chunk (graphs/srm/prefill.py CHUNK = 32 tokens), so the
 # check crosses a chunk boundary
 PROMPT = ("To be, or not to be, that is the question:\n"
           "Whether 'tis nobler in the mind to suffer\n"
@@ -49,10 +49,10 @@ def known_answer() -> dict[str, np.ndarray]:
     """The float64 reference's outputs for the embedded model on ``PROMPT``."""
     import torch
 
-    from srm_max.checkpoint import load_checkpoint
+    from srm_max.checkpoints.format import load_checkpoint
     from srm_max.embedded import EMBEDDED_MODEL_DIR
-    from srm_max.graphs.layers import CHUNK
-    from srm_max.parity import reference_model
+    from srm_max.graphs.srm.prefill import CHUNK
+    from srm_max.checkpoints.parity import reference_model
     from tokenizers import Tokenizer
 
     ckpt = load_checkpoint(EMBEDDED_MODEL_DIR)
@@ -89,8 +89,9 @@ def known_answer() -> dict[str, np.ndarray]:
 
 def build_target(target: str, workers: int) -> list[Path]:
     """Compile the shipped graphs for ``target`` in a fresh cache; -> the shipped files."""
-    from srm_max import cpu_target, shipped_graphs
-    from srm_max.precompile import compile_in_workers
+    from srm_max.runtime import cpu_target
+    from srm_max import shipped_graphs
+    from srm_max.runtime.precompile import compile_in_workers
 
     jobs = shipped_graphs.embedded_jobs()
     saved = {k: os.environ.get(k) for k in ("SRM_MAX_CACHE", cpu_target.ENV)}
@@ -120,7 +121,8 @@ def build_target(target: str, workers: int) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from srm_max import cpu_target, shipped_graphs
+    from srm_max.runtime import cpu_target
+    from srm_max import shipped_graphs
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", nargs="+", default=list(shipped_graphs.DEFAULT_TARGETS),

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from srm_max.config import SRMConfig
+from srm_max.models.srm.config import SRMConfig
 
 # context 96 = 3 prefill chunks of 32; small so context-limit tests are cheap.
 TINY = SRMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, context_length=96)
@@ -53,42 +53,46 @@ def weights_of(model) -> dict[str, np.ndarray]:
 
 
 # the graphs of a CPU engine with the Mojo ops (Engine.graph_kinds)
-KERNEL_KINDS = ("prefill", "decode", "decode_greedy")
+KERNEL_KINDS = ("prefill", "decode", "sample", "decode_greedy")
 
 
-def suite_graph_jobs(test_files: set[str]) -> list:
-    """The MAX graphs the selected test files compile (CPU: with the Mojo mixer ops, the
-    default, and once with plain MAX ops)."""
-    from srm_max.checkpoint import load_checkpoint
-    from srm_max.embedded import default_model_path
-    from srm_max.precompile import GraphJob
+def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):
+    """A marker naming compiled graphs that the marked tests need (CPU). The session
+    compiles every graph the selected tests declare up front, side by side."""
+    return pytest.mark.graphs(*[(kind, config, dtype, kernels) for kind in kinds])
 
-    jobs = []
-    if test_files & {"test_engine.py", "test_generator.py", "test_slot_pool.py", "test_verify.py",
-                     "test_bench.py", "test_scale_out.py", "test_server.py"}:
-        jobs += [GraphJob.of(kind, TINY, kernels=True) for kind in KERNEL_KINDS]
-    if "test_engine.py" in test_files:
-        jobs += [GraphJob.of("prefill", TINY), GraphJob.of("decode", TINY)]
-        jobs += [GraphJob.of(kind, TINY, "bfloat16", kernels=True) for kind in KERNEL_KINDS]
-    if "test_embedded.py" in test_files:
-        embedded = load_checkpoint(default_model_path()).config
-        jobs += [GraphJob.of(kind, embedded, kernels=True) for kind in KERNEL_KINDS]
-    if "test_pha_engine.py" in test_files:
-        from test_pha_engine import CONFIG as PHA_CONFIG
 
-        jobs += [GraphJob.of("prefill", PHA_CONFIG), GraphJob.of("decode", PHA_CONFIG)]
-    return jobs
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only with an accelerator; ``ray`` ones only with Ray."""
+    import importlib.util
+
+    from max.driver import accelerator_count
+
+    skips = {"gpu": None if accelerator_count() > 0 else "needs a GPU (none found)",
+             "ray": None if importlib.util.find_spec("ray") else "needs Ray: pip install 'srm-max[ray]'"}
+    for item in items:
+        for name, reason in skips.items():
+            if reason and item.get_closest_marker(name):
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def declared_graph_jobs(items) -> list:
+    """The compile jobs of every graph the ``items`` declare (``graphs`` markers)."""
+    from srm_max.models import registry
+
+    specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
+    return [registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
+            for kind, config, dtype, kernels in specs]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def suite_graphs(request):
     """Compile every graph the run needs up front, side by side (one process per core):
     a cold compile takes minutes on one core, and CI has two."""
-    from srm_max.precompile import precompile
+    from srm_max.runtime.precompile import precompile
     from srm_max.shipped_graphs import install
 
-    files = {Path(str(item.path)).name for item in request.session.items}
-    jobs = suite_graph_jobs(files)
+    jobs = declared_graph_jobs(request.session.items)
     install(jobs)  # the embedded model's graphs ship with the package (checked, not compiled)
     return precompile(jobs)
 
@@ -110,20 +114,20 @@ def tiny_weights(reference) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="session")
 def engine(tiny_weights):
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     return Engine(TINY, tiny_weights, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def engine_bf16(tiny_weights):
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     return Engine(TINY, tiny_weights, dtype="bfloat16", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def generator(engine):
-    from srm_max.generator import Generator
+    from srm_max.serve.generator import Generator
 
     return Generator.from_engine(engine)

@@ -16,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from conftest import TINY, graphs
+
+pytestmark = graphs(TINY)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -24,11 +28,7 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield {name: importlib.import_module(name) for name in ("common", "throughput", "concurrency", "h100")}
-    finally:
-        sys.path.remove(str(BENCH))
+    return {name: importlib.import_module(f"bench.{name}") for name in ("common", "throughput", "concurrency", "h100")}
 
 
 def tiny_args(config) -> list[str]:
@@ -126,8 +126,8 @@ def _has_gpu() -> bool:
 @pytest.mark.skipif(_has_gpu(), reason="a GPU is present: bench-h100 would run")
 def test_h100_refuses_without_gpu():
     env = dict(os.environ)
-    p = subprocess.run([sys.executable, str(BENCH / "h100.py"), "--quick"], capture_output=True, text=True,
-                       timeout=120, env=env)
+    p = subprocess.run([sys.executable, "-m", "bench.h100", "--quick"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "no GPU found" in p.stderr
 
@@ -161,11 +161,7 @@ def test_pha_comparison_pieces(tmp_path):
     KV-cache decode against its forward, state bytes as the config implies, the sandwich check."""
     import torch
 
-    sys.path.insert(0, str(BENCH))
-    try:
-        pc = importlib.import_module("pha_comparison")
-    finally:
-        sys.path.remove(str(BENCH))
+    pc = importlib.import_module("bench.pha_comparison")
     a = pc.parse_args(["--quick", "--out", str(tmp_path)])
     V = 300
     target = pc.srm_config(a, V).num_parameters()
@@ -198,11 +194,7 @@ def test_cpu_decode_limits_probe_and_fixed_step_cost():
     """bench/cpu_decode.py's measuring pieces on small sizes: the limits probe keeps the best
     rate seen since its reset; the fixed cost of a step is measured on the suite's tiny shape
     (the same compiled graphs as the engine tests)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        cd = importlib.import_module("cpu_decode")
-    finally:
-        sys.path.remove(str(BENCH))
+    cd = importlib.import_module("bench.cpu_decode")
     probe = cd.LimitsProbe(1 << 20, n=256)
     probe.run()
     first = (probe.flops, probe.bytes_per_s)

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from srm_max.checkpoint import load_checkpoint, save_checkpoint
+from srm_max.checkpoints.format import load_checkpoint, save_checkpoint
 from srm_max.cli import main as cli_main
-from srm_max.config import SRMConfig
-from srm_max.convert import convert
+from srm_max.models.srm.config import SRMConfig
+from srm_max.checkpoints.convert import convert
 from srm_max.errors import CheckpointError, ConvertError
-from srm_max.parity import reference_model
+from srm_max.checkpoints.parity import reference_model
 from srm_max.reference.srm import SRM
 
 CONFIG = SRMConfig(48, 12, 2, 2, 40)
@@ -210,7 +210,7 @@ def test_loader_config_disagrees_with_tensors(good_dir):
     ('{"vocab_size": -1, "d_model": 12, "n_layers": 2, "n_heads": 2, "context_length": 40}',
      "vocab_size must be a positive integer, got -1"),
     ('{"vocab_size": 48, "d_model": 12, "n_layers": 2, "n_heads": 2, "context_length": 40, "architecture": "gpt"}',
-     "architecture 'gpt' is not 'srm'"),
+         r"config.json: unknown architecture 'gpt' \(known: srm, pha\)"),
 ])
 def test_loader_names_bad_config(content, message, good_dir):
     (good_dir / "config.json").write_text(content)
@@ -308,7 +308,7 @@ def test_convert_bad_sources(model, tmp_path):
 
 
 def test_parity_failure_writes_nothing(model, tmp_path, monkeypatch):
-    import srm_max.convert as convert_module
+    import srm_max.checkpoints.convert as convert_module
 
     real = convert_module.compute_parity
 
@@ -336,7 +336,7 @@ def test_cli_convert_reports_errors_cleanly(model, tmp_path, capsys):
 
 
 def test_pha_round_trip_through_convert(tmp_path):
-    from srm_max.pha_config import PHAConfig
+    from srm_max.models.pha.config import PHAConfig
     from srm_max.reference.pha import PHA
 
     config = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=24, n_q_heads=2, n_kv_heads=1,
@@ -454,7 +454,7 @@ def test_source_forward_rebuilds_the_dropout_layout(model, tmp_path):
 
 
 def test_source_forward_catches_a_wrong_key_mapping(model, tmp_path, monkeypatch):
-    import srm_max.convert as convert_module
+    import srm_max.checkpoints.convert as convert_module
 
     real_normalize, real_parity = convert_module.normalize_keys, convert_module.compute_parity
     certificates = []

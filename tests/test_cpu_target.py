@@ -4,7 +4,7 @@ Compiled CPU code differs between instruction sets: a fault that only AVX2 code
 has (16 vector registers, 32-byte vectors) cannot show on an AVX-512 machine
 running its own code. So where the host is not itself an ``x86-64-v3`` CPU, the
 engine tests run again in a child process with ``SRM_MAX_CPU_TARGET=x86-64-v3``
-(``srm_max.cpu_target``): every engine path compiled for AVX2 and checked against
+(``srm_max.runtime.cpu_target``): every engine path compiled for AVX2 and checked against
 the reference. A child that crashes is reported as a failure naming the test it
 was in, instead of killing this run. ``SRM_MAX_TARGET_GUARD=1`` runs it on any
 x86-64 host (to check the guard itself).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from srm_max import cpu_target
+from srm_max.runtime import cpu_target
 
 GUARD_TARGET = "x86-64-v3"
 ENGINE_TESTS = ("tests/test_engine.py", "tests/test_pha_engine.py")
@@ -81,6 +81,7 @@ def test_a_crash_in_the_child_fails_naming_the_test(tmp_path):
     assert problem is not None and "crashed (signal 11) in tests/test_crash.py::test_segfaults" in problem
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
 def test_engine_tests_pass_with_kernels_compiled_for_avx2():
     problem = run_for_target(ENGINE_TESTS, GUARD_TARGET)

@@ -6,10 +6,16 @@ import shutil
 import pytest
 import torch
 
-from srm_max.checkpoint import load_checkpoint
+from srm_max.checkpoints.format import load_checkpoint
 from srm_max.embedded import EMBEDDED_MODEL_DIR, REQUIRED_FILES, default_model_path
 from srm_max.errors import CheckpointError
-from srm_max.parity import compute_parity, read_certificate, reference_model
+from srm_max.checkpoints.parity import compute_parity, read_certificate, reference_model
+from srm_max.models.registry import load_config
+
+from conftest import graphs
+
+# the CPU graphs of the embedded model (shipped with the package: installed, not compiled)
+pytestmark = graphs(load_config(EMBEDDED_MODEL_DIR / "config.json"))
 
 PROMPT = "To be, or not"
 
@@ -69,16 +75,16 @@ def test_reference_greedy_from_prompt_is_text(embedded):
     assert len(tokenizer.decode(out).split()) >= 3
 
 
-def test_max_greedy_equals_reference_on_the_embedded_model(embedded):
+def test_max_greedy_equals_reference_on_the_embedded_model(request, embedded):
     """Generator.from_pretrained() with no path is the embedded model, and it agrees with torch."""
     from srm_max import Generator
 
-    from conftest import suite_graph_jobs
+    from conftest import declared_graph_jobs
 
     generator = Generator.from_pretrained(device="cpu")
     assert generator.config == embedded.config
     jobs = {generator.engine.graph_job(kind) for kind in generator.engine.graph_kinds()}
-    assert jobs == set(suite_graph_jobs({"test_embedded.py"}))  # precompiled by conftest
+    assert jobs == set(declared_graph_jobs([request.node]))  # precompiled by conftest
     completion = generator.generate(PROMPT, max_new_tokens=24)
     model = reference_model(embedded.config, embedded.weights, torch.float32)
     ids = generator.encode(PROMPT)

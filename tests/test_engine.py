@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY, assert_close_rel, padded_batch, random_prompts
-from srm_max.engine import SamplingArrays
-from srm_max.graphs import layers
-from srm_max.sampling import draw_np, filtered_probs
+from conftest import TINY, assert_close_rel, graphs, padded_batch, random_prompts
+
+# the Mojo-op graphs (float32 and bfloat16) and the plain-op ones
+pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16"), graphs(TINY, ("prefill", "decode", "sample"), kernels=False)]
+from srm_max.runtime.compiled import SamplingArrays
+from srm_max.graphs import sampler
+from srm_max.serve.sampling import draw_np, filtered_probs
 
 # Mixed lengths: 1 token, inside one chunk, across chunk borders, the full context.
 PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
@@ -84,11 +87,28 @@ def test_greedy_decode_matches_reference(engine, reference, steps_per_call):
     assert_close_rel(engine.host(states), ref_step_states(reference, prompts, ref_tokens[:, :-1]))
 
 
+@pytest.mark.gpu
+def test_the_gpu_engine_matches_the_reference(tiny_weights, reference):
+    """On a GPU (its default: plain MAX ops) prefill and greedy decode agree with the reference."""
+    from srm_max.models.srm.engine import Engine
+
+    gpu = Engine(TINY, tiny_weights, device="gpu")
+    lengths, steps = [1, 9, 31, 20], 16
+    prompts = prompts_of(lengths, seed=1)
+    pre = gpu.prefill(prompts)
+    ref_logits, _ = ref_prefill(reference, prompts)
+    assert_close_rel(gpu.host(pre.logits), ref_logits)
+    res = gpu.decode(pre.next_ids, np.array(lengths, np.int64), pre.states, SamplingArrays.greedy(len(prompts)),
+                     steps)
+    ref_tokens, _ = ref_greedy(reference, prompts, steps)
+    assert (np.concatenate([pre.next_ids[:, None], res.tokens], 1) == ref_tokens[:, : steps + 1]).all()
+
+
 def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
     """The graphs with the Mojo mixer ops (the CPU default: scan in prefill, step in
     decode) and with plain MAX ops (the GPU default): same tokens, logits and states,
     both equal to the reference. Lengths cover one token, a chunk border and n."""
-    from srm_max.engine import Engine
+    from srm_max.models.srm.engine import Engine
 
     mojo, engine = engine, Engine(TINY, tiny_weights, kernels=False)
     assert mojo.kernels and not engine.kernels
@@ -117,11 +137,14 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
     tokens and ends in the same state alone, in a small batch and in a batch of several
     units (float32 and bfloat16). Against the plain graph and the reference: the tests
     above."""
-    from srm_max.graphs.decode import build_decode_graph
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from srm_max.models.srm.build import build_graph
 
     engine = engine if dtype == "float32" else engine_bf16
-    assert "srm_decode_step" in str(build_decode_graph(TINY, kernels=True))
-    assert "srm_decode_step" not in str(build_decode_graph(TINY, kernels=False))
+    assert "srm_decode_step" in str(build_graph("decode", TINY, DType.float32, DeviceRef.CPU(), kernels=True))
+    assert "srm_decode_step" not in str(build_graph("decode", TINY, DType.float32, DeviceRef.CPU(), kernels=False))
     B = 53  # two units of rows, register tiles of 6 and a remainder
     rng = np.random.default_rng(21)
     lengths = rng.integers(1, 40, B).tolist()
@@ -137,7 +160,7 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
 
     def run(index):  # decode only, from the same prefill
         out = engine.decode(pre.next_ids[index], [lengths[i] for i in index],
-                            engine._dev(pre_states[:, index]), s.take(index), steps)
+                            engine.to_device(pre_states[:, index]), s.take(index), steps)
         return out.tokens, engine.host(out.states)
 
     big_tokens, big_states = run(list(range(B)))
@@ -165,8 +188,8 @@ def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtyp
     steps = 10
     one_op = engine.decode(pre.next_ids, lengths, pre.states, greedy, steps)
     toks, states, last, pos = engine.decode_model.execute(
-        engine._dev(pre.next_ids), engine._dev(np.array(lengths, np.int64)), pre.states,
-        *engine.sampling_buffers(greedy), engine._dev(np.arange(steps, dtype=np.int64)),
+        engine.to_device(pre.next_ids), engine.to_device(np.array(lengths, np.int64)), pre.states,
+        *engine.sampling_buffers(greedy), engine.to_device(np.arange(steps, dtype=np.int64)),
         Buffer.from_numpy(np.array(steps, np.int64)))
     np.testing.assert_array_equal(one_op.tokens, engine.host(toks))
     np.testing.assert_array_equal(engine.host(one_op.states), engine.host(states))
@@ -174,12 +197,12 @@ def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtyp
     np.testing.assert_array_equal(engine.host(one_op.positions), engine.host(pos))
 
 
-def test_the_suite_precompiles_the_graphs_its_engines_load(engine, engine_bf16, tiny_weights):
-    """conftest.suite_graph_jobs must name exactly these graphs, or CI compiles twice."""
-    from conftest import suite_graph_jobs
-    from srm_max.engine import Engine
+def test_the_suite_precompiles_the_graphs_its_engines_load(request, engine, engine_bf16, tiny_weights):
+    """This module's ``graphs`` markers must name exactly these graphs, or CI compiles twice."""
+    from conftest import declared_graph_jobs
+    from srm_max.models.srm.engine import Engine
 
-    jobs = set(suite_graph_jobs({"test_engine.py"}))
+    jobs = set(declared_graph_jobs([request.node]))
     plain = Engine(TINY, tiny_weights, kernels=False)
     loaded = {e.graph_job(kind) for e in (engine, engine_bf16, plain) for kind in e.graph_kinds()}
     assert loaded == jobs
@@ -267,7 +290,7 @@ def test_decode_sampling_distribution(engine, reference):
     states = np.repeat(engine.host(pre.states), N_SAMPLES, axis=1)
     s = SamplingArrays(np.ones(N_SAMPLES, np.float32), np.zeros(N_SAMPLES, np.int64),
                        np.full(N_SAMPLES, 0.9, np.float32), np.arange(N_SAMPLES, dtype=np.uint64))
-    res = engine.decode(np.full(N_SAMPLES, tok), np.full(N_SAMPLES, 10), engine._dev(states), s, 1)
+    res = engine.decode(np.full(N_SAMPLES, tok), np.full(N_SAMPLES, 10), engine.to_device(states), s, 1)
     counts = np.bincount(res.tokens[:, 0], minlength=TINY.vocab_size)
     assert counts[probs == 0].sum() == 0
     assert chi_square_pvalue(counts, probs) > 1e-3
@@ -298,7 +321,7 @@ def test_a_sample_draws_the_same_whatever_its_batch_mates(engine):
     def run(temps, top_k):
         s = SamplingArrays(np.array(temps, np.float32), np.array(top_k, np.int64),
                            np.ones(4, np.float32), seeds)
-        assert s.mode() == (layers.MODE_FILTERED if any(top_k) else layers.MODE_PLAIN)
+        assert s.mode() == (sampler.MODE_FILTERED if any(top_k) else sampler.MODE_PLAIN)
         pre = engine.prefill(prompts, s)
         dec = engine.decode(pre.next_ids, [7] * 4, pre.states, s, 12)
         return np.concatenate([pre.next_ids[:, None], dec.tokens], 1)
@@ -307,7 +330,7 @@ def test_a_sample_draws_the_same_whatever_its_batch_mates(engine):
     b = run(plain[:3] + [0.9], [0, 0, 0, 3])  # sample 3 now filtered: filtered mode
     assert (a[:3] == b[:3]).all()
     greedy = SamplingArrays.greedy(4)
-    assert greedy.mode() == layers.MODE_GREEDY
+    assert greedy.mode() == sampler.MODE_GREEDY
     pre = engine.prefill(prompts, greedy)
     dec = engine.decode(pre.next_ids, [7] * 4, pre.states, greedy, 12)
     assert (np.concatenate([pre.next_ids[:, None], dec.tokens], 1)[[1, 3]] == a[[1, 3]]).all()

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from srm_max.checkpoint import load_checkpoint
-from srm_max.config import SRMConfig
-from srm_max.convert import convert
+from srm_max.checkpoints.format import load_checkpoint
+from srm_max.models.srm.config import SRMConfig
+from srm_max.checkpoints.convert import convert
 from srm_max.errors import ConvertError
 from srm_max.reference.srm import SRM
 
@@ -38,8 +38,8 @@ def visible(directory):
 # swap, then waits on stdin, so the test kills it exactly there (no timing guesswork).
 HELD_AT_SWAP = """
 import sys
-import srm_max.checkpoint as checkpoint
-swap = checkpoint._swap_into_place
+import srm_max.files as files
+swap = files._swap_into_place
 def held(tmp, destination):
     if sys.argv[1] == "before":
         print("at-swap", flush=True)
@@ -48,7 +48,7 @@ def held(tmp, destination):
     if sys.argv[1] == "after":
         print("at-swap", flush=True)
         sys.stdin.readline()
-checkpoint._swap_into_place = held
+files._swap_into_place = held
 from srm_max.cli import main
 main(["convert", sys.argv[2], sys.argv[3], "--force", "--parity-tokens", "16"])
 """
@@ -58,7 +58,7 @@ main(["convert", sys.argv[2], sys.argv[3], "--force", "--parity-tokens", "16"])
 def test_a_kill_at_the_replace_leaves_the_complete_old_or_new_model(source, tmp_path, when):
     """The destination holds the complete old or new model at every instant: killed
     right before or right after the swap, never missing, never hidden away."""
-    from srm_max.checkpoint import exchange_paths
+    from srm_max.files import exchange_paths
 
     probe = tmp_path / "probe"
     (probe / "a").mkdir(parents=True)
@@ -101,7 +101,7 @@ def test_full_disk_is_a_clear_error_and_keeps_the_old_output(source, tmp_path, m
     out = tmp_path / "out"
     convert(source, out, parity_tokens=16)
     before = (out / "model.safetensors").read_bytes()
-    import srm_max.checkpoint as checkpoint
+    import srm_max.checkpoints.format as checkpoint
 
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -14,12 +14,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from srm_max.checkpoint import load_checkpoint, save_checkpoint
-from srm_max.config import SRMConfig
-from srm_max.convert import convert
+from srm_max.checkpoints.format import load_checkpoint, save_checkpoint
+from srm_max.models.srm.config import SRMConfig
+from srm_max.checkpoints.convert import convert
 from srm_max.errors import CheckpointError, ConvertError, SRMError
 from srm_max.reference.srm import SRM
-from srm_max.safetensors_io import SafetensorsFile
+from srm_max.checkpoints.safetensors_io import SafetensorsFile
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

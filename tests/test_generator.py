@@ -9,9 +9,11 @@ import re
 import numpy as np
 import pytest
 
-from conftest import TINY
+from conftest import TINY, graphs
+
+pytestmark = graphs(TINY)
 from srm_max import Generator, GenerationError
-from srm_max.generator import Completion
+from srm_max.serve.generator import Completion
 
 
 def word_tokenizer(size: int):
@@ -406,7 +408,7 @@ def test_progress_callback(generator):
 
 
 def test_from_pretrained(tmp_path, tiny_weights):
-    from srm_max.checkpoint import save_checkpoint
+    from srm_max.checkpoints.format import save_checkpoint
 
     tok_path = tmp_path / "tokenizer.json"
     word_tokenizer(TINY.vocab_size).save(str(tok_path))

@@ -11,10 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from srm_max import arithmetic  # noqa: E402
-from srm_max.config import SRMConfig  # noqa: E402
-from srm_max import grpo  # noqa: E402
-from srm_max.grpo import (  # noqa: E402
+from srm_max.rl import arithmetic  # noqa: E402
+from srm_max.models.srm.config import SRMConfig  # noqa: E402
+from srm_max.rl import grpo  # noqa: E402
+from srm_max.rl.grpo import (  # noqa: E402
     GRPOConfig, completion_logprobs, grpo_loss, grpo_step, kl_k3, pad_sequences, recurrent_logprobs,
     select_group, token_logprobs, train_grpo)
 from srm_max.reference.srm import SRM  # noqa: E402
@@ -76,7 +76,7 @@ def test_one_step_moves_logprobs_along_the_advantage(beta):
     prompt = [3, 4, 12, 5, 13]
     good, bad = [5, 6, 1], [9, 2, 1]
     rewards = [1.0, 0.0]
-    from srm_max.verifiable import group_advantages
+    from srm_max.rl.groups import group_advantages
 
     adv = group_advantages(rewards)
     assert adv[0] > 0 > adv[1]

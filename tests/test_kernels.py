@@ -1,7 +1,7 @@
 """Mojo custom ops of the SRM token mixer vs a float64 numpy loop.
 
 Three CPU graphs (in-place step, functional step, scan) with all dims symbolic,
-each compiled once per cache (``srm_max.compile_cache``); cold ~25 s each on
+each compiled once per cache (``srm_max.runtime.compile_cache``); cold ~25 s each on
 2 cores, warm a few ms. The GPU-path compile check runs in a subprocess
 (virtual device mode) and can be skipped with SRM_MAX_SKIP_GPU_COMPILE=1 or
 ``-k "not virtual_gpu"``.
@@ -16,7 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from srm_max import kernels as K
+import mojo_ops as K
+from srm_max.runtime import kernels as library
 
 RTOL, ATOL = 2e-5, 2e-5
 
@@ -104,12 +105,12 @@ def scan_model():
 
 
 def test_source_dir_and_library():
-    src = K.mojo_source_dir()
+    src = library.mojo_source_dir()
     assert (src / "__init__.mojo").is_file()
     assert {"mixer_step.mojo", "mixer_scan.mojo"} <= {p.name for p in src.glob("*.mojo")}
-    lib = K.kernel_library()
+    lib = library.kernel_library()
     assert lib.suffix == ".mojoc" and lib.stat().st_size > 0
-    assert K.kernel_library() == lib  # cached, same file
+    assert library.kernel_library() == lib  # cached, same file
 
 
 def test_ops_registered():
@@ -289,6 +290,7 @@ def test_step_out_of_range_position(step_functional_model):
 # ----------------------------------------------------------------- GPU path
 
 
+@pytest.mark.slow
 def test_gpu_path_compiles_virtual_sm90a():
     """Compile all three ops for sm_90a in MAX virtual-device mode (no GPU needed).
 
@@ -302,7 +304,7 @@ def test_gpu_path_compiles_virtual_sm90a():
     if not hasattr(driver, "set_virtual_device_api"):
         pytest.skip("this MAX has no virtual device mode")
     proc = subprocess.run(
-        [sys.executable, "-m", "srm_max.kernels", "--virtual-gpu", "sm_90a"],
+        [sys.executable, "-m", "srm_max.runtime.virtual_gpu", "--virtual-gpu", "sm_90a"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -314,7 +316,7 @@ def test_gpu_path_compiles_virtual_sm90a():
 
 
 def ref_decode_layer(x, state, positions, p, eps):
-    """numpy: one SRM block at one position per sample (graphs/decode.py `step`)."""
+    """numpy: one SRM block at one position per sample (graphs/srm/decode.py `step`)."""
     def ln(v, g, b):
         mu = v.mean(-1, keepdims=True)
         return (v - mu) / np.sqrt(((v - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from srm_max.errors import CheckpointError
-from srm_max.pha_config import PHAConfig, pha_expected_shapes
+from srm_max.models.pha.config import PHAConfig
+from srm_max.models.pha.schema import checkpoint_shapes as pha_expected_shapes
 from srm_max.reference.attention import GQA
 from srm_max.reference.gss import GSS, fft_dss, recurrent_dss
 from srm_max.reference.pha import PHA

@@ -13,13 +13,15 @@ import pytest
 # not exist, so the workers fail fast (no real compile) and say why.
 SCRIPT = textwrap.dedent("""
     import sys
-    from srm_max.config import SRMConfig
-    from srm_max.precompile import GraphJob, compile_in_workers
+    from srm_max.models.srm.config import SRMConfig
+    from srm_max.models import registry
+    from srm_max.runtime.precompile import compile_in_workers
 
     with open(sys.argv[1] if len(sys.argv) > 1 else {runs!r}, "a") as f:
         f.write("ran\\n")
     config = SRMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, context_length=96)
-    jobs = [GraphJob.of("no_such_kind", config), GraphJob.of("no_such_kind", config, "bfloat16")]
+    arch = registry.of(config)
+    jobs = [arch.graph_job("no_such_kind", config), arch.graph_job("no_such_kind", config, "bfloat16")]
     try:
         compile_in_workers(jobs, workers=2)
     except RuntimeError as e:
@@ -43,5 +45,5 @@ def test_an_unguarded_script_runs_once_and_gets_the_workers_error(tmp_path, how)
     assert proc.returncode == 0, out
     assert runs.read_text().splitlines() == ["ran"], "the script's top level ran in a worker"
     assert "worker error: compiling the no_such_kind graph failed" in out, out
-    assert "unknown graph kind 'no_such_kind'" in out, out
+    assert "unknown SRM graph kind 'no_such_kind'" in out, out
     assert "BrokenProcessPool" not in out

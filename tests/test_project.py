@@ -21,7 +21,9 @@ def check_command(command: str) -> None:
     if words[0] == "srm-max":
         assert words[1] in subcommands(), f"srm-max has no subcommand {words[1]!r}"
     elif words[0] in ("python", ".venv/bin/python"):
-        if words[1] == "-m":
+        if words[1] == "-m" and words[2].startswith("bench."):
+            assert (ROOT / "bench" / f"{words[2].removeprefix('bench.')}.py").is_file(), f"{words[2]} does not exist"
+        elif words[1] == "-m":
             assert words[2] in ("pytest", "srm_max.train"), words
         else:
             assert (ROOT / words[1]).is_file(), f"{words[1]} does not exist"

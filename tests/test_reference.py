@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from srm_max.config import SRMConfig
+from srm_max.models.srm.config import SRMConfig
 from srm_max.reference.mixer import naive_mixer, parallel_mixer, recurrent_mixer
 from srm_max.reference.srm import SRM
 

@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY
+from conftest import TINY, graphs
+
+pytestmark = graphs(TINY)
 from srm_max import GenerationError
-from srm_max.compile_cache import cache_dir
+from srm_max.runtime.compile_cache import cache_dir
 from test_generator import word_tokenizer
 
 
@@ -40,7 +42,7 @@ def ray():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_weights):
-    from srm_max.checkpoint import save_checkpoint
+    from srm_max.checkpoints.format import save_checkpoint
 
     root = tmp_path_factory.mktemp("scale_out")
     word_tokenizer(TINY.vocab_size).save(str(root / "tokenizer.json"))
@@ -54,7 +56,7 @@ def mef_before():
 
 @pytest.fixture(scope="module")
 def sampler(ray, checkpoint, mef_before):
-    from srm_max.scale_out import RaySampler
+    from srm_max.serve.scale_out import RaySampler
 
     with RaySampler(checkpoint, workers=2, device="cpu") as sampler:
         yield sampler
@@ -84,8 +86,9 @@ def gated(held: set, gate: str):
     return verifier
 
 
+@pytest.mark.ray
 def test_same_samples_as_local_streamed_as_chunks_finish(sampler, local, tmp_path):
-    from srm_max.scale_out import ScaleOutStats
+    from srm_max.serve.scale_out import ScaleOutStats
 
     prompts = [text_prompt(3, 1), text_prompt(17, 2), text_prompt(40, 3), text_prompt(8, 4)]
     n = 3
@@ -112,10 +115,12 @@ def test_same_samples_as_local_streamed_as_chunks_finish(sampler, local, tmp_pat
     assert all(len({s.prompt_index for s in c}) == 1 for c in chunks)
 
 
+@pytest.mark.ray
 def test_workers_load_the_precompiled_graphs(sampler, mef_before):
     assert mef_files() == mef_before  # the workers compiled nothing: same config, dtype and kernels
 
 
+@pytest.mark.ray
 def test_default_chunks_and_pool_plan_give_the_local_samples(sampler, local):
     prompts = [[1, 2, 3], [4, 5], [6] * 9]
     kw = dict(max_new_tokens=6, temperature=0.8, top_k=5, seed=3)
@@ -123,6 +128,7 @@ def test_default_chunks_and_pool_plan_give_the_local_samples(sampler, local):
     assert sorted(sampler.sample_many(prompts, 5, **kw), key=key) == expected
 
 
+@pytest.mark.ray
 def test_worker_errors_surface_and_the_sampler_keeps_working(sampler, local):
     def fails_on_long(text):
         if len(text.split()) > 4:
@@ -149,19 +155,20 @@ def test_worker_errors_surface_and_the_sampler_keeps_working(sampler, local):
     assert sorted(sampler.sample_many(["w1 w2", "w3"], 2, **kw), key=key) == expected
 
 
+@pytest.mark.ray
 def test_a_worker_that_cannot_load_the_model_raises(ray, tmp_path):
-    from srm_max.scale_out import RaySampler
+    from srm_max.serve.scale_out import RaySampler
 
     with pytest.raises(GenerationError, match="worker 0 could not load.*not a checkpoint directory"):
         RaySampler(tmp_path / "missing", workers=1, cpus_per_worker=0)  # the sampler holds both CPUs
 
 
 def test_ray_is_optional(monkeypatch, checkpoint):
-    """srm_max.scale_out imports without Ray; using it without Ray names the extra to install."""
-    out = subprocess.run([sys.executable, "-c", "import sys, srm_max.scale_out; print('ray' in sys.modules)"],
+    """srm_max.serve.scale_out imports without Ray; using it without Ray names the extra to install."""
+    out = subprocess.run([sys.executable, "-c", "import sys, srm_max.serve.scale_out; print('ray' in sys.modules)"],
                          capture_output=True, text=True, check=True, cwd=Path(__file__).parent)
     assert out.stdout.strip() == "False"
-    from srm_max.scale_out import RaySampler
+    from srm_max.serve.scale_out import RaySampler
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'srm-max\[ray\]'"):

@@ -27,7 +27,9 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
-from conftest import TINY  # noqa: E402
+from conftest import TINY, graphs  # noqa: E402
+
+pytestmark = graphs(TINY)
 from test_generator import byte_level_tokenizer  # noqa: E402
 from srm_max import Generator  # noqa: E402
 
@@ -80,7 +82,7 @@ class Served:
 def served(engine):
     import uvicorn
 
-    from srm_max.server import create_app
+    from srm_max.serve.http import create_app
 
     engine.warmup()  # a cold compile happens here, not inside a client's timeout
     gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
@@ -133,7 +135,10 @@ def test_n_samples_of_each_prompt_take_seed_plus_choice_index(served):
     """Choice k = i * n + j (sample j of prompt i) is generate(prompt i, seed=seed + k); six
     samples on four slots, so some join when others finish."""
     n, seed = 3, 11
+    before = served.metrics()["srm_prompts_prefilled_total"]
     r = served.client.completions.create(model=MODEL, prompt=PROMPTS, n=n, max_tokens=12, seed=seed, **SAMPLED)
+    # the samples of a prompt that start together share its prefill (its state is forked)
+    assert served.metrics()["srm_prompts_prefilled_total"] - before < len(PROMPTS) * n
     assert sorted(c.index for c in r.choices) == list(range(len(PROMPTS) * n))
     for choice in r.choices:
         prompt = PROMPTS[choice.index // n]
@@ -356,7 +361,7 @@ def test_chat_with_a_template(served):
 
 def test_serve_command_line():
     from srm_max.cli import build_parser
-    from srm_max.server.run import max_batch_of
+    from srm_max.serve.http.run import max_batch_of
 
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.max_batch, args.model, args.api_key) == ("127.0.0.1", 8000, "auto", None, None)

@@ -13,7 +13,8 @@ import logging
 import numpy as np
 import pytest
 
-from srm_max import cpu_target, precompile, shipped_graphs
+from srm_max.runtime import cpu_target, precompile
+from srm_max import shipped_graphs
 from srm_max.embedded import EMBEDDED_MODEL_DIR
 
 REBUILD = "rebuild them: .venv/bin/python scripts/build_shipped_graphs.py"
@@ -69,8 +70,8 @@ def test_generate_uses_the_shipped_graphs_without_compiling(empty_cache, caplog)
     from srm_max import Generator
 
     caplog.set_level(logging.INFO, logger="srm_max")
-    gen = Generator.from_pretrained(device="cpu")  # warmup: all three graphs
-    assert "using the shipped prefill, decode, decode_greedy graphs" in caplog.text
+    gen = Generator.from_pretrained(device="cpu")  # warmup: all four graphs
+    assert "using the shipped prefill, decode, sample, decode_greedy graphs" in caplog.text
     for job in shipped_graphs.embedded_jobs():
         assert job.mef_path().is_file() and job.mef_path().parent.parent == empty_cache
 
@@ -88,7 +89,7 @@ def test_compile_command_installs_the_shipped_graphs(empty_cache, capsys):
     from srm_max.cli import main
 
     assert main(["compile", "--device", "cpu"]) == 0
-    assert "ready: prefill, decode, decode_greedy graphs (float32, cpu)" in capsys.readouterr().out
+    assert "ready: prefill, decode, sample, decode_greedy graphs (float32, cpu)" in capsys.readouterr().out
     assert all(job.cached() for job in shipped_graphs.embedded_jobs())
 
 
@@ -126,4 +127,6 @@ def test_other_shapes_never_look_for_shipped_graphs(empty_cache, monkeypatch):
     from conftest import TINY
 
     monkeypatch.setattr(shipped_graphs, "shipped_file", lambda *a: pytest.fail("looked for a shipped file"))
-    assert shipped_graphs.install([precompile.GraphJob.of("prefill", TINY, kernels=True)]) == []
+    from srm_max.models import registry
+
+    assert shipped_graphs.install([registry.of(TINY).graph_job("prefill", TINY, kernels=True)]) == []

@@ -7,9 +7,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conftest import TINY
+from conftest import TINY, graphs
+
+pytestmark = graphs(TINY)
 from srm_max import GenerationError
-from srm_max.slot_pool import PoolStats, plan_max_batch, sample_many, sample_seed
+from srm_max.serve.sample_many import plan_max_batch, sample_many, sample_seed
+from srm_max.serve.scheduler import PoolStats
 
 
 def rnd_prompt(n, seed=0):
@@ -147,3 +150,18 @@ def test_bad_arguments_raise_before_any_work(generator, what, kwargs, message):
     args = dict(prompts=[[1, 2, 3]], n=2, max_batch="auto", max_new_tokens=4) | kwargs
     with pytest.raises(GenerationError, match=message):
         sample_many(generator, args.pop("prompts"), args.pop("n"), **args)  # raises eagerly
+
+
+def test_each_prompt_is_prefilled_once_and_its_state_forked(generator):
+    """n samples of a prompt share one prefill (its state and logits); each still draws its
+    own first token from its own seed: the same tokens as that sample alone."""
+    prompts = [rnd_prompt(7, 8), rnd_prompt(40, 9)]
+    n = 6
+    kw = dict(max_new_tokens=8, temperature=1.0, top_k=0, top_p=0.9)
+    stats = PoolStats()
+    samples = list(sample_many(generator, prompts, n, max_batch=len(prompts) * n, seed=5, stats=stats, **kw))
+    assert stats.prefill_calls == 1 and stats.prompts_prefilled == len(prompts)
+    for s in samples:
+        alone = generator.generate(prompts[s.prompt_index], seed=s.seed, **kw)
+        assert (s.ids, s.finish_reason) == (alone.ids, alone.finish_reason), (s.prompt_index, s.sample_index)
+    assert all(len({tuple(s.ids[:1]) for s in samples if s.prompt_index == p}) > 1 for p in range(len(prompts)))

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from srm_max import corpus
-from srm_max.config import SRMConfig
+from srm_max.train import corpus
+from srm_max.models.srm.config import SRMConfig
 from srm_max.reference.transformer import Transformer, TransformerConfig, matched_config
 from srm_max.train import TrainConfig, evaluate, lr_at, main as train_main, sample_batch, train
 
@@ -147,7 +147,7 @@ def test_sample_batch_is_next_token_shifted():
 
 def tiny_corpus_args(tmp_path) -> list[str]:
     """A small tokenizer and train/val texts in tmp_path: the trainer's data arguments."""
-    from srm_max.tokenizer_train import train_bpe
+    from srm_max.train.tokenizer import train_bpe
 
     text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
     train_bpe([text], vocab_size=300).save(str(tmp_path / "tokenizer.json"))
@@ -173,10 +173,10 @@ def test_cli_end_to_end(tmp_path):
 def test_cli_trains_pha_and_checkpoint_loads_with_same_logits(tmp_path):
     """--arch pha: loss falls, config.json says "pha", and model.pt converts into a
     checkpoint whose loader gives the reference PHA the very same logits."""
-    from srm_max.checkpoint import load_checkpoint
-    from srm_max.config import load_config
-    from srm_max.convert import convert
-    from srm_max.parity import reference_model
+    from srm_max.checkpoints.format import load_checkpoint
+    from srm_max.models.registry import load_config
+    from srm_max.checkpoints.convert import convert
+    from srm_max.checkpoints.parity import reference_model
     from srm_max.reference.pha import PHA
 
     out = tmp_path / "run"
@@ -237,7 +237,7 @@ def test_matched_transformer_has_srm_parameter_count():
 
 
 def test_tokenizer_round_trips_text():
-    from srm_max.tokenizer_train import train_bpe
+    from srm_max.train.tokenizer import train_bpe
 
     text = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
             "The slings and arrows of outrageous fortune,\n") * 20
@@ -254,7 +254,7 @@ def test_tokenizer_round_trips_text():
 def test_default_tokenizer_on_corpus(tmp_path):
     from tokenizers import Tokenizer
 
-    from srm_max.tokenizer_train import train_default_tokenizer
+    from srm_max.train.tokenizer import train_default_tokenizer
 
     train_default_tokenizer(tmp_path / "tokenizer.json")
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

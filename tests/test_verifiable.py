@@ -7,7 +7,7 @@ from math import comb, sqrt
 import numpy as np
 import pytest
 
-from srm_max.verifiable import balanced_group, group_advantages, mean_pass_at_k, pass_at_k
+from srm_max.rl.groups import balanced_group, group_advantages, mean_pass_at_k, pass_at_k
 
 
 @pytest.mark.parametrize("n,c,k", [(10, 0, 1), (10, 10, 3), (10, 3, 1), (10, 3, 5), (50, 7, 10), (200, 1, 100), (5, 2, 4)])

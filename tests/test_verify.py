@@ -2,9 +2,11 @@
 
 import torch
 
-from conftest import TINY, make_reference
+from conftest import TINY, graphs, make_reference
+
+pytestmark = graphs(TINY)
 from srm_max.cli import main
-from srm_max.convert import convert
+from srm_max.checkpoints.convert import convert
 
 
 def test_verify_passes_then_catches_tampering(tmp_path, capsys):

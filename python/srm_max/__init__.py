@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .config import SRMConfig  # noqa: E402
+from .models.srm.config import SRMConfig  # noqa: E402
 from .errors import CheckpointError, ConvertError, GenerationError, SRMError  # noqa: E402
 
 __all__ = ["Generator", "SRMConfig", "SRMError", "CheckpointError", "ConvertError", "GenerationError"]
@@ -11,7 +11,7 @@ __all__ = ["Generator", "SRMConfig", "SRMError", "CheckpointError", "ConvertErro
 def __getattr__(name: str):
     # The Generator pulls in MAX (about a second to import): load it on first use only.
     if name == "Generator":
-        from .generator import Generator
+        from .serve.generator import Generator
 
         return Generator
     raise AttributeError(f"module 'srm_max' has no attribute {name!r}")

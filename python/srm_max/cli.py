@@ -11,7 +11,7 @@ from .errors import SRMError
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import convert, parse_override
+    from .checkpoints.convert import convert, parse_override
 
     overrides = dict(parse_override(o) for o in args.override)
     certificate = convert(
@@ -32,8 +32,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _compile(args: argparse.Namespace) -> int:
     import time
 
-    from .compile_cache import cache_dir
-    from .generator import Generator
+    from .runtime.compile_cache import cache_dir
+    from .serve.generator import Generator
 
     t = time.perf_counter()
     generator = Generator.from_pretrained(args.path, device=args.device, dtype=args.dtype, warmup=False)
@@ -46,7 +46,7 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .checkpoints.verify import verify
 
     checks = verify(args.path, engine=not args.no_engine)
     for check in checks:
@@ -55,7 +55,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.run import run_serve
+    from .serve.http.run import run_serve
 
     return run_serve(args)
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-engine", action="store_true", help="skip the MAX-against-reference check")
 
     s = sub.add_parser("serve", parents=[quiet], help="an OpenAI-compatible HTTP server with continuous batching")
-    from .server.run import add_arguments as add_serve_arguments  # argparse only: no web packages
+    from .serve.http.run import add_arguments as add_serve_arguments  # argparse only: no web packages
 
     add_serve_arguments(s)
 

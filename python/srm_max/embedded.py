@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import CONFIG_FILE, PARITY_FILE, TOKENIZER_FILE, WEIGHTS_FILE
+from .checkpoints.format import CONFIG_FILE, PARITY_FILE, TOKENIZER_FILE, WEIGHTS_FILE
 from .errors import CheckpointError
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "model"

@@ -8,33 +8,28 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+
+from .progress import Progress
 
 
 class ProgressLine:
-    """``tokens done/total, tok/s`` on stderr, for runs long enough to need it."""
+    """``progress(done, total)`` for ``Generator.generate``: new tokens on stderr (the package's
+    ``Progress``), on a terminal, for runs longer than a second."""
 
     def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.start = time.perf_counter()
-        self.shown = False
+        self.bar = Progress(desc="generating", unit="tok", enabled=enabled, delay=1.0)
 
     def __call__(self, done: int, total: int) -> None:
-        elapsed = time.perf_counter() - self.start
-        if not self.enabled or elapsed < 1.0:
-            return
-        self.shown = True
-        print(f"\rgenerating: {done}/{total} tokens, {done / elapsed:.0f} tok/s", end="", file=sys.stderr, flush=True)
+        self.bar.update_to(done, total)
 
     def close(self) -> None:
-        if self.shown:
-            print(file=sys.stderr)
+        self.bar.close()
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from .embedded import default_model_path
-    from .generator import Generator
-    from .sampling import resolve_seed
+    from .serve.generator import Generator
+    from .serve.sampling import resolve_seed
 
     path = args.model if args.model is not None else default_model_path()
     generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype)

@@ -23,18 +23,21 @@ fails is not used and the graph compiles as usual.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from . import cpu_target
-from .compile_cache import graph_key
+from .checkpoints.format import CONFIG_FILE, load_checkpoint
 from .embedded import EMBEDDED_MODEL_DIR
-from .precompile import GraphJob
+from .files import atomic_file
+from .models import registry
+from .models.srm.engine import Engine
+from .runtime import cpu_target
+from .runtime.compile_cache import graph_key
+from .runtime.compiled import SamplingArrays
+from .runtime.precompile import GraphJob
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 # x86-64 CPUs of the last decade have (x86-64-v4 would need an AVX-512 machine to check it)
 DEFAULT_TARGETS = ("x86-64-v3",)
 # the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
-KINDS = ("prefill", "decode", "decode_greedy")
+KINDS = ("prefill", "decode", "sample", "decode_greedy")
 # x86-64 levels, lowest first: a CPU runs code compiled for its level or any below it
 X86_LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 # relative to max(1, max |expected|): the float32 engine against the float64 reference
@@ -87,17 +90,14 @@ def usable_targets() -> list[str]:
 
 def embedded_jobs() -> list[GraphJob]:
     """The shipped graph jobs: the embedded model's shape, float32, CPU, Mojo ops."""
-    from .checkpoint import CONFIG_FILE
-    from .config import load_config
-
-    config = load_config(EMBEDDED_MODEL_DIR / CONFIG_FILE)
-    return [GraphJob.of(kind, config, "float32", "cpu", kernels=True) for kind in KINDS]
+    config = registry.load_config(EMBEDDED_MODEL_DIR / CONFIG_FILE)
+    return [registry.of(config).graph_job(kind, config, "float32", "cpu", kernels=True) for kind in KINDS]
 
 
 def shipped_file(job: GraphJob, target: str) -> Path:
     """Where the graph of ``job`` compiled for ``target`` is (or would be) shipped."""
     graph = job.graph()
-    return version_dir() / target / f"{graph.name}-{graph_key(graph, job.extra_key, target)}.mef"
+    return version_dir() / target / f"{graph.name}-{graph_key(graph, job.salt, target)}.mef"
 
 
 def install(jobs: list[GraphJob]) -> list[GraphJob]:
@@ -144,14 +144,8 @@ def install(jobs: list[GraphJob]) -> list[GraphJob]:
 def _copy_into_cache(src: Path, dst: Path) -> None:
     """Atomically, as compile_cache writes: a concurrent process never sees half a file."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, suffix=".mef.tmp")
-    os.close(fd)
-    try:
+    with atomic_file(dst) as tmp:
         shutil.copyfile(src, tmp)
-        shutil.copymode(src, tmp)  # readable as the shipped file is (mkstemp made it private)
-        os.replace(tmp, dst)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 def check(files: dict[GraphJob, Path], answer: Path | None = None) -> str | None:
@@ -168,9 +162,6 @@ def check(files: dict[GraphJob, Path], answer: Path | None = None) -> str | None
 def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str | None:
     from max import engine as max_engine
 
-    from .checkpoint import load_checkpoint
-    from .engine import Engine, SamplingArrays
-
     class Checker(Engine):
         """An engine whose models are set by hand, and which decodes greedily with
         the decode_greedy graph or the decode graph's loop, as told."""
@@ -184,7 +175,7 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
     ckpt = load_checkpoint(EMBEDDED_MODEL_DIR)
     eng = Checker(ckpt.config, ckpt.weights, "float32", "cpu", kernels=True)
     for job, path in files.items():
-        eng._models[job.kind] = eng.session.init(max_engine.read(path), weights_registry=eng._registry)
+        eng._models[job.kind] = eng.session.init(max_engine.read(path), weights_registry=eng.weights)
 
     prompt = expected["prompt_ids"].tolist()
     tokens = expected["tokens"]  # the first new token (from prefill), then the decoded ones
@@ -205,12 +196,19 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
         compare("prefill states", eng.host(res.states), expected["states"])
         if int(res.next_ids[0]) != int(tokens[0]):
             problems.append(f"prefill: next token {int(res.next_ids[0])}, expected {int(tokens[0])}")
+    if "sample" in eng._models:  # greedy and top-k 1 draws from the expected logits are their argmax
+        logits = eng.to_device(np.stack([expected["logits"]] * 2).astype(np.float32))
+        drawn = eng.draw(logits, [0, 1, 1], SamplingArrays(np.array([0, 1, 0.5], np.float32), np.array([0, 1, 1]),
+                                                            np.ones(3, np.float32), np.arange(3, dtype=np.uint64)),
+                         [len(prompt)] * 3)
+        if drawn.tolist() != [int(tokens[0])] * 3:
+            problems.append(f"sample: tokens {drawn.tolist()}, expected {[int(tokens[0])] * 3}")
     steps = len(tokens) - 1
     for kind in ("decode", "decode_greedy"):
         if kind not in eng._models:
             continue
         eng.one_op = kind == "decode_greedy"
-        res = eng.decode([int(tokens[0])], [len(prompt)], eng._dev(expected["states"]),
+        res = eng.decode([int(tokens[0])], [len(prompt)], eng.to_device(expected["states"]),
                          SamplingArrays.greedy(1), steps=steps)
         if res.tokens[0].tolist() != tokens[1:].tolist():
             problems.append(f"{kind}: tokens {res.tokens[0].tolist()}, expected {tokens[1:].tolist()}")

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..pha_config import PHAConfig
+from ..models.pha.config import PHAConfig
 from .attention import GQA
 from .gss import GSS, state_dtypes
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import SRMConfig
+from ..models.srm.config import SRMConfig
 from .mixer import MIXERS, recurrent_mixer_step
 
 

@@ -1,0 +1,108 @@
+"""Graph pieces every architecture's graphs share (plain MAX ops).
+
+Weights are named ``max.graph.Weight`` objects bound at load time, so one compiled
+graph serves every checkpoint of the same shape. Precision: activations and states
+are float32; the big matrices take the weight dtype (float32 or bfloat16), and
+``linear`` casts its input to it and its result back to float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
+
+F32 = DType.float32
+I64 = DType.int64
+U64 = DType.uint64
+
+
+class NamedWeights:
+    """A graph's named weights for one config (created once per graph): each name
+    becomes one ``Weight``; the big matrices take ``wdtype``."""
+
+    def __init__(self, config, wdtype: DType, device: DeviceRef):
+        self.config = config
+        self.wdtype = wdtype
+        self.device = device
+        self._cache: dict[str, Weight] = {}
+
+    def get(self, name: str, shape, dtype: DType = F32) -> Weight:
+        if name not in self._cache:
+            self._cache[name] = Weight(name, dtype, list(shape), self.device)
+        return self._cache[name]
+
+    def matrix(self, name: str, shape) -> Weight:
+        return self.get(name, shape, self.wdtype)
+
+
+
+def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None) -> TensorValue:
+    """x [..., in] @ w[out, in]^T + b, computed in w's dtype, returned as float32."""
+    h = x if x.dtype == w.dtype else ops.cast(x, w.dtype)
+    y = ops.matmul(h, ops.transpose(w, 0, 1))
+    if y.dtype != F32:
+        y = ops.cast(y, F32)
+    return y if b is None else y + b
+
+
+
+_KEEPALIVE: list[np.ndarray] = []
+
+
+def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
+    """A numpy array as a graph constant (kept referenced until the process ends, so
+    its memory outlives every graph that embeds it)."""
+    array = np.ascontiguousarray(array)
+    _KEEPALIVE.append(array)
+    return ops.constant(array, dtype, device=device)
+
+
+
+def column_mask(n_heads: int, device: DeviceRef) -> TensorValue:
+    """[H, 1] float32: 1 for column-repeat heads (the first half), 0 for row heads.
+
+    Used by multiplication (``select_heads``), not ``ops.where``.
+    """
+    m = (np.arange(n_heads) < n_heads // 2).astype(np.float32).reshape(n_heads, 1)
+    return const(m, F32, device)
+
+
+def clamp_max(x: TensorValue, hi: int) -> TensorValue:
+    """min(x, hi) for an int64 tensor, by arithmetic (see ``floor_at``)."""
+    over = ops.cast(x > hi, x.dtype)
+    return x - over * (x - hi)
+
+
+def floor_at(x: TensorValue, lo: float) -> TensorValue:
+    """max(x, lo) for a float tensor, by arithmetic (as ``clamp_max``)."""
+    under = ops.cast(x < lo, x.dtype)
+    return x + under * (lo - x)
+
+
+def head_expander(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
+    """[H, d] one-hot: x[..., H] @ E -> the per-head value repeated over its channels.
+
+    Outside loops only: inside ``ops.while_loop`` such a small matmul crashes MAX 26.7's
+    AVX2 code (docs/avx2_crash.md); loop bodies use ``per_channel``.
+    """
+    e = np.repeat(np.eye(n_heads, dtype=np.float32), head_dim, axis=1)
+    return const(e, F32, device)
+
+
+def per_channel(x: TensorValue, n_groups: int, width: int, device: DeviceRef) -> TensorValue:
+    """x [..., G] -> [..., G * width]: each group's value repeated over its channels (a gather
+    along the last axis; no matmul, no broadcast of a size-1 axis)."""
+    index = const(np.repeat(np.arange(n_groups, dtype=np.int64), width), I64, device)
+    return ops.gather(x, index, axis=x.rank - 1)
+
+
+def channel_column_mask(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
+    """[d] float32: 1 on the channels of column-repeat heads, 0 on row heads."""
+    m = np.repeat((np.arange(n_heads) < n_heads // 2).astype(np.float32), head_dim)
+    return const(m, F32, device)
+
+
+def select_heads(col: TensorValue, on_column: TensorValue, on_row: TensorValue) -> TensorValue:
+    """col * on_column + (1 - col) * on_row (col: the 0/1 column_mask)."""
+    return col * on_column + (1.0 - col) * on_row

@@ -1,0 +1,89 @@
+"""The PHA prefill graph: right-padded prompts in chunks of ``CHUNK`` tokens.
+
+The positions come in twice (``pos``, ``pos_cols``): with one vector on both sides,
+``pos[:, None] - pos[None, :]`` and ``pos[None, :] > pos[:, None]`` came out of a
+compiled graph as all zeros / all False (depending on what they fused with), although
+a small graph of just those ops computes them right. Built from two distinct inputs,
+both are right (tests/test_pha_engine.py).
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from ..ops import F32, I64, U64, linear
+from ..sampler import sample
+from .attention import attn_prefill
+from .common import Consts, block, embed, ffn, ffn_index
+from .gss import gss_prefill
+from .weights import CHUNK, PHAWeights
+
+
+def state_row(found: dict, zero_col):
+    """One layer's state [B, X] in ``StateLayout`` order."""
+    parts = ([found["gss"]] if "gss" in found else []) + (list(found["attn"]) if "attn" in found else [])
+    if not parts:
+        return zero_col
+    return parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
+
+
+def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
+                            name: str | None = None) -> Graph:
+    """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
+
+    Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
+             lengths [B] int64 (also the random counter of the first new token),
+             temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
+             mode [] int64 on the host (``sampler.MODE_*``).
+    Outputs: logits [B, V] at each prompt's last token, next_ids [B], states [L, B, X].
+    """
+    device = device or DeviceRef.CPU()
+    c, C = config, CHUNK
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    input_types = [
+        TensorType(I64, ["batch", "chunks", C], device),  # ids
+        TensorType(I64, ["chunks", C], device),  # pos
+        TensorType(I64, ["chunks", C], device),  # pos_cols: pos again (see the module docs)
+        TensorType(I64, ["batch"], device),  # lengths
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode, on the host
+    ]
+    with Graph(name or f"pha_prefill_{dt}", input_types=input_types) as g:
+        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode = (v.tensor for v in g.inputs)
+        W = PHAWeights(c, wdtype, device)
+        K = Consts(c, device)
+        B, M = ids.shape[0], ids.shape[1]
+        chunk = ops.constant(C, I64, device=device)
+        chunk_rows, chunk_cols = ops.floor_div(pos[:, 0], chunk), ops.floor_div(pos_cols[:, 0], chunk)
+        flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
+        zero_col = ops.unsqueeze(ops.cast(lengths * 0, F32), -1)  # [B, 1]
+        x = embed(W, ids)  # [B, M, C, E]
+        E = x.shape[-1]
+        states = []
+        for l in range(c.n_layers):
+            found: dict = {}
+
+            def run(name, h, l=l, found=found):
+                if name == "gss":
+                    out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, K)
+                elif name == "attn":
+                    out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols,
+                                                      W.attn(l), c, K)
+                    out = ops.reshape(out, [B, M, C, E])
+                else:
+                    out = ffn(h, W.ffn(l, ffn_index(name)))
+                return out
+
+            x = block(x, l, W, run)
+            states.append(state_row(found, zero_col))
+        last = lengths - 1
+        m = ops.floor_div(last, chunk)
+        at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
+        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
+        nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)
+        g.output(logits, nxt, ops.stack(states, axis=0))
+    return g

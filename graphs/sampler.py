@@ -1,0 +1,161 @@
+"""Per-sample sampling inside a graph: greedy, temperature, top-k and top-p.
+
+Mirrored exactly in numpy by ``srm_max.serve.sampling`` (the tests' oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
+
+from .ops import F32, I64, U64, const, floor_at
+
+# Counter-based randomness: every sample's noise is a function of (its seed,
+# the position of the token being drawn, the rank of the candidate), so a
+# sample's tokens depend on nothing else in the batch. The generator is
+# Widynski's "Squares" counter-based RNG (arXiv 2004.06278), written with
+# wrapping uint64 multiply/add and 32-bit rotations as floor division +
+# multiplication (MAX has no bitwise ops). ``srm_max.serve.sampling.uniform_np`` mirrors it
+# exactly in numpy.
+_K0 = 0xC8E4FD154CE32F6D
+_K1 = 0x9B2D67A3E8F15C47
+_2_32 = 1 << 32
+
+
+def _u64(v, device: DeviceRef) -> TensorValue:
+    return ops.constant(v, U64, device=device)
+
+
+def _rot32(x: TensorValue, device: DeviceRef) -> TensorValue:
+    return ops.floor_div(x, _u64(_2_32, device)) + x * _u64(_2_32, device)
+
+
+def _squares(ctr: TensorValue, key: TensorValue, device: DeviceRef) -> TensorValue:
+    """32 random bits (in a uint64) per (counter, key)."""
+    x = ctr * key
+    y = x
+    z = y + key
+    x = _rot32(x * x + y, device)
+    x = _rot32(x * x + z, device)
+    x = _rot32(x * x + y, device)
+    return ops.floor_div(x * x + z, _u64(_2_32, device))
+
+
+def _key_of(seed: TensorValue, device: DeviceRef) -> TensorValue:
+    k = _squares(seed, _u64(_K0, device), device) * _u64(_2_32, device) + _squares(seed, _u64(_K1, device), device)
+    return ops.floor_div(k, _u64(2, device)) * _u64(2, device) + _u64(1, device)  # odd
+
+
+def hash_uniform(seed: TensorValue, counter: TensorValue, n: int, device: DeviceRef) -> TensorValue:
+    """[B] uint64 seed, [B] int64 counter -> [B, n] float32 uniforms in (0, 1)."""
+    key = ops.unsqueeze(_key_of(seed, device), -1)  # [B, 1]
+    r = const(np.arange(n, dtype=np.uint64).reshape(1, n), U64, device)
+    ctr = ops.unsqueeze(ops.cast(counter, U64) * _u64(n, device), -1) + r  # [B, n]
+    bits = _squares(ctr, key, device)
+    top = ops.cast(ops.floor_div(bits, _u64(256, device)), F32)  # 24 bits
+    return (top + 0.5) * (1.0 / (1 << 24))
+
+
+# Sampling modes, chosen per call on the host from the batch's parameters: each
+# mode runs only the work it needs, and a sample draws the same token in every
+# mode that serves it (the draw below does not depend on the mode).
+MODE_GREEDY, MODE_PLAIN, MODE_FILTERED = 0, 1, 2
+
+
+def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
+           top_p: TensorValue, seed: TensorValue, counter: TensorValue, mode: TensorValue,
+           device: DeviceRef) -> TensorValue:
+    """Per-sample sampling in the graph: logits [B, V] -> ids [B] int64.
+
+    temperature [B] f32 (0 = greedy), top_k [B] int64 (0 = off), top_p [B] f32
+    (1 = off), seed [B] uint64, counter [B] int64 (position of the new token),
+    mode [] int64 on the host (``MODE_*``: all greedy / no filters / filters).
+    Order as in HF: temperature, then top-k, then top-p on the renormalised rest.
+    The draw is the inverse CDF in token-id order with ONE uniform per sample, so
+    no sort is needed unless a filter is on (a full sort of [B, V] and V random
+    numbers per sample were most of a decode step at batch 64).
+    """
+    B = logits.shape[0]
+    host = DeviceRef.CPU()
+
+    def is_mode(m: int) -> TensorValue:
+        return ops.equal(mode, ops.constant(m, I64, device=host))
+
+    # Two conds one after the other (MAX 26.7 fails to verify a cond nested in a cond).
+    no_threshold = ops.broadcast_to(ops.constant(-3.0e38, F32, device=device), [B])
+    threshold = ops.cond(
+        is_mode(MODE_FILTERED), [TensorType(F32, [B], device)],
+        lambda: _threshold(logits, temperature, top_k, top_p, device), lambda: no_threshold)[0]
+    return ops.cond(
+        is_mode(MODE_GREEDY), [TensorType(I64, [B], device)],
+        lambda: ops.squeeze(ops.argmax(logits, axis=-1), -1),
+        lambda: _draw(logits, temperature, threshold, seed, counter, device))[0]
+
+
+def _scaled(logits: TensorValue, temperature: TensorValue) -> TensorValue:
+    return logits / ops.unsqueeze(floor_at(temperature, 1e-6), -1)
+
+
+def _draw(logits, temperature, threshold, seed, counter, device):
+    """Inverse CDF over the tokens with scaled logit >= threshold [B]."""
+    V = int(logits.shape[-1])
+    scaled = _scaled(logits, temperature)
+    weight = ops.exp(scaled - ops.max(scaled, axis=-1))  # unnormalised probabilities
+    weight = weight * ops.cast(scaled >= ops.unsqueeze(threshold, -1), F32)
+    cdf = ops.cumsum(weight, axis=-1)
+    target = hash_uniform(seed, counter, 1, device) * cdf[:, V - 1 :]  # [B, 1]
+    below = ops.sum(ops.cast(cdf <= target, I64), axis=-1)  # index of the first cdf > target
+    # Rounding can put target at the total: fall back to the last token with weight.
+    rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
+    last = ops.max(ops.cast(weight > 0.0, I64) * rank, axis=-1)
+    drawn = ops.squeeze(ops.min(below, last), -1)
+    g = ops.cast(temperature <= 0, I64)
+    return g * ops.squeeze(ops.argmax(logits, axis=-1), -1) + (1 - g) * drawn
+
+
+def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
+    """[B] f32: the smallest scaled logit top-k then top-p keep (-3e38: no filter).
+
+    top-k keeps the k largest, top-p the smallest prefix (in descending order) of
+    those whose mass before it is < p; ties with the last kept value are kept too
+    (as in HF's top-k).
+    """
+    scaled = _scaled(logits, temperature)
+    V = int(scaled.shape[-1])
+    vals, _ = ops.top_k(scaled, k=V, axis=-1)  # descending
+    rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
+    k_eff = top_k + ops.cast(top_k <= 0, I64) * V
+    keep = ops.cast(rank < ops.unsqueeze(k_eff, -1), F32)
+    w = ops.exp(vals - vals[:, :1]) * keep
+    before = ops.cumsum(w, axis=-1, exclusive=True)
+    total = ops.sum(w, axis=-1)
+    keep = keep * ops.cast(before < ops.unsqueeze(top_p, -1) * total, F32)
+    m = ops.cast(ops.sum(keep, axis=-1), I64)  # >= 1: the first has nothing before it
+    threshold = ops.gather_nd(vals, m - 1, batch_dims=1)  # [B]
+    off = ops.cast(ops.logical_and(top_k <= 0, top_p >= 1.0), F32)
+    return threshold * (1.0 - off) + off * -3.0e38
+
+
+def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
+    """Draw tokens for samples that share logits: the samples of one prompt forked from
+    a single prefill.
+
+    Inputs: logits [P, V] f32 (one row per prefilled prompt), rows [N] int64 (each
+    sample's row), temperature / top_k / top_p / seed [N], mode [] (host), counter [N]
+    int64 (the position of the token to draw). Output: ids [N] int64: for every sample
+    the token the prefill graph's ``sample`` draws from its row with its parameters.
+    """
+    host = DeviceRef.CPU()
+    input_types = [
+        TensorType(F32, ["prompts", vocab_size], device),
+        TensorType(I64, ["samples"], device),
+        TensorType(F32, ["samples"], device),
+        TensorType(I64, ["samples"], device),
+        TensorType(F32, ["samples"], device),
+        TensorType(U64, ["samples"], device),
+        TensorType(I64, [], host),
+        TensorType(I64, ["samples"], device),
+    ]
+    with Graph(name, input_types=input_types) as g:
+        logits, rows, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
+        g.output(sample(ops.gather(logits, rows, axis=0), temperature, top_k, top_p, seed, counter, mode, device))
+    return g

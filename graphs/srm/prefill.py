@@ -1,0 +1,148 @@
+"""Prefill graph: the parallel form over a batch of right-padded prompts.
+
+Inputs (B = batch, N = number of chunks, C = ``CHUNK``; B and N symbolic):
+    ids          [B, N, C] int64   right-padded token ids, reshaped into chunks
+    pos          [N, C]    int64   absolute positions 0 .. N*C-1 (same layout)
+    last         [B, 2]    int64   (chunk, offset) of each prompt's last real token
+    temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
+    mode         [] int64 on the host (``sampler.MODE_*``),
+    counter      [B] int64 (the position of the token to draw = prompt length)
+Outputs:
+    logits       [B, V] f32        at each prompt's last real token
+    next_ids     [B]    int64      the first new token, drawn in the graph
+    states       [L, B, H, hd] f32 recurrent state after the last real token
+
+The token mixer runs as a chunked scan, O(T * C + (T / C)**2) per channel:
+dense decay matrices inside each chunk (exponents < C), and a (T/C) x (T/C)
+matrix of decays lam**(C*(n-1-m)) <= 1 carrying each chunk's final local
+state into every later chunk. No negative powers of lam anywhere, so nothing
+overflows; long-range decays underflow harmlessly to 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
+
+from .. import ops as gops
+from ..ops import F32, I64, U64
+from ..sampler import sample
+from .blocks import SRMWeights, channel_mlp, embed, logits_of
+
+# Mixer chunk length of the prefill scan. lam >= 0.9, so lam**(C-1) >= 0.9**31 ~ 0.04:
+# no under- or overflow inside a chunk; between chunks decay only shrinks.
+CHUNK = 32
+
+
+def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: DeviceRef) -> TensorValue:
+    """u [B, N, C, d] -> (y [B, N, C, d], states [B, N, C, H, hd])."""
+    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+    B, N = u.shape[0], u.shape[1]
+    # Per-head vectors expanded per channel [.., d]: see decode._mixer_step.
+    E = gops.head_expander(H, hd, device)  # [H, d]
+    col = gops.channel_column_mask(H, hd, device)  # [d]
+    posc = gops.clamp_max(pos, n - 1)  # padding past n: any valid index
+    wt = ops.matmul(ops.gather(p["w"], posc, axis=0), E)  # [N, C, d]
+    bt = ops.matmul(ops.gather(p["beta"], posc, axis=0), E)
+    v = ops.reshape(u * gops.select_heads(col, 1.0, wt), [B, N, C, H, hd])  # what enters the state
+    loglam = p["loglam"]  # [H]
+
+    # Inside a chunk: within[h, j, i] = lam_h**(j - i) for j >= i.
+    k = np.arange(C)
+    gap = (k.reshape(C, 1) - k.reshape(1, C)).astype(np.float32)
+    causal = gops.const((gap >= 0).astype(np.float32).reshape(1, C, C), F32, device)
+    gapc = gops.const(np.maximum(gap, 0).reshape(1, C, C), F32, device)
+    lam3 = ops.reshape(loglam, [H, 1, 1])
+    within = ops.exp(gapc * lam3) * causal  # [H, C, C] 
+    # Everything below is rank-3 matmuls in a [H, rows, X] layout (X = B*N*hd): MAX
+    # batched matmul is rank <= 4, and elementwise ops that broadcast size-1 axes
+    # against reshaped matmul results were miscompiled (see decode._mixer_step).
+    X = ops.reshape(ops.permute(v, [3, 2, 0, 1, 4]), [H, C, -1])  # [H, C(i), B*N*hd]
+    local = ops.matmul(within, X)  # [H, C(j), B*N*hd]
+
+    # Between chunks: carry[n] = sum_{m < n} lam**(C (n-1-m)) S_m, S_m = chunk m's last local state.
+    S = ops.reshape(local[:, C - 1, :], [H, B, N, hd])
+    S = ops.reshape(ops.permute(S, [0, 2, 1, 3]), [H, N, -1])  # [H, N(m), B*hd]
+    cidx = ops.cast(ops.floor_div(pos[:, 0], ops.constant(C, I64, device=device)), F32)  # [N]
+    ci = ops.reshape(cidx, [N, 1])
+    cj = ops.reshape(cidx, [1, N])
+    before = ops.cast(ci > cj, F32)  # [N, N]: 1 where m < n
+    expo = gops.floor_at(ci - cj - 1.0, 0.0) * float(C)
+    dc = ops.exp(ops.unsqueeze(expo, 0) * lam3) * ops.unsqueeze(before, 0)  # [H, N, N]
+    carry = ops.reshape(ops.matmul(dc, S), [H, N, B, hd])  # [H, N(n), B, hd]
+    carry = ops.reshape(ops.permute(carry, [0, 2, 1, 3]), [H, 1, -1])  # [H, 1, B*N*hd]
+    pw = ops.exp(ops.reshape(gops.const((k + 1).astype(np.float32), F32, device), [1, C, 1])
+                 * lam3)  # [H, C, 1]: lam**(j+1)
+    states = local + ops.matmul(pw, carry)  # [H, C, B*N*hd] (outer product as a matmul)
+    states = ops.permute(ops.reshape(states, [H, C, B, N, hd]), [2, 3, 1, 0, 4])  # [B, N, C, H, hd]
+
+    flat = ops.reshape(states, [B, N, C, H * hd])
+    y = flat * gops.select_heads(col, wt, 1.0) + bt
+    return y, states
+
+
+def _mixer_scan_kernel(u: TensorValue, pos: TensorValue, last: TensorValue, p: dict, config,
+                       device: DeviceRef) -> tuple[TensorValue, TensorValue]:
+    """The Mojo scan op (mojo/mixer_scan.mojo): u [B, N, C, d] -> (y [B, N, C, d],
+    state after each prompt's last token [B, H, hd]); O(T) per channel, sequential in t."""
+    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+    B, N = u.shape[0], u.shape[1]
+    u4 = ops.reshape(u, [B, -1, H, hd])  # [B, T, H, hd], T = N * C
+    lengths = last[:, 0] * C + last[:, 1] + 1  # [B]
+    # The op indexes w[h, t] for every t < T; padding can run past n, so gather
+    # clamped positions (as the plain graph does) into [H, T].
+    posc = ops.reshape(gops.clamp_max(pos, n - 1), [-1])
+    w = ops.transpose(ops.gather(p["w"], posc, axis=0), 0, 1)
+    beta = ops.transpose(ops.gather(p["beta"], posc, axis=0), 0, 1)
+    y, final = ops.custom(
+        "srm_mixer_scan", device=device, values=[u4, lengths, w, beta, ops.exp(p["loglam"])],
+        out_types=[TensorType(F32, u4.shape, device), TensorType(F32, [B, H, hd], device)])
+    return ops.reshape(y.tensor, [B, N, C, H * hd]), final.tensor
+
+
+def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: DeviceRef | None = None,
+                        name: str | None = None, kernel_library: Path | None = None) -> Graph:
+    """``schema`` names the weights (``srm_max.models.srm.schema``); with ``kernel_library``
+    (the Mojo package) the mixer runs as its scan op instead of the chunked scan."""
+    device = device or DeviceRef.CPU()
+    kernels = kernel_library is not None
+    c = config
+    C = CHUNK
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")
+    input_types = [
+        TensorType(I64, ["batch", "chunks", C], device),  # ids
+        TensorType(I64, ["chunks", C], device),  # pos
+        TensorType(I64, ["batch", 2], device),  # last
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (sampler.MODE_*), on the host
+        TensorType(I64, ["batch"], device),  # counter
+    ]
+    extensions = [kernel_library] if kernels else []
+    with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
+        ids, pos, last, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
+        W = SRMWeights(c, schema, wdtype, device)
+        x = embed(W, ids)  # [B, N, C, d]
+        states = []
+        for l in range(c.n_layers):
+            p = W.layer(l)
+            x = channel_mlp(x, p, c.layer_norm_eps)
+            z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
+            u = gops.linear(z, p["proj_w"], p["proj_b"])
+            if kernels:  # st: the state after each prompt's last token [B, H, hd]
+                y, st = _mixer_scan_kernel(u, pos, last, p, c, device)
+            else:  # st: the state after every position
+                y, st = _mixer_parallel(u, pos, p, c, device)
+            x = x + gops.linear(y, p["out_w"], p["out_b"])
+            states.append(st if kernels else ops.gather_nd(st, last, batch_dims=1))
+        xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
+        logits = logits_of(W, xl)
+        nxt = sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
+        g.output(logits, nxt, ops.stack(states, axis=0))
+    return g

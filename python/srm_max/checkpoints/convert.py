@@ -1,0 +1,397 @@
+"""``srm-max convert SRC DST``: any SRM checkpoint -> the project's format, verified.
+
+Accepted sources:
+  * a torch state-dict file (``.pt``, ``.pth``, ``.bin``), loaded with ``weights_only=True``;
+  * a ``.safetensors`` file;
+  * a directory: a Hugging Face Trainer checkpoint (``checkpoint-N/model.safetensors`` or
+    ``pytorch_model.bin``), a Trainer output folder holding ``checkpoint-N`` folders
+    (the highest N is taken), or a checkpoint in this project's format.
+
+The config comes from ``--config`` if given, else from a ``config.json`` of this
+project's format beside the weights, else (SRM only) it is inferred from the
+shapes. PHA checkpoints (keys ``embed.weight``, ``blocks.*``) need a config.
+
+Key mapping (the paper code's ``MLPMixer``, all in ``normalize_keys``):
+  * ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes are removed, in any
+    nesting and order (``_orig_mod.module.`` is torch.compile over DDP);
+  * a dropout layer in the channel MLP moves ``channel_mixing_layer.2`` to ``.3``: mapped back;
+  * no ``decay_value`` keys means a model without decay (lam = 1).
+Everything else must match ``checkpoint.expected_shapes`` exactly, or the key is named.
+
+Only the paper code's mixed heads with per-head projections can be served. Its other
+token mixers (``parallel_heads``, ``use_projections=False``, ``combined_heads``,
+``heads=None``, ``kernel>1``) are recognised by their keys and refused by name
+(``check_supported_layout``). Its default ``RepeatHeads`` (every head column-repeat,
+no decay) has exactly the keys and shapes of mixed heads without decay, so nothing
+tells them apart: a checkpoint without decay is taken to be mixed heads.
+
+The parity certificate compares the converted model with the source's own forward
+where ``source_forward`` can rebuild it (see ``parity``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from .format import PARITY_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights, write_checkpoint_files
+from ..models.srm.config import SRMConfig
+from ..models.registry import config_from_dict, load_config
+from ..errors import CheckpointError, ConvertError
+from .parity import SourceForward, compute_parity, reference_class
+from ..progress import Progress
+from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_PREFIXES = ("module.", "_orig_mod.")
+_BLOCK = re.compile(r"^mixer_blocks\.(\d+)\.")
+_TOKEN_MIXER = re.compile(r"^mixer_blocks\.(\d+)\.token_mixing_layer\.(.+)$")
+_HEAD = re.compile(r"^mixer_blocks\.0\.token_mixing_layer\.proj_head\.(\d+)\.weight$")
+
+
+def resolve_source(src: Path) -> Path:
+    """The weights file inside whatever the user pointed at."""
+    if not src.exists():
+        raise ConvertError(f"{src}: source not found")
+    if src.is_file():
+        if src.suffix in TORCH_SUFFIXES or src.suffix == ".safetensors":
+            return src
+        raise ConvertError(f"{src}: unknown source type {src.suffix!r} (expected .pt, .pth, .bin or .safetensors)")
+    for name in (WEIGHTS_FILE, "pytorch_model.bin"):
+        if (src / name).is_file():
+            return src / name
+    steps = sorted(
+        (int(m.group(1)), p) for p in src.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()
+    )
+    if steps:
+        return resolve_source(steps[-1][1])
+    raise ConvertError(f"{src}: directory holds no {WEIGHTS_FILE}, pytorch_model.bin or checkpoint-N folder")
+
+
+def read_source(path: Path, show_progress: bool) -> tuple[dict[str, np.ndarray], str]:
+    """Raw tensors (float32 numpy) and the source's float dtype name."""
+    if path.suffix == ".safetensors":
+        try:
+            st = SafetensorsFile(path)
+        except CheckpointError as e:
+            raise ConvertError(str(e)) from None
+        progress = Progress(sum(st.nbytes(k) for k in st.entries), desc=f"reading {path.name}", unit="B",
+                            unit_scale=True, enabled=show_progress)
+        tensors, dtypes = {}, set()
+        with progress:
+            for key in st.entries:
+                if st.dtype(key) not in ("F32", "F16", "BF16", "F64"):
+                    raise ConvertError(f"{path}: tensor {key!r} has unsupported dtype {st.dtype(key)}")
+                dtypes.add(st.dtype(key))
+                tensors[key] = st.read_float32(key)
+                progress.update(st.nbytes(key))
+        names = {"F32": "float32", "F64": "float32", "F16": "float16", "BF16": "bfloat16"}
+        return tensors, names[dtypes.pop()] if len(dtypes) == 1 else "float32"
+    return _read_torch(path)
+
+
+def _read_torch(path: Path) -> tuple[dict[str, np.ndarray], str]:
+    import pickle
+
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConvertError(f"{path}: refused to load: not a plain tensor state dict ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read torch file (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+    if isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
+        for wrapper in ("state_dict", "model_state_dict", "model"):
+            if isinstance(obj.get(wrapper), dict):
+                obj = obj[wrapper]
+                break
+    if not isinstance(obj, dict):
+        raise ConvertError(f"{path}: expected a state dict, found {type(obj).__name__}")
+    tensors, dtypes = {}, set()
+    for key, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            raise ConvertError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
+        if not value.is_floating_point():
+            raise ConvertError(f"{path}: tensor {key!r} has unsupported dtype {value.dtype}")
+        dtypes.add(str(value.dtype).removeprefix("torch."))
+        tensors[key] = value.detach().to(torch.float32).numpy()
+    source_dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    return tensors, source_dtype if source_dtype in FLOAT_DTYPES else "float32"
+
+
+def split_prefixes(key: str) -> tuple[tuple[str, ...], str]:
+    """(the wrapper attributes, outermost first, the key inside them):
+    ``_orig_mod.module.x`` -> (("_orig_mod", "module"), "x")."""
+    wrappers = []
+    while prefix := next((p for p in _PREFIXES if key.startswith(p)), None):
+        wrappers.append(prefix[:-1])
+        key = key[len(prefix):]
+    return tuple(wrappers), key
+
+
+def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+    out, origin = {}, {}
+    for key, value in tensors.items():
+        new = split_prefixes(key)[1]
+        if new in out:
+            raise ConvertError(f"{source}: keys {origin[new]!r} and {key!r} both map to {new!r}")
+        out[new], origin[new] = value, key
+    has_dropout = any(".channel_mixing_layer.3." in k for k in out)
+    if has_dropout:
+        if any(".channel_mixing_layer.2." in k for k in out):
+            raise ConvertError(f"{source}: both channel_mixing_layer.2 and .3 present; cannot map the channel MLP")
+        out = {k.replace(".channel_mixing_layer.3.", ".channel_mixing_layer.2."): v for k, v in out.items()}
+    return out
+
+
+def check_supported_layout(tensors: dict[str, np.ndarray], source: str) -> None:
+    """Refuse, by name, the paper code's token mixers that are not mixed heads with projections.
+
+    Their keys (``mixer_blocks.{l}.token_mixing_layer.*``, after ``normalize_keys``):
+      parallel_heads          in_proj.*, mixer_heads.weight [H, n] (one module for all heads)
+      combined_heads          mixer_heads.{h}.weight [2, n] (a row and a column vector per head)
+      use_projections=False   mixer_heads.{h}.* without proj_head.* (heads are channel slices)
+      heads=None              weight [1, n], bias [n] (one row-repeat mixer over all channels)
+      kernel>1 (heads=None)   weight [k, n], k > 1 (KernelRepeatLinear)
+    """
+    found: dict[str, str] = {}  # variant -> the first key that shows it
+    with_projections = {  # layers that have per-head input projections
+        m.group(1) for k in tensors if (m := _TOKEN_MIXER.match(k)) and m.group(2).startswith("proj_head.")
+    }
+    for key, value in tensors.items():
+        if not (m := _TOKEN_MIXER.match(key)):
+            continue
+        layer, rest = m.groups()
+        if rest.startswith("in_proj.") or rest in ("mixer_heads.weight", "mixer_heads.bias", "mixer_heads.decay_value"):
+            found.setdefault("parallel_heads", key)
+        elif re.fullmatch(r"mixer_heads\.\d+\.weight", rest):
+            if value.ndim == 2 and value.shape[0] == 2:
+                found.setdefault("combined_heads", key)
+            if layer not in with_projections:
+                found.setdefault("use_projections=False", key)
+        elif rest == "weight":
+            found.setdefault("kernel>1" if value.ndim == 2 and value.shape[0] > 1 else "heads=None", key)
+    if found:
+        named = ", ".join(f"{variant} (key {key!r})" for variant, key in found.items())
+        verb = "variants are" if len(found) > 1 else "variant is"
+        raise ConvertError(
+            f"{source}: the paper code's {named} {verb} not supported: only mixed heads with per-head "
+            "projections (proj_head.{h}, mixer_heads.{h}, out_proj) can be converted"
+        )
+
+
+def infer_config(tensors: dict[str, np.ndarray], source: str, overrides: dict | None = None) -> SRMConfig:
+    """V, d, L, H, n, FFN expansion and decay from the shapes; ``overrides`` win."""
+
+    def shape(key: str, rank: int) -> tuple[int, ...]:
+        if key not in tensors:
+            raise ConvertError(f"{source}: missing key {key!r}; cannot infer the model's size")
+        if tensors[key].ndim != rank or 0 in tensors[key].shape:
+            raise ConvertError(f"{source}: {key!r} has shape {list(tensors[key].shape)}; expected {rank} non-empty dims")
+        return tensors[key].shape
+
+    vocab, d = shape("input_layer.weight", 2)
+    layers = {int(m.group(1)) for k in tensors if (m := _BLOCK.match(k))}
+    heads = {int(m.group(1)) for k in tensors if (m := _HEAD.match(k))}
+    if not layers:
+        raise ConvertError(f"{source}: no mixer_blocks.* keys; not an SRM checkpoint")
+    if not heads:
+        raise ConvertError(f"{source}: missing key 'mixer_blocks.0.token_mixing_layer.proj_head.0.weight'")
+    ffn = shape("mixer_blocks.0.channel_mixing_layer.0.weight", 2)[0]
+    n = shape("mixer_blocks.0.token_mixing_layer.mixer_heads.0.weight", 2)[-1]
+    values = {
+        "vocab_size": vocab,
+        "d_model": d,
+        "n_layers": max(layers) + 1,
+        "n_heads": max(heads) + 1,
+        "context_length": n,
+        "ffn_expansion": max(1, ffn // d),
+        "decay": any(k.endswith(".decay_value") for k in tensors),
+    }
+    values |= overrides or {}
+    try:
+        return SRMConfig(**values)
+    except (CheckpointError, TypeError) as e:
+        raise ConvertError(f"{source}: {e}") from None
+
+
+def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_path: Path | None,
+                  overrides: dict | None):
+    """The config to convert with: given, found beside the weights, or inferred (SRM)."""
+    beside = weights_path.parent / "config.json"
+    if config_path is None and beside.is_file() and _is_ours(beside):
+        config_path = beside
+    if config_path is None:
+        if "embed.weight" in tensors or any(k.startswith("blocks.") for k in tensors):
+            raise ConvertError(f"{weights_path}: a PHA checkpoint; pass its config.json with --config")
+        return infer_config(tensors, str(weights_path), overrides)
+    try:
+        base = load_config(config_path).to_dict()
+        return config_from_dict(base | (overrides or {}), source=str(config_path))
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _is_ours(path: Path) -> bool:
+    """A config.json of this project (not, say, a Trainer's own)."""
+    try:
+        return json.loads(path.read_text()).get("architecture") in ("srm", "pha")
+    except (ValueError, AttributeError, OSError, RecursionError):
+        return False
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``key=value`` with a JSON value (``decay=false``, ``layer_norm_eps=1e-6``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConvertError(f"override {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        raise ConvertError(f"override {text!r}: value {value!r} is not valid JSON") from None
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    dtype: str | None = None,
+    tokenizer: str | Path | None = None,
+    overrides: dict | None = None,
+    config: str | Path | None = None,
+    force: bool = False,
+    parity_tokens: int | None = None,
+    show_progress: bool | None = None,
+) -> dict:
+    """Convert, verify and write atomically. Returns the parity certificate."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not force:
+        raise ConvertError(f"{dst}: already exists (use --force to overwrite)")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
+    if tokenizer is not None:
+        _check_tokenizer(Path(tokenizer))
+    weights_path = resolve_source(src)
+    if show_progress is None:
+        show_progress = sys.stderr.isatty() and weights_path.stat().st_size > 64 * 2**20
+    raw, source_dtype = read_source(weights_path, show_progress)
+    tensors = normalize_keys(raw, str(weights_path))
+    check_supported_layout(tensors, str(weights_path))
+    config = choose_config(tensors, weights_path, Path(config) if config else None, overrides)
+    try:
+        check_weights(config, {k: v.shape for k, v in tensors.items()}, str(weights_path))
+        for key, value in tensors.items():
+            check_finite(key, value, str(weights_path))
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if tokenizer is not None:
+        _check_tokenizer(Path(tokenizer), config.vocab_size)
+    dtype = dtype or source_dtype
+    source = source_forward(config, raw, dtype)
+
+    try:
+        with atomic_directory(dst, force) as tmp:
+            certificate = _write_and_certify(tmp, src, config, tensors, dtype, tokenizer, parity_tokens, source)
+    except OSError as e:  # a full disk, a read-only folder: the old DST (if any) is untouched
+        raise ConvertError(f"{dst}: cannot write ({e.strerror or e}); nothing was written") from None
+    return certificate
+
+
+def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForward:
+    """The source checkpoint's own model, built without ``normalize_keys``.
+
+    The reference class is rebuilt in the source's module layout: the paper code's
+    dropout channel MLP (Linear, SiLU, Dropout, Linear) where the keys have
+    ``channel_mixing_layer.3``, inside containers named by the DDP / torch.compile
+    prefixes. torch then binds each parameter to the key as stored, so a mapping
+    error in the converter shows up as different logits. The tensors are rounded to
+    the written dtype (rounding is per element, so it commutes with any renaming),
+    which makes the two models' float64 logits equal when the mapping is right.
+    """
+    import torch
+    import torch.nn as nn
+
+    chains = {split_prefixes(key)[0] for key in raw}
+    if len(chains) != 1:
+        listed = ", ".join(sorted(repr("".join(w + "." for w in chain)) for chain in chains))
+        return SourceForward(None, f"the keys carry different wrapper prefixes ({listed}); no single "
+                                   "module layout holds them all")
+    (chain,) = chains
+    dropout = isinstance(config, SRMConfig) and any(".channel_mixing_layer.3." in key for key in raw)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    state = {k: torch.from_numpy(np.asarray(v)).to(torch_dtype).to(torch.float64) for k, v in raw.items()}
+
+    with torch.device("meta"):
+        model = reference_class(config)(config)
+        if dropout:
+            for block in model.mixer_blocks:
+                block.channel_mixing_layer = nn.Sequential(
+                    nn.Linear(config.d_model, config.ffn_dim), nn.SiLU(), nn.Dropout(0.0),
+                    nn.Linear(config.ffn_dim, config.d_model))
+        root = model
+        for name in reversed(chain):
+            wrapper = nn.Module()
+            wrapper.add_module(name, root)
+            root = wrapper
+    try:
+        root.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        return SourceForward(None, f"the source's keys do not load into the rebuilt model: {str(e).splitlines()[0]}")
+    layout = f"srm_max.reference {type(model).__name__}"
+    if dropout:
+        layout += " with the dropout channel MLP (Linear, SiLU, Dropout, Linear)"
+    if chain:
+        layout += " inside " + ".".join(chain)
+    return SourceForward(model.eval(), layout)
+
+
+def _write_and_certify(tmp: Path, src: Path, config, tensors, dtype, tokenizer, parity_tokens, source) -> dict:
+    write_checkpoint_files(tmp, config, tensors, dtype, Path(tokenizer) if tokenizer else None)
+    # Certify what was written, read back through the real loader.
+    from .format import load_checkpoint
+
+    written = load_checkpoint(tmp)
+    certificate = compute_parity(config, written.weights, tokens=parity_tokens, source=source)
+    certificate |= {"source": str(src.resolve()), "dtype": dtype, "srm_max": __version__,
+                    "config": config.to_dict(), "weights_sha256": file_sha256(tmp / WEIGHTS_FILE)}
+    (tmp / PARITY_FILE).write_text(json.dumps(certificate, indent=2) + "\n")
+    checked = certificate.get("source_forward")
+    if checked is not None and not checked["passed"]:
+        raise ConvertError(
+            f"{src}: source-forward check failed: the converted model's logits differ from the source's own "
+            f"forward by {checked['max_abs_delta']:.3g} (tolerance {checked['tolerance']:.3g}), so the key "
+            "mapping is wrong; nothing was written"
+        )
+    if not certificate["passed"]:
+        raise ConvertError(
+            f"{src}: parity check failed: {certificate['max_abs_delta']} exceeds {certificate['tolerance']:.3g}; "
+            "nothing was written"
+        )
+    return certificate
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_tokenizer(path: Path, vocab_size: int | None = None) -> None:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise ConvertError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+    if vocab_size is not None and tok.get_vocab_size() > vocab_size:
+        raise ConvertError(
+            f"{path}: tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary is {vocab_size}"
+        )

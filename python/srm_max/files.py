@@ -1,0 +1,136 @@
+"""Atomic writes: a file or a directory appears complete or not at all.
+
+Every write that a reader might see half-done (a checkpoint, a compiled graph in
+the cache, a results file) goes through this module:
+
+- ``atomic_file(path)`` yields a temporary path beside ``path``; whatever the
+  body writes there replaces ``path`` in one ``os.replace`` when the body
+  succeeds, and is removed when it fails. ``atomic_write_bytes`` and
+  ``atomic_write_text`` are the one-call forms; ``torch.save`` and other
+  writers that take a path use ``atomic_file`` directly.
+- ``atomic_directory(path, force)`` does the same for a whole directory (a
+  model checkpoint), exchanging it with an existing one in one atomic step
+  where the system can.
+
+The temporary names are hidden (``.name.tmp-*``) and unique per writer, so
+concurrent writers of the same path never write into one temporary file, and
+what a kill leaves behind is never mistaken for the real thing. Atomic here
+means against a killed or failing process: nothing is fsynced, so a power loss
+may still lose the newest write.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import CheckpointError
+
+
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary path beside ``path``; on success it replaces ``path``.
+
+    The body creates the file (``open(tmp, "wb")``, ``torch.save(obj, tmp)``...),
+    so it gets the permissions any new file gets. On an error the temporary file
+    is removed and ``path`` keeps its old content (or stays absent).
+    """
+    path = Path(path)
+    tmp = _temporary_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (see ``atomic_file``)."""
+    with atomic_file(path) as tmp, open(tmp, "xb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` atomically (see ``atomic_file``)."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the C library, kernel or file system does not offer it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_into_place(tmp: Path, destination: Path) -> None:
+    """Make the complete ``tmp`` the ``destination``.
+
+    A new destination is one rename. An existing one is exchanged with ``tmp`` in one
+    atomic step, so at every instant ``destination`` is the complete old or the complete
+    new directory; ``tmp`` then holds the old one and is removed. Where no atomic
+    exchange exists (not Linux, or a file system without it) the old directory is first
+    renamed aside: a kill between the two renames leaves ``destination`` missing and the
+    old model in a hidden ``.name.old-*/old`` folder beside it.
+    """
+    if not destination.exists():
+        os.replace(tmp, destination)
+    elif not exchange_paths(tmp, destination):
+        backup = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
+        os.replace(destination, backup / "old")
+        os.replace(tmp, destination)
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(destination: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside ``destination``; on success it replaces it.
+
+    Nothing is overwritten without ``force`` (``CheckpointError``: the directories
+    written this way are models); on any error (or a kill) the old destination
+    stays whole and the temporary directory is removed (or, after a kill, left as
+    a hidden ``.name.tmp-*`` that is never mistaken for a model). The replacement
+    itself is atomic where the system can exchange two directories
+    (``_swap_into_place``).
+    """
+    destination = Path(destination)
+    if destination.exists() and not force:
+        raise CheckpointError(f"{destination}: already exists (use --force to overwrite)")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a model directory is not
+    try:
+        yield tmp
+        _swap_into_place(tmp, destination)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["atomic_file", "atomic_write_bytes", "atomic_write_text", "atomic_directory", "exchange_paths"]

@@ -1,0 +1,39 @@
+"""What the package knows about one model architecture (``models.registry`` lists them)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..runtime.precompile import GraphJob
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the ``architecture`` field of config.json
+    config: type  # the config dataclass (from_dict, load, to_dict)
+    checkpoint_shapes: Callable  # config -> {checkpoint key: shape}: the weight schema
+    engine: type  # (config, weights, dtype, device) -> a runtime.compiled.CompiledGraphs
+    reference: str  # "module:Class" of the PyTorch reference (imported on demand: torch is optional)
+    build_graph: Callable  # (kind, config, weight DType, DeviceRef, kernels) -> max.graph.Graph
+    graph_key: bytes  # salt of its compiled graphs' cache keys
+    # the reference's forms that must agree (``checkpoints.parity``), and how to run one:
+    # (reference model, ids [B, T], form) -> logits [B, T, V]
+    parity_forms: tuple[str, ...]
+    reference_logits: Callable
+    # config -> (bytes of one sample's decode state, width of the widest activation of a step)
+    sample_footprint: Callable
+
+    def graph_job(self, kind: str, config, dtype: str = "float32", device: str = "cpu",
+                  kernels: bool = False) -> GraphJob:
+        """The compile job of one of this architecture's graphs."""
+        return GraphJob(kind, config, dtype, device, kernels, self.build_graph, self.graph_key)
+
+    def reference_class(self) -> type:
+        """The PyTorch reference model class (needs torch)."""
+        module, name = self.reference.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["Architecture"]

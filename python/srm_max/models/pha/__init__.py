@@ -1,0 +1,1 @@
+"""The Parallel Hybrid Architecture: GSS + GQA attention + FFN branches (docs/pha.md)."""

@@ -1,0 +1,104 @@
+"""The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
+
+Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
+and ``pha_decode_*`` (``graphs/pha``), batch size, prompt length (in chunks of
+``graphs.pha.CHUNK`` tokens: prompts are right-padded to a whole number of chunks)
+and steps per call symbolic; weights bound at load time by name; compiled models cached as
+``.mef`` files (``compile_cache``).
+
+States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
+per-sample state (the GSS state as real pairs, the preallocated KV caches); see
+``graphs.pha.StateLayout``. A sample is the column block ``[:, b]``, so the
+Generator and the slot pool copy, compact and refill slots exactly as for the
+SRM. ``split_states`` unpacks a host copy into the reference's ``PHACache``
+layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.driver import Buffer
+
+from ...errors import GenerationError
+from ...graphs import pha as pha_graphs
+from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, registry_of, right_padded
+from . import build
+from .config import PHAConfig
+from .schema import checkpoint_shapes
+
+
+def check_weights(config: PHAConfig, weights: dict[str, np.ndarray]) -> None:
+    """Every key the graphs read (directly or derived) is present with the right shape."""
+    check_shapes(checkpoint_shapes(config), weights)
+
+
+def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
+    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors.
+
+    With ``dtype="bfloat16"`` the big matrices are stored as bfloat16; vectors, the
+    DSS parameters and everything derived stay float32.
+    """
+    matrices = set(pha_graphs.matrix_names(config))
+    full = {k: np.asarray(weights[k]) for k in pha_graphs.graph_weight_names(config)}
+    full |= pha_graphs.derived_weights(config, weights)
+    return registry_of(full, matrices, dtype)
+
+
+class PHAEngine(CompiledGraphs):
+    """Compiled PHA graphs for one config, weight dtype and device."""
+
+    kernels = False  # the Mojo ops are the SRM mixer's
+    build_graph = staticmethod(build.build_graph)
+    graph_salt = build.GRAPH_KEY
+
+    def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
+                 device: str = "cpu"):
+        if not isinstance(config, PHAConfig):
+            raise GenerationError(f"PHAEngine needs a PHAConfig, got {type(config).__name__}")
+        self.config = config
+        self._start(dtype, device)
+        check_weights(config, weights)
+        self.layout = pha_graphs.StateLayout.of(config)
+        self._open(weights_registry(config, weights, self.dtype))
+
+    def empty_states(self, batch: int) -> Buffer:
+        return self.to_device(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))
+
+    def split_states(self, states) -> dict[str, np.ndarray | None]:
+        """A host copy of ``states`` [L, B, X] in the reference's ``PHACache`` layout:
+        gss_state [L, B, H, N] complex64, keys and values [L, B, Hkv, n, dh] (None where off)."""
+        c, lay = self.config, self.layout
+        s = self.host(states) if isinstance(states, Buffer) else np.asarray(states)
+        L, B = s.shape[:2]
+        out: dict[str, np.ndarray | None] = {"gss_state": None, "keys": None, "values": None}
+        if lay.gss:
+            pairs = s[:, :, : lay.gss].reshape(L, B, 2, c.gss_hidden_dim, c.dss_state_size)
+            out["gss_state"] = (pairs[:, :, 0] + 1j * pairs[:, :, 1]).astype(np.complex64)
+        if lay.kv:
+            shape = (L, B, c.n_kv_heads, c.context_length, c.head_dim)
+            out["keys"] = s[:, :, lay.keys].reshape(shape)
+            out["values"] = s[:, :, lay.values].reshape(shape)
+        return out
+
+    # -- the two calls
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them."""
+        n = self.config.context_length
+        for i, p in enumerate(prompts):
+            if not 0 < len(p) <= n:
+                raise GenerationError(f"prompt {i} has {len(p)} tokens: expected 1 to the context length {n}")
+        B = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        C = pha_graphs.CHUNK
+        M = -(-int(lengths.max()) // C)  # chunks: the graph runs T = M C tokens
+        ids = right_padded(prompts, M * C).reshape(B, M, C)
+        pos = np.arange(M * C, dtype=np.int64).reshape(M, C)
+        sampling = sampling or SamplingArrays.greedy(B)
+        with self._lock:
+            logits, nxt, states = self.prefill_model.execute(
+                self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
+                *self.sampling_buffers(sampling))
+        return PrefillResult(logits, self.host(nxt), states)
+
+
+__all__ = ["PHAEngine", "weights_registry", "check_weights"]

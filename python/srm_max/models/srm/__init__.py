@@ -1,0 +1,1 @@
+"""The Structured Recurrent Mixer (docs/srm.md)."""

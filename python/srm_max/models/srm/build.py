@@ -1,0 +1,35 @@
+"""How the SRM's graphs are built from ``graphs/srm``: handed its weight schema, the
+decode op's packed inputs and the Mojo kernel library."""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import DeviceRef, Graph
+
+from ...graphs.sampler import build_sample_graph
+from ...graphs.srm import build_decode_graph, build_decode_greedy_graph, build_prefill_graph
+from ...runtime.kernels import kernel_library
+from . import packing, schema
+from .config import SRMConfig
+
+# bumped when a compiled model must not be reused although its MLIR text is the same
+GRAPH_KEY = b"srm-graphs-v2"
+
+
+def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
+    """The graph ``kind``: "prefill", "decode", "sample" (``graphs.sampler.build_sample_graph``),
+    or with the Mojo ops on a CPU "decode_greedy"."""
+    if kind == "sample":
+        return build_sample_graph("srm_sample", config.vocab_size, device)
+    library = kernel_library() if kernels else None
+    if kind == "prefill":
+        return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
+    packed = packing.packed_inputs(config) if kernels and device.is_cpu() else None
+    if kind == "decode":
+        return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
+    if kind == "decode_greedy" and packed is not None:
+        return build_decode_greedy_graph(config, schema, packed, library, wdtype)
+    raise ValueError(f"unknown SRM graph kind {kind!r} (kernels={kernels}, device {device})")
+
+
+__all__ = ["GRAPH_KEY", "build_graph"]

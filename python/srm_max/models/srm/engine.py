@@ -1,0 +1,83 @@
+"""The SRM's MAX engine: compiled prefill + decode graphs for one config.
+
+``Engine(config, weights, dtype, device)`` builds (or loads from the ``.mef``
+cache, see ``compile_cache``) two graphs per (config shape, weight dtype,
+device): ``srm_prefill_*`` and ``srm_decode_*``; batch size, prompt length and
+the number of decode steps per call are symbolic, so these two graphs serve
+every request. With the Mojo ops on a CPU there is a third, ``srm_decode_greedy_*``:
+a decode where every sample is greedy runs all its steps inside one op (see
+graphs/srm/decode.py); other decodes take the decode graph's loop. Weights are bound
+at load time by name.
+
+The rest (lazy loading, the decode call, threads) is ``runtime.compiled``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.driver import CPU, Buffer
+
+from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, registry_of, right_padded
+from ...graphs.srm import CHUNK
+from . import build, packing, schema
+from .config import SRMConfig
+
+
+def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str,
+                     packed: bool = False) -> dict:
+    """name -> array/Buffer for ``session.init``: every tensor the graphs read
+    (``schema.graph_weights``), and with ``packed`` the whole-step decode op's packed
+    copies (``packing``)."""
+    full = schema.graph_weights(config, weights)
+    matrices = schema.matrix_names(config)
+    if packed:
+        full |= packing.decode_step_weights(config, full)
+        matrices |= packing.matrix_names()
+    return registry_of(full, matrices, dtype)
+
+
+class Engine(CompiledGraphs):
+    """Compiled SRM graphs for one config, weight dtype and device."""
+
+    build_graph = staticmethod(build.build_graph)
+    graph_salt = build.GRAPH_KEY
+
+    def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
+                 device: str = "cpu", kernels: bool | None = None):
+        """``kernels``: the Mojo custom ops (``mojo/``) instead of plain MAX ops: the
+        mixer scan in prefill, and in decode the whole step as one op on the CPU
+        (mojo/decode_step.mojo, on copies of the matrices packed at load: they
+        take as much memory again) or the mixer update on a GPU. Default: on the
+        CPU, where bench/mixer_kernels.py and bench/cpu_decode.py measured them
+        faster; off on a GPU, where they have not run."""
+        self.config = config
+        self._start(dtype, device)
+        self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
+        check_shapes(schema.checkpoint_shapes(config), weights)
+        self._open(weights_registry(config, weights, self.dtype,
+                                    packed=self.kernels and isinstance(self.device, CPU)))
+
+    def empty_states(self, batch: int) -> Buffer:
+        c = self.config
+        return self.to_device(np.zeros((c.n_layers, batch, c.n_heads, c.head_dim), np.float32))
+
+    # -- the two calls
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them."""
+        B = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        C = CHUNK
+        T = int(lengths.max())
+        nc = -(-T // C)
+        ids = right_padded(prompts, nc * C)
+        pos = np.arange(nc * C, dtype=np.int64).reshape(nc, C)
+        last = np.stack([(lengths - 1) // C, (lengths - 1) % C], 1).astype(np.int64)
+        sampling = sampling or SamplingArrays.greedy(B)
+        with self._lock:
+            logits, nxt, states = self.prefill_model.execute(
+                self.to_device(ids.reshape(B, nc, C)), self.to_device(pos), self.to_device(last),
+                *self.sampling_buffers(sampling), self.to_device(lengths))
+        return PrefillResult(logits, self.host(nxt), states)
+
+
+__all__ = ["Engine", "weights_registry"]

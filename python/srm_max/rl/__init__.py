@@ -1,0 +1,13 @@
+"""Reinforcement learning on verifiable tasks.
+
+- ``groups``: scoring many samples: pass@k, balanced GRPO groups, group-normalised advantages
+- ``grpo``: GRPO on the PyTorch reference SRM, with rollouts from the MAX Generator
+- ``arithmetic``: a verifiable task generated in code (multi-digit addition)
+
+``grpo`` needs PyTorch and the MAX engine; ``groups`` and ``arithmetic`` need neither,
+which is why only ``groups`` is imported here.
+"""
+
+from .groups import balanced_group, group_advantages, mean_pass_at_k, pass_at_k
+
+__all__ = ["pass_at_k", "mean_pass_at_k", "balanced_group", "group_advantages"]

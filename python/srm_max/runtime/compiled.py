@@ -1,0 +1,232 @@
+"""What every engine shares: compiled prefill and decode graphs for one config, weight
+dtype and device, loaded lazily (from the ``.mef`` cache when possible) under the
+engine's lock; host/device transfers; the decode call, whose inputs and outputs are
+the same for every architecture (``graphs/loop.py``).
+
+States stay on the device: ``prefill`` and ``decode`` return ``Buffer``s that are fed
+straight back; per decode call only the new token ids [B, S] come back to the host.
+
+Threads: an engine may be shared. Each call runs under the engine's lock (MAX does
+not promise concurrent ``execute`` on one model), and a call keeps no state between
+calls, so concurrent requests interleave call by call and each gets the result it
+would get alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from max.driver import CPU, Buffer
+from max.dtype import DType
+from max.engine import InferenceSession, Model
+
+from ..errors import GenerationError
+from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
+from .compile_cache import load_compiled
+from .device import resolve_device, resolve_dtype, to_bfloat16_bits
+from .precompile import GraphJob, precompile
+
+
+def check_shapes(expected: dict[str, tuple], weights: dict[str, np.ndarray]) -> None:
+    """Every expected key is present with its shape (else GenerationError naming it)."""
+    for key, shape in expected.items():
+        if key not in weights:
+            raise GenerationError(f"weights: missing key {key!r}")
+        got = tuple(np.shape(weights[key]))
+        if got != shape:
+            raise GenerationError(f"weights: {key!r} has shape {got}, expected {shape}")
+
+
+def registry_of(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> dict:
+    """name -> array/Buffer for ``session.init``: float32, except that with
+    ``dtype="bfloat16"`` the names in ``matrices`` are stored as bfloat16."""
+    reg: dict = {}
+    for name, arr in full.items():
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if dtype == "bfloat16" and name in matrices:
+            reg[name] = Buffer.from_numpy(to_bfloat16_bits(arr)).view(DType.bfloat16)
+        else:
+            reg[name] = arr
+    return reg
+
+
+def right_padded(prompts: list, width: int) -> np.ndarray:
+    """[B, width] int64: each prompt's ids, then zeros."""
+    ids = np.zeros((len(prompts), width), np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    return ids
+
+
+@dataclass
+class SamplingArrays:
+    """Per-sample sampling parameters, as the graphs take them."""
+
+    temperature: np.ndarray  # [B] float32, 0 = greedy
+    top_k: np.ndarray  # [B] int64, 0 = off
+    top_p: np.ndarray  # [B] float32, 1 = off
+    seed: np.ndarray  # [B] uint64
+
+    @classmethod
+    def greedy(cls, batch: int) -> "SamplingArrays":
+        return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int64),
+                   np.ones(batch, np.float32), np.zeros(batch, np.uint64))
+
+    def take(self, index) -> "SamplingArrays":
+        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index])
+
+    def mode(self) -> int:
+        """The cheapest in-graph sampler that serves every sample (``graphs.sampler.MODE_*``)."""
+        drawn = self.temperature > 0
+        if not drawn.any():
+            return MODE_GREEDY
+        filtered = (self.top_k[drawn] > 0) | (self.top_p[drawn] < 1)
+        return MODE_FILTERED if filtered.any() else MODE_PLAIN
+
+
+@dataclass
+class PrefillResult:
+    logits: Buffer  # [B, V] float32 at each prompt's last token (on the device)
+    next_ids: np.ndarray  # [B] int64 the first new token
+    states: Buffer  # [L, B, H, hd] float32 (on the device)
+
+
+@dataclass
+class DecodeResult:
+    tokens: np.ndarray  # [B, S] int64
+    states: Buffer  # ready to take ids
+    ids: Buffer  # [B] = tokens[:, -1]
+    positions: Buffer  # [B] = their positions
+
+
+class CompiledGraphs:
+    """The base of every engine (see the module docs). Subclasses set ``config``
+    (whose ``architecture`` names its graph builders, see ``precompile.register``) and
+    ``kernels``, call ``_start`` then ``_open`` with their weights registry."""
+
+    def _start(self, dtype: str, device: str) -> None:
+        self.dtype = resolve_dtype(dtype)
+        self.device, self.device_ref = resolve_device(device)
+
+    def _open(self, registry: dict) -> None:
+        self.weights = registry  # name -> array/Buffer: what the compiled graphs bind
+        self.session = InferenceSession(devices=[self.device])
+        self._models: dict[str, Model] = {}
+        self.compile_seconds: dict[str, float] = {}
+        self._lock = threading.RLock()
+
+    # -- compiled models
+    # the architecture's graph builder and graph-key salt (set by each engine class)
+    build_graph: Callable
+    graph_salt: bytes
+
+    def graph_job(self, kind: str) -> GraphJob:
+        device = "cpu" if isinstance(self.device, CPU) else "gpu"
+        return GraphJob(kind, self.config, self.dtype, device, self.kernels, type(self).build_graph, self.graph_salt)
+
+    def graph_jobs(self) -> list[GraphJob]:
+        """Every graph this engine may load."""
+        return [self.graph_job(kind) for kind in self.graph_kinds()]
+
+    def _load(self, kind: str) -> Model:
+        t0 = time.perf_counter()
+        job = self.graph_job(kind)
+        precompile([job])  # a miss compiles in a child process, saying what and for how long
+        model = load_compiled(self.session, job.graph, self.weights, extra_key=job.salt,
+                              mef=job.mef_path())
+        self.compile_seconds[kind] = time.perf_counter() - t0
+        return model
+
+    def model(self, kind: str) -> Model:
+        """The compiled graph ``kind`` (one of ``graph_kinds()``), loaded on first use."""
+        with self._lock:
+            if kind not in self._models:
+                self._models[kind] = self._load(kind)
+            return self._models[kind]
+
+    @property
+    def prefill_model(self) -> Model:
+        return self.model("prefill")
+
+    @property
+    def decode_model(self) -> Model:
+        return self.model("decode")
+
+    @property
+    def decode_greedy_model(self) -> Model:
+        return self.model("decode_greedy")
+
+    @property
+    def greedy_steps_in_one_op(self) -> bool:
+        """Whether an all-greedy decode runs the ``decode_greedy`` graph (every step
+        in one op) instead of the decode graph's loop: the Mojo ops on a CPU."""
+        return self.kernels and isinstance(self.device, CPU)
+
+    def graph_kinds(self) -> list[str]:
+        return ["prefill", "decode", "sample"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
+
+    def warmup(self):
+        """Load every graph; cold ones compile side by side, one process each."""
+        with self._lock:
+            t0 = time.perf_counter()
+            compiled = precompile(self.graph_jobs())
+            if compiled:
+                self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
+            for kind in self.graph_kinds():
+                self.model(kind)
+        return self
+
+    # -- helpers
+    def to_device(self, a: np.ndarray) -> Buffer:
+        buf = Buffer.from_numpy(np.ascontiguousarray(a))
+        return buf if isinstance(self.device, CPU) else buf.to(self.device)
+
+    @staticmethod
+    def host(buf: Buffer) -> np.ndarray:
+        return buf.to_numpy() if buf.is_host else buf.to(CPU()).to_numpy()
+
+    def sampling_buffers(self, s: SamplingArrays) -> list[Buffer]:
+        """The graphs' sampling inputs: four per-sample arrays on the device, the mode on the host."""
+        return [self.to_device(s.temperature.astype(np.float32)), self.to_device(s.top_k.astype(np.int64)),
+                self.to_device(s.top_p.astype(np.float32)), self.to_device(s.seed.astype(np.uint64)),
+                Buffer.from_numpy(np.array(s.mode(), np.int64))]
+
+    def draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters) -> np.ndarray:
+        """Tokens for samples that share prefill logits (``logits`` [P, V] on the device,
+        ``rows`` [N] the row of each sample): each sample draws what the prefill graph would
+        have drawn for it alone, from its own parameters and seed (``counters``: the
+        position of the token, i.e. its prompt's length)."""
+        with self._lock:
+            (ids,) = self.model("sample").execute(
+                logits, self.to_device(np.asarray(rows, np.int64)), *self.sampling_buffers(sampling),
+                self.to_device(np.asarray(counters, np.int64)))
+        return self.host(ids)
+
+    # -- the decode call (every engine's decode graph has the same inputs and outputs)
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+        if not isinstance(ids, Buffer):
+            ids = self.to_device(np.asarray(ids, np.int64))
+        if not isinstance(positions, Buffer):
+            positions = self.to_device(np.asarray(positions, np.int64))
+        if isinstance(sampling, SamplingArrays):
+            sampling = self.sampling_buffers(sampling)
+        one_op = self.greedy_steps_in_one_op and int(sampling[-1].to_numpy()) == MODE_GREEDY
+        with self._lock:
+            if one_op:
+                toks, states, last, pos = self.decode_greedy_model.execute(
+                    ids, positions, states, self.to_device(np.arange(steps, dtype=np.int64)))
+                return DecodeResult(self.host(toks), states, last, pos)
+            toks, states, last, pos = self.decode_model.execute(
+                ids, positions, states, *sampling,
+                self.to_device(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
+        return DecodeResult(self.host(toks), states, last, pos)
+
+
+__all__ = ["CompiledGraphs", "DecodeResult", "PrefillResult", "SamplingArrays", "check_shapes", "registry_of",
+           "right_padded"]

@@ -1,0 +1,53 @@
+"""Devices and weight dtypes: what a user names (``"cpu"``, ``"bfloat16"``) to what MAX takes."""
+
+from __future__ import annotations
+
+import numpy as np
+from max.driver import CPU, Accelerator, Device, accelerator_count
+from max.dtype import DType
+from max.graph import DeviceRef
+
+from ..errors import GenerationError
+
+DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
+DEVICES = ("auto", "cpu", "gpu")
+
+
+def resolve_device(device: str) -> tuple[Device, DeviceRef]:
+    if not isinstance(device, str) or device.lower() not in DEVICES:
+        raise GenerationError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    device = device.lower()
+    if device == "auto":
+        device = "gpu" if accelerator_count() > 0 else "cpu"
+    if device == "gpu":
+        if accelerator_count() == 0:
+            raise GenerationError("device 'gpu' requested but no accelerator is available")
+        return Accelerator(), DeviceRef.GPU()
+    return CPU(), DeviceRef.CPU()
+
+
+def resolve_dtype(dtype: str | None, default: str = "float32") -> str:
+    dtype = default if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise GenerationError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    bits = a.view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def bfloat16_round(a: np.ndarray) -> np.ndarray:
+    """What a float32 array looks like after a trip through bfloat16."""
+    return (to_bfloat16_bits(a).astype(np.uint32) << 16).view(np.float32)
+
+
+__all__ = ["DEVICES", "DTYPES", "bfloat16_round", "resolve_device", "resolve_dtype", "to_bfloat16_bits"]

@@ -1,0 +1,164 @@
+"""The Mojo custom ops (``mojo/``, one op per file): where their sources are and the
+kernel library they are precompiled into.
+
+The Mojo sources live in ``mojo/`` at the repository root and ship as the data
+package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
+step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
+in one op; ``srm_decode_greedy``: S greedy steps in one op; CPU only, used by
+graphs/srm/decode.py), see the ``.mojo`` files for
+the exact semantics; all tensors are float32 except positions/lengths (int64).
+Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
+per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
+
+``srm_mixer_step`` (decode, state updated IN PLACE; ``state`` must be a BufferValue)::
+
+    (y,) = ops.inplace_custom(
+        "srm_mixer_step", device=dev,
+        values=[state_buf, u, positions, w, beta, lam],
+        out_types=[TensorType(DType.float32, u.shape, dev)])
+    # state_buf [B,H,hd] f32 (BufferValue), u [B,H,hd] f32, positions [B] i64,
+    # w, beta [H,n] f32, lam [H] f32  ->  y [B,H,hd]
+
+``srm_mixer_step_functional`` (decode, state in -> new state out)::
+
+    y, new_state = ops.custom(
+        "srm_mixer_step_functional", device=dev,
+        values=[state, u, positions, w, beta, lam],
+        out_types=[TensorType(DType.float32, u.shape, dev)] * 2)
+
+``srm_mixer_scan`` (prefill; y for all T positions, state after ``lengths[b]-1``)::
+
+    y, final_state = ops.custom(
+        "srm_mixer_scan", device=dev,
+        values=[u, lengths, w, beta, lam],          # u [B,T,H,hd], lengths [B] i64
+        out_types=[TensorType(DType.float32, u.shape, dev),                  # [B,T,H,hd]
+                   TensorType(DType.float32, [u.shape[0], u.shape[2], u.shape[3]], dev)])
+
+Every graph using them needs ``Graph(..., custom_extensions=[kernel_library()])``.
+``kernel_library()`` precompiles the sources once into the user cache, so building
+a graph costs no ``mojo precompile`` (MAX would otherwise spend ~4 s per Graph).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from .compile_cache import cache_dir
+
+__all__ = ["OP_DECODE_GREEDY", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP", "OP_STEP_FUNCTIONAL", "kernel_library",
+           "mojo_source_dir"]
+
+OP_STEP = "srm_mixer_step"
+OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
+OP_SCAN = "srm_mixer_scan"
+OP_DECODE_STEP = "srm_decode_step"
+OP_DECODE_GREEDY = "srm_decode_greedy"
+
+_lock = threading.Lock()
+_library: Path | None = None
+
+
+# --------------------------------------------------------------------------- #
+# Locating and precompiling the Mojo sources
+# --------------------------------------------------------------------------- #
+
+
+def _is_source_dir(p: Path) -> bool:
+    return (p / "__init__.mojo").is_file()
+
+
+def mojo_source_dir() -> Path:
+    """The directory holding the kernels' ``__init__.mojo``.
+
+    Order: ``$SRM_MAX_MOJO_DIR``; the ``srm_max.mojo`` package (an installed
+    wheel puts it at ``site-packages/srm_max/mojo``); the repository layout of a
+    source checkout / editable install (``<repo>/python/srm_max`` ->
+    ``<repo>/mojo``; setuptools' editable finder does not expose the data-only
+    ``srm_max.mojo`` package, so it is found by path).
+    """
+    candidates: list[Path] = []
+    env = os.environ.get("SRM_MAX_MOJO_DIR")
+    if env:
+        candidates.append(Path(env))
+    try:
+        spec = importlib.util.find_spec("srm_max.mojo")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        candidates.extend(Path(p) for p in spec.submodule_search_locations)
+    package = Path(__file__).resolve().parent.parent  # srm_max/
+    candidates += [package / "mojo", package.parent.parent / "mojo"]
+    for c in candidates:
+        if _is_source_dir(c):
+            return c
+    raise FileNotFoundError(
+        "srm_max Mojo kernel sources not found; looked in "
+        + ", ".join(str(c) for c in candidates)
+    )
+
+
+def _sources_digest(src: Path) -> str:
+    from max import engine
+
+    h = hashlib.sha256(engine.__version__.encode())
+    for f in sorted(src.rglob("*.mojo")):
+        h.update(f.relative_to(src).as_posix().encode() + b"\0")
+        h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _run_mojo_precompile(src: Path, out: Path) -> None:
+    args = ["precompile", str(src), "-o", str(out)]
+    try:
+        from mojo.run import subprocess_run_mojo  # the mojo shipped with max
+    except ImportError:  # pragma: no cover - fall back to a mojo on PATH
+        exe = Path(sys.executable).parent / "mojo"
+        exe_s = str(exe) if exe.exists() else shutil.which("mojo")
+        if exe_s is None:
+            raise RuntimeError("cannot find the `mojo` executable to precompile kernels")
+        proc = subprocess.run([exe_s, *args], capture_output=True, text=True)
+    else:
+        proc = subprocess_run_mojo(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"mojo precompile {src} failed (exit {proc.returncode}):\n"
+            f"{proc.stdout}\n{proc.stderr}"
+        )
+
+
+def kernel_library(src: Path | None = None) -> Path:
+    """Path of the precompiled kernel package (``.mojoc``), building it on a miss.
+
+    Cached as ``cache_dir()/kernels/kernels_<hash>.mojoc``, keyed on the MAX
+    version and the bytes of every ``.mojo`` source, so an edited kernel gets a
+    new file (and therefore new ``.mef`` cache keys). Written atomically: the
+    compiler bakes the module name from the output file's stem, so it is built
+    under its final name in a private staging directory and then renamed.
+    """
+    global _library
+    if src is None and _library is not None and _library.exists():
+        return _library
+    with _lock:
+        source = src or mojo_source_dir()
+        directory = cache_dir() / "kernels"
+        out = directory / f"kernels_{_sources_digest(source)}.mojoc"
+        if not out.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=directory, prefix=".staging-"))
+            try:
+                tmp = staging / out.name
+                _run_mojo_precompile(source, tmp)
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        if src is None:
+            _library = out
+        return out

@@ -1,0 +1,173 @@
+"""Compile several MAX graphs at once, one process each.
+
+A cold MAX compile runs for minutes on ONE core, so a machine with more cores
+compiles an engine's prefill and decode graphs (or a test suite's graphs) side
+by side. A ``GraphJob`` names a graph by picklable facts (kind, config, dtype,
+device, kernels, and its architecture's graph builder, pickled by name); a child
+process (``python -m srm_max.runtime.precompile``) builds it exactly as the engine
+does, compiles it and writes the ``.mef`` file the engine then loads in
+milliseconds (``compile_cache``). Children inherit the
+environment, so ``SRM_MAX_CPU_TARGET`` holds for them too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from max.dtype import DType
+from max.engine import InferenceSession
+from max.graph import DeviceRef, Graph
+
+from .compile_cache import cache_dir, compile_to_cache, mef_path
+from .device import resolve_device
+
+log = logging.getLogger(__name__)
+
+# how often the elapsed time of a running compile is logged
+REPORT_EVERY_S = 15.0
+
+@dataclass(frozen=True)
+class GraphJob:
+    kind: str  # "prefill" | "decode" | "decode_greedy" (SRM, CPU with kernels)
+    config: object  # the model's config (a frozen dataclass; its architecture field names it)
+    dtype: str  # weight dtype: "float32" | "bfloat16"
+    device: str  # "cpu" | "gpu"
+    kernels: bool  # the Mojo ops
+    build: Callable  # the architecture's (kind, config, weight DType, DeviceRef, kernels) -> Graph
+    salt: bytes  # the architecture's graph-key salt (see compile_cache.graph_key)
+
+    @property
+    def architecture(self) -> str:
+        return self.config.architecture
+
+    def graph(self) -> Graph:
+        wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
+        device = DeviceRef.GPU() if self.device == "gpu" else DeviceRef.CPU()
+        return self.build(self.kind, self.config, wdtype, device, self.kernels)
+
+    def mef_path(self) -> Path:
+        """Where the compiled graph is cached (the graph is built once per process and
+        cache directory for this)."""
+        return _mef_path(self, str(cache_dir()))
+
+    def cached(self) -> bool:
+        return self.mef_path().exists()
+
+
+@functools.lru_cache(maxsize=None)
+def _mef_path(job: GraphJob, directory: str) -> Path:  # directory: part of the memo key only
+    return mef_path(job.graph(), job.salt)
+
+
+def _compile(job: GraphJob) -> float:
+    """Compile ``job`` into the cache (in this process); -> seconds."""
+    t = time.perf_counter()
+    device, _ = resolve_device(job.device)
+    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.salt)
+    return time.perf_counter() - t
+
+
+def _describe(jobs: list[GraphJob]) -> str:
+    kinds = ", ".join(f"{j.kind} ({j.architecture}, {j.dtype}, {j.device})" for j in jobs)
+    return f"{len(jobs)} MAX graph{'s' if len(jobs) > 1 else ''}: {kinds}"
+
+
+def compile_in_workers(jobs: list[GraphJob], workers: int) -> dict[GraphJob, float]:
+    """Compile each job in a child ``python -m srm_max.runtime.precompile`` (at most ``workers`` at
+    once), logging the elapsed time while they run; -> seconds per job.
+
+    Fresh interpreters, not multiprocessing: a spawned multiprocessing worker imports the
+    caller's ``__main__`` again, so a user's unguarded script would start over in every
+    worker. A child that fails raises ``RuntimeError`` with its output."""
+    pending = deque(jobs)
+    running: dict[GraphJob, tuple[subprocess.Popen, object]] = {}
+    seconds: dict[GraphJob, float] = {}
+    t0 = time.perf_counter()
+    next_report = t0 + REPORT_EVERY_S
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, workers):
+                job = pending.popleft()
+                out = tempfile.TemporaryFile()
+                proc = subprocess.Popen([sys.executable, "-m", "srm_max.runtime.precompile"], stdin=subprocess.PIPE,
+                                        stdout=out, stderr=subprocess.STDOUT)
+                proc.stdin.write(pickle.dumps(job))
+                proc.stdin.close()
+                running[job] = (proc, out)
+            job, (proc, out) = next(iter(running.items()))
+            try:
+                proc.wait(timeout=max(0.1, next_report - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                pass
+            for job, (proc, out) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[job]
+                out.seek(0)
+                text = out.read().decode(errors="replace")
+                out.close()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"compiling the {job.kind} graph failed (exit {proc.returncode}):\n"
+                                       f"{text[-4000:]}")
+                seconds[job] = float(text.strip().splitlines()[-1])
+                log.info("compiled the %s graph in %.0f s", job.kind, seconds[job])
+            if time.perf_counter() >= next_report and running:
+                log.info("still compiling: %.0f s elapsed, %d of %d graphs done",
+                         time.perf_counter() - t0, len(seconds), len(jobs))
+                next_report += REPORT_EVERY_S
+    finally:
+        for proc, out in running.values():
+            proc.kill()
+            proc.wait()
+            out.close()
+    return seconds
+
+
+def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJob, float]:
+    """Compile the jobs not yet in the cache, ``workers`` at a time (default: one per
+    core), each in its own process; -> seconds per compiled job. Says what it compiles
+    and why through ``logging`` (the ``srm-max`` commands show it on stderr)."""
+    missing = [j for j in dict.fromkeys(jobs) if not j.cached()]
+    if not missing:
+        return {}
+    workers = min(workers or os.cpu_count() or 1, len(missing))
+    log.info("compiling %s for this CPU: once per model shape and machine (cached under %s); "
+             "each takes minutes on a small CPU, %d at a time", _describe(missing), _cache_dir(), workers)
+    t = time.perf_counter()
+    seconds = compile_in_workers(missing, workers)
+    log.info("compiled %d graph%s in %.0f s", len(missing), "s" if len(missing) > 1 else "", time.perf_counter() - t)
+    return seconds
+
+
+def _cache_dir() -> Path:
+    return cache_dir() / "mef"
+
+
+def _worker_main() -> int:
+    """``python -m srm_max.runtime.precompile``: compile the pickled GraphJob on stdin, print seconds."""
+    job = pickle.loads(sys.stdin.buffer.read())
+    if not isinstance(job, GraphJob):
+        raise SystemExit("srm_max.runtime.precompile: expected a pickled GraphJob on stdin")
+    print(_compile(job))
+    return 0
+
+
+__all__ = ["GraphJob", "compile_in_workers", "precompile"]
+
+
+if __name__ == "__main__":
+    # run as the imported module, so the pickled GraphJob's class is this one
+    from srm_max.runtime.precompile import _worker_main as worker_main
+
+    raise SystemExit(worker_main())

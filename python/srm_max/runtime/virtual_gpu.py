@@ -1,0 +1,104 @@
+"""Compile the Mojo mixer ops' GPU code without a GPU (MAX's virtual device mode).
+
+``python -m srm_max.runtime.virtual_gpu --virtual-gpu sm_90a`` in a fresh process:
+virtual device mode has to be set before any device is created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from ..files import atomic_file
+from .compile_cache import cache_dir
+from .kernels import OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL, kernel_library
+
+
+def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:
+    """Compile all three ops' GPU paths for ``arch`` without a GPU; returns seconds.
+
+    Must run in a fresh process: virtual device mode has to be set before any
+    device (including the CPU session above) is created. Raises RuntimeError
+    with the compiler's message if the GPU code does not build. The compiled
+    model is kept as ``cache_dir()/mef/srm_mixer_ops_gpu-<arch>-<kernels>.mef``
+    (or ``mef_out``); if that file exists nothing is recompiled (returns 0.0).
+    The ``.mef`` holds SM binaries for ``arch`` and cannot be loaded on a CPU.
+    Run as ``python -m srm_max.runtime.virtual_gpu --virtual-gpu sm_90a``.
+    """
+    import time
+
+    from max import engine
+
+    lib = kernel_library()
+    if mef_out is None:
+        tag = hashlib.sha256(f"{engine.__version__}|{arch}|{lib.name}".encode()).hexdigest()[:16]
+        mef_out = cache_dir() / "mef" / f"srm_mixer_ops_gpu-{arch}-{tag}.mef"
+    if mef_out.exists():
+        return 0.0
+
+    from max import driver
+
+    driver.set_virtual_device_api("cuda")
+    driver.set_virtual_device_target_arch(arch)
+    driver.set_virtual_device_count(1)
+    from max.driver import Accelerator
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+
+    acc, gpu = Accelerator(), DeviceRef.GPU()
+    f32, i64 = DType.float32, DType.int64
+    types = [
+        BufferType(f32, ["B", "H", "hd"], gpu),  # state (in place)
+        TensorType(f32, ["B", "H", "hd"], gpu),  # state (functional)
+        TensorType(f32, ["B", "H", "hd"], gpu),  # u
+        TensorType(i64, ["B"], gpu),  # positions
+        TensorType(f32, ["B2", "T", "H", "hd"], gpu),  # u (scan)
+        TensorType(i64, ["B2"], gpu),  # lengths
+        TensorType(f32, ["H", "n"], gpu),
+        TensorType(f32, ["H", "n"], gpu),
+        TensorType(f32, ["H"], gpu),
+    ]
+    with Graph("srm_mixer_ops_gpu", input_types=types, custom_extensions=[lib]) as g:
+        sbuf = g.inputs[0].buffer
+        s, u, pos, us, lens, w, beta, lam = (v.tensor for v in g.inputs[1:])
+        yt = TensorType(f32, u.shape, gpu)
+        (y1,) = ops.inplace_custom(OP_STEP, device=gpu, values=[sbuf, u, pos, w, beta, lam], out_types=[yt])
+        y2, ns = ops.custom(OP_STEP_FUNCTIONAL, device=gpu, values=[s, u, pos, w, beta, lam], out_types=[yt, yt])
+        y3, fin = ops.custom(
+            OP_SCAN,
+            device=gpu,
+            values=[us, lens, w, beta, lam],
+            out_types=[
+                TensorType(f32, us.shape, gpu),
+                TensorType(f32, [us.shape[0], us.shape[2], us.shape[3]], gpu),
+            ],
+        )
+        g.output(y1.tensor, y2.tensor, ns.tensor, y3.tensor, fin.tensor)
+    t0 = time.perf_counter()
+    try:
+        compiled = InferenceSession(devices=[acc]).compile(g)
+    except Exception as e:  # the compiler's message is in __cause__
+        raise RuntimeError(f"GPU compile for {arch} failed: {e}\ncause: {e.__cause__}") from None
+    seconds = time.perf_counter() - t0
+    mef_out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(mef_out) as tmp:
+        compiled.export_mef(str(tmp))
+    return seconds
+
+
+if __name__ == "__main__":  # pragma: no cover - used by the virtual-GPU test
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--virtual-gpu", default="sm_90a", metavar="ARCH")
+    ap.add_argument("--mef-out", type=Path, default=None)
+    a = ap.parse_args()
+    try:
+        secs = compile_for_virtual_gpu(a.virtual_gpu, a.mef_out)
+    except Exception as e:
+        print(f"FAILED: {e}", flush=True)
+        os._exit(1)  # sys.exit after a failed compile can abort (exit 134)
+    print(f"OK {a.virtual_gpu} {secs:.1f}s", flush=True)
+    os._exit(0)

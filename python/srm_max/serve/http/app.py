@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API over one ``Scheduler``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (with a chat template),
+GET /v1/models, GET /health, GET /metrics. A request is checked completely
+before it is queued (a bad one is a 400 and touches nothing), then its samples
+run in the scheduler's engine loop; the route only waits for their news. A
+client that goes away (streamed or not) cancels its samples, which leave their
+slots at the loop's next turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from . import chat as chat_module
+from .errors import APIError, error_body
+from .guard import Guard
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .protocol import CHAT_FIELDS, COMPLETION_FIELDS, Answer, Job, check_fields, check_model, parse_job, \
+    queue_full, refuse_unsupported
+from .scheduler import QueueFull, Scheduler, SchedulerStopped
+from .sequence import ERROR, Delta, Sample, Work
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a context
+
+
+def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_waiting: int = 1024,
+               steps_per_call: int = 4, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat_template: str | None = None) -> FastAPI:
+    """The app; its engine loop starts and stops with the app's lifespan.
+
+    ``max_batch``: the most samples decoded together; ``max_waiting``: the most samples
+    queued for a slot (beyond it: 429); ``chat_template``: Jinja, or None for no chat.
+    """
+    metrics = Metrics()
+    scheduler = Scheduler(generator, max_batch, max_waiting, steps_per_call, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not scheduler.alive:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="srm-max", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.chat_template = chat_template
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            raise APIError(503, f"the engine loop is not running: {scheduler.failure}")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "srm-max",
+            "max_model_len": generator.config.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = check_fields(await _json(request), COMPLETION_FIELDS)
+        check_model(body, model_name)
+        refuse_unsupported(body)
+        if "prompt" not in body:
+            raise APIError(400, "prompt is required", "prompt")
+        job = parse_job(body, generator, body["prompt"], max_waiting)
+        return await _run(request, job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = check_fields(await _json(request), CHAT_FIELDS)
+        check_model(body, model_name)
+        template = app.state.chat_template
+        if template is None:
+            raise chat_module.no_template_error(model_name)
+        refuse_unsupported(body)
+        prompt = chat_module.render(template, body.get("messages"))
+        job = parse_job(body, generator, prompt, max_waiting, chat=True, max_tokens_field="max_completion_tokens")
+        return await _run(request, job)
+
+    async def _run(request: Request, job: Job):
+        answer = Answer(job, model_name)
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(deltas: list[Delta]) -> None:  # called from the engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, deltas)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting
+                pass
+
+        req = Work(answer.id, job.stream, job.stop, sink)
+        req.samples = [Sample(p, job.temperature, job.top_k, job.top_p, job.sample_seed(i * job.n + j), job.max_new,
+                              stop_strings=tuple(job.stop), request=req, index=i * job.n + j)
+                       for i, p in enumerate(job.prompts) for j in range(job.n)]
+        try:
+            scheduler.submit(req)
+        except QueueFull as e:
+            raise queue_full(e.retry_after) from None
+        except SchedulerStopped as e:
+            raise APIError(503, str(e)) from None
+        if job.stream:
+            return EventSourceResponse(_chunks(req, answer, queue), ping=15)
+        return await _collect(request, req, answer, queue)
+
+    async def _collect(request: Request, req: Work, answer: Answer, queue: asyncio.Queue):
+        async def watch():
+            # the body has been read: the next message is the client's disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            scheduler.cancel(req)
+            queue.put_nowait(None)
+
+        watcher = asyncio.create_task(watch())
+        finals: dict[int, Delta] = {}
+        try:
+            while len(finals) < len(req.samples):
+                deltas = await queue.get()
+                if deltas is None:
+                    return Response(status_code=499)  # nobody reads it
+                for d in deltas:
+                    if d.finish_reason == ERROR:
+                        raise APIError(500, d.text)
+                    finals[d.index] = d
+        finally:
+            watcher.cancel()
+        return JSONResponse(answer.completion(list(finals.values())))
+
+    async def _chunks(req: Work, answer: Answer, queue: asyncio.Queue):
+        finished, tokens = 0, 0
+        try:
+            while finished < len(req.samples):
+                for d in await queue.get():
+                    if d.finish_reason == ERROR:
+                        yield {"data": _dumps(error_body(500, d.text))}
+                        return
+                    tokens += len(d.ids)
+                    finished += d.finish_reason is not None
+                    yield {"data": _dumps(answer.chunk(d))}
+            if answer.job.include_usage:
+                yield {"data": _dumps(answer.usage_chunk(tokens))}
+            yield {"data": "[DONE]"}
+        finally:
+            # a disconnect cancels this generator: the samples leave their slots
+            if not req.done:
+                scheduler.cancel(req)
+
+    return app
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+
+def _dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"))  # compact: a stream sends one per token batch

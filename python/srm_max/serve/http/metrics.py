@@ -1,0 +1,62 @@
+"""The server's Prometheus metrics, on a registry of its own (so several servers in one
+process, as in the tests, do not share counters).
+
+Counts of running and waiting requests and the slot occupancy are read from the
+scheduler when scraped, so they are exact at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the /metrics media type)
+
+# latency buckets from 1 ms (a tiny model's step) to a minute (a long queue on a CPU)
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("srm_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("srm_prompt_tokens", "Prompt tokens of the samples started", registry=r)
+        self.prompts_prefilled = Counter("srm_prompts_prefilled", "Prompts run through prefill (the samples of "
+                                         "one prompt that start together share one)", registry=r)
+        self.generated_tokens = Counter("srm_generated_tokens", "Tokens generated", registry=r)
+        self.samples_finished = Counter("srm_samples_finished", "Samples finished, by reason "
+                                        "(stop, length, context, cancelled)", ["reason"], registry=r)
+        self.disconnects = Counter("srm_client_disconnects", "Requests whose client went away "
+                                   "before the answer was complete", registry=r)
+        self.engine_calls = Counter("srm_engine_calls", "Engine calls, by kind (prefill, decode)",
+                                    ["kind"], registry=r)
+        self.running = Gauge("srm_running_requests", "Requests with a sample in a slot", registry=r)
+        self.waiting = Gauge("srm_waiting_requests", "Requests admitted whose samples all wait for a slot",
+                             registry=r)
+        self.waiting_samples = Gauge("srm_waiting_samples", "Samples waiting for a slot", registry=r)
+        self.slots = Gauge("srm_slots", "Slots of the engine loop (the most samples decoded together)",
+                           registry=r)
+        self.slots_busy = Gauge("srm_slots_busy", "Slots running a sample", registry=r)
+        self.occupancy = Gauge("srm_slot_occupancy", "Busy slots / slots", registry=r)
+        self.ttft = Histogram("srm_time_to_first_token_seconds", "From admission to a request's first "
+                              "token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("srm_inter_token_latency_seconds", "Time per token of a running sample, "
+                             "one observation per engine call that gave it tokens", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+
+    def watch(self, snapshot: Callable[[], dict]) -> None:
+        """Read the gauges from ``snapshot()`` (running, waiting, waiting_samples, slots, busy)."""
+        def read(key):
+            return lambda: float(snapshot()[key])
+
+        self.running.set_function(read("running"))
+        self.waiting.set_function(read("waiting"))
+        self.waiting_samples.set_function(read("waiting_samples"))
+        self.slots.set_function(read("slots"))
+        self.slots_busy.set_function(read("busy"))
+        self.occupancy.set_function(lambda: (lambda s: s["busy"] / max(1, s["slots"]))(snapshot()))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,238 @@
+"""Continuous batching: one thread owns the engine and runs every admitted sample.
+
+The thread runs the package's one scheduler (``serve.scheduler.SlotPool``, at most
+``max_batch`` slots) turn after turn: each turn it moves waiting samples into the
+free slots, drops cancelled ones, runs one decode call of a few steps and hands
+each request the tokens and text of its samples (``Work.sink``). So a request
+joins at the next turn, never waiting for the batch to drain, and a finished or
+disconnected sample's slot is reused at the next turn; the batching does not
+change what anyone gets (see the scheduler).
+
+Admission is bounded: ``submit`` refuses a request whose samples do not fit in
+the waiting queue (``QueueFull``; the app answers 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from ..scheduler import SlotPool
+from .metrics import Metrics
+from .sequence import CANCELLED, ERROR, Delta, Sample, Work
+
+log = logging.getLogger("srm_max.serve.http")
+_TYPICAL_STEPS = 64  # the length of a completion, for Retry-After only
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the waiting queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class SchedulerStopped(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = 4,
+                 metrics: Metrics | None = None):
+        if max_batch < 1 or max_waiting < 1 or steps_per_call < 1:
+            raise ValueError("max_batch, max_waiting and steps_per_call must be >= 1")
+        self.generator = generator
+        self.engine = generator.engine
+        self.n_ctx = generator.config.context_length
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.steps_per_call = steps_per_call
+        self.metrics = metrics or Metrics()
+        self.metrics.watch(self.snapshot)
+        self._cv = threading.Condition()
+        self._waiting: deque[Sample] = deque()  # guarded by _cv
+        self._live: dict[str, Work] = {}  # admitted and not done; guarded by _cv
+        self._busy = 0  # running samples (read by snapshot)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what stopped the loop, if it died
+        # the batch: engine thread only
+        self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call)
+        self._seconds_per_token = 0.05  # a running estimate, for Retry-After
+
+    # ------------------------------------------------------------ the HTTP side
+    def submit(self, request: Work) -> None:
+        with self._cv:
+            if self._stopping or not self.alive:
+                raise SchedulerStopped("the engine loop is not running")
+            if len(self._waiting) + len(request.samples) > self.max_waiting:
+                raise QueueFull(self._retry_after())
+            self._live[request.id] = request
+            self._waiting.extend(request.samples)
+            self._cv.notify()
+
+    def cancel(self, request: Work) -> None:
+        """The client went away: its samples leave their rows at the loop's next turn."""
+        if request.done or request.cancelled:
+            return
+        request.cancelled = True
+        self.metrics.disconnects.inc()
+        with self._cv:
+            self._cv.notify()
+
+    def snapshot(self) -> dict:
+        with self._cv:
+            running = sum(1 for r in self._live.values() if r.started)
+            return {"running": running, "waiting": len(self._live) - running,
+                    "waiting_samples": len(self._waiting), "slots": self.max_batch, "busy": self._busy}
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _retry_after(self) -> int:
+        # a guess: the batches queued ahead, each about _TYPICAL_STEPS steps at the measured step time
+        ahead = len(self._waiting) / max(1, self.max_batch)
+        return int(min(60, max(1, round(ahead * _TYPICAL_STEPS * self._seconds_per_token))))
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._loop, name="srm-max-engine-loop", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            while self._turn():
+                pass
+        except BaseException as e:  # noqa: BLE001  (a dead loop must not leave clients hanging)
+            self.failure = e
+            log.exception("engine loop failed")
+        finally:
+            self._fail_all("the server is shutting down" if self.failure is None else
+                           f"the engine failed: {self.failure}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._cv:
+            self._stopping = True
+            requests = list(self._live.values())
+            self._live.clear()
+            self._waiting.clear()
+            self._busy = 0
+        for r in requests:
+            r.sink([Delta(-1, message, [], ERROR)])
+
+    # ------------------------------------------------------------ one turn
+    def _turn(self) -> bool:
+        """Admit, prefill, decode once, deliver. False when the loop should end."""
+        pool = self._pool
+        with self._cv:
+            while True:
+                self._drop_cancelled_waiting()
+                if self._stopping:
+                    return False
+                if self._waiting or not pool.idle:
+                    break
+                self._cv.wait()
+            while self._waiting and len(pool.pending) < pool.free_slots:
+                s = self._waiting.popleft()
+                s.request.started = True
+                pool.submit([s])
+        try:
+            turn = pool.turn()
+        except Exception as e:  # noqa: BLE001  (an engine failure ends this batch, not the server)
+            log.exception("engine call failed")
+            self._fail_batch([*pool.live, *pool.pending], f"the engine failed: {e}")
+            return True
+        with self._cv:
+            self._busy = len(pool.live)
+        self._report(turn)
+        self._retire_requests()
+        return True
+
+    def _report(self, turn) -> None:
+        """Metrics and news of one turn: the prefill's first tokens, then the decode's."""
+        if turn.prompt_tokens:
+            self.metrics.engine_calls.labels("prefill").inc()
+            self.metrics.prompt_tokens.inc(turn.prompt_tokens)
+            self.metrics.prompts_prefilled.inc(turn.prompts_prefilled)
+        if turn.steps:
+            self.metrics.engine_calls.labels("decode").inc()
+            self._seconds_per_token = 0.9 * self._seconds_per_token + 0.1 * turn.decode_seconds / turn.steps
+        new: dict[int, int] = {}
+        touched: dict[int, Sample] = {}
+        for tick in turn.ticks:
+            for s, taken in tick.items():
+                new[id(s)] = new.get(id(s), 0) + int(taken.joined)
+                touched[id(s)] = s
+        for s in turn.finished:
+            touched.setdefault(id(s), s)
+        self._deliver(list(touched.values()), new, turn.prefill_seconds + turn.decode_seconds)
+
+    def _fail_batch(self, samples: list[Sample], message: str) -> None:
+        requests = {id(s.request): s.request for s in samples}
+        for r in requests.values():
+            for s in r.samples:
+                if s.reason is None:
+                    self._finish(s, ERROR)
+            r.sink([Delta(-1, message, [], ERROR)])
+        with self._cv:  # their samples still waiting go too
+            self._waiting = deque(s for s in self._waiting if s.reason is None)
+            self._busy = 0
+        self._pool.pending.clear()
+        self._pool.reset()
+
+    def _drop_cancelled_waiting(self) -> None:
+        """Samples of requests whose client went away leave the queue at once (under _cv)."""
+        if any(s.request.cancelled for s in self._waiting):
+            for s in self._waiting:
+                if s.request.cancelled:
+                    self._finish(s, CANCELLED)
+            self._waiting = deque(s for s in self._waiting if s.reason is None)
+            for rid in [rid for rid, r in self._live.items() if r.done]:
+                del self._live[rid]
+
+    def _deliver(self, samples: list[Sample], new: dict[int, int], elapsed: float) -> None:
+        """Send each request the news of its ``samples`` (one sink call per request);
+        ``new``: the tokens each took in the engine call that took ``elapsed`` seconds."""
+        now = time.perf_counter()
+        by_request: dict[str, tuple[Work, list[Delta]]] = {}
+        for s in samples:
+            r, k = s.request, new.get(id(s), 0)
+            if k:
+                self.metrics.generated_tokens.inc(k)
+                if r.first_token is None:
+                    r.first_token = now
+                    self.metrics.ttft.observe(now - r.submitted)
+                elif s.last_delivery is not None:
+                    self.metrics.itl.observe((now - s.last_delivery) / k)
+                s.last_delivery = now
+            delta = s.delta(self.generator.decode)
+            if s.reason is not None:
+                self._finish(s, s.reason)
+            if delta is not None:
+                by_request.setdefault(r.id, (r, []))[1].append(delta)
+        for r, deltas in by_request.values():
+            r.sink(deltas)
+        self._retire_requests()
+
+    def _finish(self, s: Sample, reason: str) -> None:
+        """Count a finished sample once."""
+        if s.counted:
+            return
+        s.counted = True
+        s.reason = reason
+        self.metrics.samples_finished.labels(reason).inc()
+
+    def _retire_requests(self) -> None:
+        with self._cv:
+            for rid in [rid for rid, r in self._live.items() if r.done]:
+                del self._live[rid]

@@ -1,0 +1,81 @@
+"""What the engine loop keeps per request and per sample, and how a sample takes its tokens.
+
+A ``Work`` is one HTTP completion request: its prompts times ``n`` samples,
+each a ``Sample`` with its own sampling parameters and seed. Samples run in the
+same scheduler as ``Generator`` (``serve.scheduler``), so a served sample equals
+``Generator.generate`` with the same prompt, parameters and seed.
+
+The engine loop hands each request its news as ``Delta``s, at most one per
+sample per engine call, through the request's ``sink`` (thread-safe: the loop
+runs in its own thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..scheduler import Sequence
+
+CANCELLED = "cancelled"  # a sample's reason when its client went away
+ERROR = "error"  # a Delta with this reason (and index -1) ends the whole request: the loop died
+
+
+@dataclass
+class Delta:
+    """What one sample adds to its response: streamed, the newly settled text and the
+    new token ids; not streamed, its whole text and ids once it has finished."""
+
+    index: int
+    text: str
+    ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled"
+
+
+@dataclass(eq=False)
+class Work:
+    id: str
+    stream: bool
+    stop_strings: list[str]
+    sink: Callable[[list[Delta]], None]
+    samples: list["Sample"] = field(default_factory=list)
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    started: bool = False  # a sample has entered a slot
+    first_token: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return all(s.reason is not None for s in self.samples)
+
+
+@dataclass(eq=False)
+class Sample(Sequence):
+    """One sample of a request: a scheduler ``Sequence`` (which takes its tokens exactly
+    as ``Generator`` does) plus what its response has been sent."""
+
+    request: Work | None = None
+    index: int = 0  # the choice index in the response
+    sent: int = 0  # tokens the stream has sent
+    last_delivery: float | None = None  # for the inter-token latency
+    counted: bool = False  # in the finished-samples metric
+
+    @property
+    def cancelled(self) -> bool:
+        return self.request.cancelled
+
+    def delta(self, decode: Callable[[list[int]], str | None]) -> Delta | None:
+        """Its news since the last delta, or None when there is none to send."""
+        if self.reason == CANCELLED:
+            return None
+        if not self.request.stream:
+            if self.reason is None:
+                return None
+            return Delta(self.index, self.text(decode) or "", list(self.tokens), self.reason)
+        new_ids = self.tokens[self.sent:]
+        self.sent = len(self.tokens)
+        piece = self.stream_piece(decode)  # only settled text: the pieces add up to the final text
+        if not new_ids and not piece and self.reason is None:
+            return None
+        return Delta(self.index, piece, new_ids, self.reason)

@@ -1,0 +1,129 @@
+"""Massive sampling: ``n`` samples of every prompt through a refilled pool of slots.
+
+A fixed pool of B slots (``scheduler.SlotPool``) runs every decode step. When a
+sample finishes (stop, length or context), its slot is refilled at once with the
+next pending sample: no padding to the longest sequence, no idle slot while work
+remains.
+
+Each sample's randomness depends only on its own seed, ``sample_seed(seed,
+prompt_index, sample_index)``, and its positions, so a sample is the same
+whether it ran in a pool, in any slot, or alone with ``generate(..., seed=that)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import GenerationError
+from ..models import registry
+from .sampling import SamplingParams, check_max_new_tokens, resolve_seed
+from .scheduler import PoolStats, Sequence, SlotPool
+
+# Per-sample memory the decode step needs besides its state: logits, sorted
+# logits and probabilities for top-k/top-p, and the activations of one layer.
+_SAMPLER_COPIES = 4
+_ACTIVATION_COPIES = 8
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample: a hash, so nearby (prompt, sample) pairs are unrelated."""
+    digest = hashlib.sha256(f"{seed}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def plan_max_batch(config, memory_budget_bytes: int = 4 << 30, weight_bytes_per_param: int = 4,
+                   max_batch: int = 65536) -> int:
+    """The largest slot pool whose weights, states and step activations fit the budget."""
+    weights = config.num_parameters() * weight_bytes_per_param
+    state, hidden = registry.of(config).sample_footprint(config)
+    activations = 4 * (_SAMPLER_COPIES * config.vocab_size + _ACTIVATION_COPIES * hidden)
+    free = memory_budget_bytes - weights
+    if free < state + activations:
+        raise GenerationError(
+            f"memory budget of {memory_budget_bytes / 2**20:.0f} MiB does not hold the weights "
+            f"({weights / 2**20:.0f} MiB) and one sample")
+    return int(max(1, min(max_batch, free // (state + activations))))
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    sample_index: int
+    ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length" | "context"
+    seed: int
+    score: float | None = None
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """A checked ``sample_many`` call: what every (prompt, sample) pair of it shares."""
+
+    prompts: list[list[int]]
+    max_batch: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+
+
+def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64, temperature=1.0, top_k=0,
+         top_p=1.0, seed: int | None = None, stop=None, memory_budget_bytes: int = 4 << 30) -> SampleJob:
+    """Check a ``sample_many`` call (its errors, its defaults) without running anything."""
+    seed = resolve_seed(seed)
+    ids, _ = generator._normalize_prompts(prompts if isinstance(prompts, list) else [prompts])
+    if not isinstance(n, int) or n < 1:
+        raise GenerationError(f"n must be an integer >= 1, got {n!r}")
+    max_new = check_max_new_tokens(max_new_tokens)
+    stop_ids, stop_strings = generator._normalize_stop(stop)
+    SamplingParams.build(1, temperature, top_k, top_p, 0)  # validates the scalars
+    if max_batch == "auto":
+        max_batch = plan_max_batch(generator.config, memory_budget_bytes)
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise GenerationError(f"max_batch must be 'auto' or an integer >= 1, got {max_batch!r}")
+    return SampleJob(ids, max_batch, max_new, float(temperature), int(top_k), float(top_p), seed,
+                     tuple(int(t) for t in stop_ids), tuple(stop_strings))
+
+
+def sample_many(generator, prompts, n: int, verifier: Callable | None = None, max_batch="auto",
+                max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int | None = None, stop=None,
+                memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None) -> Iterator[Sample]:
+    """Yield ``n`` samples of every prompt, in order of completion (see module docs).
+
+    ``verifier(text)`` (or ``verifier(ids)`` without a tokenizer) scores each sample.
+    ``seed=None`` draws a fresh seed (``Generator.sample_many`` reports it).
+    """
+    job = plan(generator, prompts, n, max_batch, max_new_tokens, temperature, top_k, top_p, seed, stop,
+               memory_budget_bytes)
+    pairs = [(p, s) for p in range(len(job.prompts)) for s in range(n)]
+    return run_pairs(generator, job, pairs, verifier, stats)
+
+
+def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
+              stats: PoolStats | None = None) -> Iterator[Sample]:
+    """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
+    sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
+                          job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s))
+                 for p, s in pairs]
+    pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), stats=stats)
+    pool.submit(sequences)
+    return _samples(pool, generator.decode, verifier)
+
+
+def _samples(pool: SlotPool, decode, verifier) -> Iterator[Sample]:
+    for turn in pool.run():
+        for s in turn.finished:
+            text = s.text(decode)
+            score = None if verifier is None else float(verifier(text if text is not None else s.tokens))
+            yield Sample(*s.tag, list(s.tokens), text, s.reason, s.seed, score)
+
+
+__all__ = ["Sample", "SampleJob", "plan", "plan_max_batch", "run_pairs", "sample_many", "sample_seed"]

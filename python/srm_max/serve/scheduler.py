@@ -1,0 +1,349 @@
+"""The one scheduler: a pool of state slots that every way of generating runs through.
+
+``generate`` and ``stream`` (every prompt in the pool at once), ``sample_many``
+(a fixed pool refilled the moment a sample finishes) and the HTTP server
+(requests joining at any turn) all hand ``Sequence``s to a ``SlotPool`` and call
+``turn()`` until it is idle. Each turn
+
+1. drops cancelled sequences,
+2. moves pending sequences into free slots: their distinct prompts are prefilled
+   together in one call (the samples of one prompt fork its state and draw their
+   first tokens from its logits) and their states copied into the batch, next to
+   the running rows,
+3. runs one decode call of up to ``steps_per_call`` steps for the whole batch,
+4. lets every running sequence take its tokens (stop token, stop string, length,
+   context: in that order) and reports what happened as a ``Turn``.
+
+A finished sequence's row keeps running (its tokens are dropped) until the batch
+is rebuilt: when a pending sequence can take its place, or when half the rows are
+finished (then the batch is compacted). A rebuild copies the kept rows' states
+through the host.
+
+A sequence's tokens depend only on its prompt, sampling parameters, seed and
+positions (the in-graph sampler's random counter), never on its batch mates, its
+slot or the steps per call, so scheduling never changes what anyone gets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from ..runtime.compiled import SamplingArrays
+
+Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
+
+
+def settled(text: str, stop_strings: Seq[str]) -> int:
+    """How much of a running sample's ``text`` its stream may show.
+
+    Not a trailing U+FFFD: a byte-level tokenizer decodes the first bytes of a
+    character split across tokens as U+FFFD until its last byte arrives. Not a
+    tail that could be the start of a stop string: the sample's text would be
+    cut before it.
+    """
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    held = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, end), held, -1):
+            if text.startswith(s[:k], end - k):
+                held = k
+                break
+    return end - held
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated: its prompt, parameters, and what it has produced."""
+
+    prompt: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_new: int
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    tag: object = None  # the caller's name for it
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None  # "stop" | "length" | "context" | "cancelled" once finished
+    cut: int | None = None  # where a stop string cuts the text
+    shown: int = 0  # characters of the text its stream has shown
+    cancel_requested: bool = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_requested
+
+    def budget(self, n_ctx: int) -> int:
+        """Tokens it may still take: ``max_new`` and the context both bound it."""
+        return min(self.max_new - len(self.tokens), n_ctx - len(self.prompt) - len(self.tokens))
+
+    def finish_without_running(self, n_ctx: int) -> bool:
+        """Nothing to generate (``max_new`` 0, or a prompt that fills the context)."""
+        if self.budget(n_ctx) > 0:
+            return False
+        self.reason = "length" if self.max_new == 0 else "context"
+        return True
+
+    def accept(self, token: int, decode: Decode, n_ctx: int) -> bool:
+        """Take one new token; -> whether it joined the output (a stop token does not)."""
+        if token in self.stop_ids:
+            self.reason = "stop"
+            return False
+        self.tokens.append(int(token))
+        if self.stop_strings:
+            text = decode(self.tokens) or ""
+            hits = [text.find(s) for s in self.stop_strings if s in text]
+            if hits:
+                self.reason, self.cut = "stop", min(hits)
+                return True
+        if len(self.tokens) >= self.max_new:
+            self.reason = "length"
+        elif len(self.prompt) + len(self.tokens) >= n_ctx:
+            self.reason = "context"
+        return True
+
+    def text(self, decode: Decode) -> str | None:
+        text = decode(self.tokens)
+        return text if text is None or self.cut is None else text[: self.cut]
+
+    def stream_piece(self, decode: Decode) -> str:
+        """The text its stream adds now: the newly settled part while it runs, the rest of
+        its final text once it has finished; the pieces add up to ``text``."""
+        text = decode(self.tokens)
+        if text is None:
+            return ""
+        if self.reason is not None:
+            end = len(text) if self.cut is None else self.cut
+        else:
+            end = settled(text, self.stop_strings)
+        start, self.shown = self.shown, max(self.shown, end)
+        return text[start:end]
+
+
+@dataclass
+class PoolStats:
+    """What the pool did: for checking that no slot idled while work was pending."""
+
+    slots: int = 0
+    decode_steps: int = 0
+    prefill_calls: int = 0
+    prompts_prefilled: int = 0  # distinct prompts run through prefill (samples of one prompt share it)
+    busy_slot_steps: int = 0
+    idle_slot_steps_while_pending: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+    tokens: int = 0
+    active_per_step: list[int] = field(default_factory=list)
+
+
+class Taken(NamedTuple):
+    """One token a sequence took at one step."""
+
+    token: int
+    joined: bool  # whether it joined the output (a stop token does not)
+    text: str | None  # with ``stream_text``: what the sequence's stream adds at this step
+    finished: str | None  # the reason, when the sequence finished at this step
+
+
+@dataclass
+class Turn:
+    """What one ``SlotPool.turn`` did."""
+
+    # per step (the prefill of starting sequences first, then each decode step): the
+    # sequences that took a token -> what they took
+    ticks: list[dict[Sequence, Taken]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # in the order they finished
+    prefill_seconds: float = 0.0
+    prompt_tokens: int = 0  # of the sequences started
+    prompts_prefilled: int = 0  # distinct prompts run through prefill
+    decode_seconds: float = 0.0
+    steps: int = 0  # decode steps run
+
+
+class SlotPool:
+    """Up to ``max_slots`` sequences decoding together on one engine (see module docs)."""
+
+    def __init__(self, engine, decode: Decode, max_slots: int, steps_per_call: int = 1,
+                 stats: PoolStats | None = None, stream_text: bool = False):
+        """``stream_text``: record each step's ``Sequence.stream_piece`` in the turn's ticks."""
+        if max_slots < 1 or steps_per_call < 1:
+            raise ValueError("max_slots and steps_per_call must be >= 1")
+        self.engine = engine
+        self.decode = decode
+        self.n_ctx = engine.config.context_length
+        self.max_slots = max_slots
+        self.steps_per_call = steps_per_call
+        self.stream_text = stream_text
+        self.stats = stats if stats is not None else PoolStats()
+        self.stats.slots = max_slots
+        self.pending: deque[Sequence] = deque()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every row (after a failed engine call); pending sequences stay."""
+        self.rows: list[Sequence] = []  # the batch's rows, finished ones included
+        self._states = self._sampling = self._device_inputs = None
+        self._ids = self._positions = np.zeros(0, np.int64)
+
+    def submit(self, sequences: Iterable[Sequence]) -> None:
+        self.pending.extend(sequences)
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.rows if s.reason is None]
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - len(self.live)
+
+    @property
+    def idle(self) -> bool:
+        return not self.pending and not self.live
+
+    def run(self) -> Iterable[Turn]:
+        """Turns until every submitted sequence has finished."""
+        start = time.perf_counter()
+        while not self.idle:
+            yield self.turn()
+        self.stats.seconds += time.perf_counter() - start
+
+    def turn(self) -> Turn:
+        turn = Turn()
+        for s in [*self.pending, *self.live]:
+            if s.cancelled:
+                self._finish(s, "cancelled", turn)
+        self.pending = deque(s for s in self.pending if s.reason is None)
+        rows = len(self.rows)
+        while self.pending and self.free_slots > 0:
+            self._start(turn)
+        if len(self.rows) == rows and len(self.rows) > 1 and 2 * len(self.live) <= len(self.rows):
+            self._rebuild(self.live, [], [])  # compact: half the rows are finished
+        if self.live:
+            self._decode(turn)
+        return turn
+
+    # ------------------------------------------------------------ the engine calls
+    def _start(self, turn: Turn) -> None:
+        """Prefill as many pending sequences as there are free slots; those still running
+        after their first token join the batch."""
+        starting = []
+        while self.pending and len(starting) < self.free_slots:
+            s = self.pending.popleft()
+            if s.finish_without_running(self.n_ctx):
+                self._finish(s, s.reason, turn)
+            else:
+                starting.append(s)
+        if not starting:
+            return
+        t0 = time.perf_counter()
+        try:
+            states, first = self._prefill(starting, turn)
+        except BaseException:
+            self.pending.extendleft(reversed(starting))  # still the caller's to finish or retry
+            raise
+        turn.prefill_seconds += time.perf_counter() - t0
+        turn.prompt_tokens += sum(len(s.prompt) for s in starting)
+        turn.ticks.append(self._take(zip(starting, first.tolist()), turn))
+        go_on = [i for i, s in enumerate(starting) if s.reason is None]
+        self._rebuild(self.live, [starting[i] for i in go_on], [(states[:, go_on], first[go_on])])
+
+    def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[np.ndarray, np.ndarray]:
+        """Each distinct prompt is prefilled once and its state forked into its samples;
+        -> host states [L, len(starting), ...] and each sample's first token, drawn from its
+        prompt's logits with its own parameters and seed (the same token as a prefill of
+        its own would draw)."""
+        eng = self.engine
+        rows: dict[tuple[int, ...], int] = {}
+        row_of = [rows.setdefault(tuple(s.prompt), len(rows)) for s in starting]
+        self.stats.prefill_calls += 1
+        self.stats.prompts_prefilled += len(rows)
+        turn.prompts_prefilled += len(rows)
+        if len(rows) == len(starting):
+            pre = eng.prefill([s.prompt for s in starting], _sampling_of(starting))
+            return eng.host(pre.states), np.asarray(pre.next_ids, np.int64)
+        distinct = [list(p) for p in rows]
+        pre = eng.prefill(distinct)
+        first = eng.draw(pre.logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
+        return eng.host(pre.states)[:, row_of], np.asarray(first, np.int64)
+
+    def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled: list) -> None:
+        """The batch of the ``kept`` rows, then the ``starting`` sequences (``prefilled``:
+        their host states [L, n, ...] and first tokens)."""
+        eng = self.engine
+        index = {id(s): i for i, s in enumerate(self.rows)}
+        keep = [index[id(s)] for s in kept]
+        states = ([eng.host(self._states)[:, keep]] if kept else []) + [p[0] for p in prefilled]
+        ids = [self._ids[keep]] + [p[1] for p in prefilled]
+        positions = [self._positions[keep]] + [np.array([len(s.prompt) for s in starting], np.int64)]
+        self.rows = kept + starting
+        self._device_inputs = None
+        if not self.rows:
+            self.reset()
+            return
+        self._states = eng.to_device(np.ascontiguousarray(np.concatenate(states, axis=1)))
+        self._ids = np.concatenate(ids)
+        self._positions = np.concatenate(positions)
+        self._sampling = eng.sampling_buffers(_sampling_of(self.rows))
+
+    def _decode(self, turn: Turn) -> None:
+        live = self.live
+        budgets = [s.budget(self.n_ctx) for s in live]
+        # with sequences waiting, end the call when the first row frees up; else run the
+        # steps the longest needs (past a sequence's end its tokens are dropped)
+        S = max(1, min(self.steps_per_call, min(budgets) if self.pending else max(budgets)))
+        ids, positions = self._device_inputs or (self._ids, self._positions)
+        t0 = time.perf_counter()
+        res = self.engine.decode(ids, positions, self._states, self._sampling, S)
+        turn.decode_seconds += time.perf_counter() - t0
+        turn.steps += S
+        self._states = res.states
+        self._device_inputs = (res.ids, res.positions)
+        self._ids = res.tokens[:, -1].copy()
+        self._positions = self._positions + S
+        columns = res.tokens.T.tolist()
+        for step in range(S):
+            running = [(r, s) for r, s in enumerate(self.rows) if s.reason is None]
+            if not running:
+                break
+            self.stats.decode_steps += 1
+            self.stats.active_per_step.append(len(running))
+            self.stats.busy_slot_steps += len(running)
+            if self.pending:
+                self.stats.idle_slot_steps_while_pending += self.max_slots - len(running)
+            turn.ticks.append(self._take(((s, columns[step][r]) for r, s in running), turn))
+
+    def _take(self, tokens, turn: Turn) -> dict[Sequence, Taken]:
+        """Let each (sequence, token) take its token: one tick."""
+        tick = {}
+        for s, token in tokens:
+            joined = s.accept(int(token), self.decode, self.n_ctx)
+            tick[s] = Taken(int(token), joined, s.stream_piece(self.decode) if self.stream_text else None, s.reason)
+            if s.reason is not None:
+                self._finish(s, s.reason, turn)
+        return tick
+
+    def _finish(self, s: Sequence, reason: str, turn: Turn) -> None:
+        s.reason = reason
+        turn.finished.append(s)
+        if reason != "cancelled":
+            self.stats.samples += 1
+            self.stats.tokens += len(s.tokens)
+
+
+def _sampling_of(sequences: list[Sequence]) -> SamplingArrays:
+    return SamplingArrays(np.array([s.temperature for s in sequences], np.float32),
+                          np.array([s.top_k for s in sequences], np.int64),
+                          np.array([s.top_p for s in sequences], np.float32),
+                          np.array([s.seed for s in sequences], np.uint64))
+
+
+__all__ = ["PoolStats", "Sequence", "SlotPool", "Taken", "Turn", "settled"]

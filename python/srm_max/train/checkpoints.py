@@ -1,0 +1,101 @@
+"""Training checkpoints: what ``--resume`` continues from.
+
+    OUT/checkpoints/step-NNNNNN/model.pt           the model's state_dict
+    OUT/checkpoints/step-NNNNNN/trainer_state.pt   step, optimizer, scaler, RNG states, extras
+    OUT/checkpoints/latest                         the name of the newest complete step-N
+
+Each file is written atomically and ``latest`` moves last, so a kill at any
+moment leaves ``latest`` pointing at a complete checkpoint. These are PyTorch
+files for the trainer; ``srm-max convert`` turns the final ``model.pt`` into a
+served checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..files import atomic_file, atomic_write_text
+
+MODEL_FILE = "model.pt"
+STATE_FILE = "trainer_state.pt"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (or the model itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def save_atomic(obj, path: Path) -> None:
+    """``torch.save`` that leaves the complete old or new file, never half of one."""
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def save_training_state(out: Path, step: int, model: nn.Module, optimizer, scaler, extra: dict,
+                    keep: int = 2) -> Path:
+    """Write checkpoints/step-N/{model.pt,trainer_state.pt}, then point checkpoints/latest at it."""
+    root = out / "checkpoints"
+    ckpt = root / f"step-{step:06d}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    save_atomic(unwrap(model).state_dict(), ckpt / MODEL_FILE)
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "numpy_rng": np.random.get_state(),
+        **extra,
+    }
+    save_atomic(state, ckpt / STATE_FILE)
+    atomic_write_text(root / "latest", ckpt.name + "\n")
+    if keep > 0:
+        old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != ckpt.name)
+        for p in old[:max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+    return ckpt
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    marker = Path(out) / "checkpoints" / "latest"
+    if not marker.is_file():
+        return None
+    ckpt = marker.parent / marker.read_text().strip()
+    if not (ckpt / STATE_FILE).is_file() or not (ckpt / MODEL_FILE).is_file():
+        raise RuntimeError(f"{marker} points at {ckpt}, which is incomplete")
+    return ckpt
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run stands: the next step, and the totals before it."""
+
+    step: int = 0
+    elapsed_s: float = 0.0
+    tokens_seen: int = 0
+
+
+def restore_checkpoint(ckpt: Path, model: nn.Module, optimizer, scaler, device: torch.device) -> Resumed:
+    """Load the model, optimizer, scaler and every RNG state of ``ckpt`` in place."""
+    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=device, weights_only=True))
+    state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and state.get("scaler") is not None:
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["torch_rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    np.random.set_state(state["numpy_rng"])
+    return Resumed(int(state["step"]), float(state.get("elapsed_s", 0.0)), int(state.get("tokens_seen", 0)))
+
+
+def save_final_model(model: nn.Module, path: Path) -> None:
+    """The trained model as an fp32 ``state_dict`` on the CPU (what ``srm-max convert`` reads)."""
+    save_atomic({k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+                 for k, v in unwrap(model).state_dict().items()}, path)

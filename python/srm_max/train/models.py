@@ -1,0 +1,93 @@
+"""The models the trainer builds, by ``--arch``: the reference SRM, the PHA hybrid and the
+Transformer baseline (PyTorch, from ``srm_max.reference``).
+
+Each builder takes the parsed arguments and the vocabulary size and returns
+``(model, config)``; the config is saved as ``config.json`` beside the trained
+weights. Another architecture is one more builder and one more line in
+``ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+from torch import nn
+
+from ..models.pha.config import PHAConfig
+from ..models.srm.config import SRMConfig
+from ..reference.pha import PHA
+from ..reference.srm import SRM
+from ..reference.transformer import Transformer, TransformerConfig, matched_config
+
+
+def srm_config_from_args(args: argparse.Namespace, vocab_size: int) -> SRMConfig:
+    return SRMConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                     n_heads=args.n_heads, context_length=args.context_length,
+                     ffn_expansion=args.ffn_expansion, decay=not args.no_decay)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def pha_config_from_args(args: argparse.Namespace, vocab_size: int) -> PHAConfig:
+    """The PHAConfig of ``--arch pha``: sizes from the shared flags, every PHA choice
+    not given on the command line left at its ``PHAConfig`` default."""
+    given = {
+        "gss_expansion_dim": args.gss_expansion_dim or None,
+        "gss_hidden_dim": args.gss_hidden_dim or None,
+        "dss_state_size": args.dss_state_size or None,
+        "ffn_dims": _int_list(args.pha_ffn_dims) if args.pha_ffn_dims is not None else None,
+        "branches": _name_list(args.pha_branches) if args.pha_branches else None,
+        "mode": args.pha_mode,
+    }
+    if args.no_deepnorm:
+        given["deepnorm"] = False
+    if args.untie_embeddings:
+        given["tie_embeddings"] = False
+    return PHAConfig(vocab_size=vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                     context_length=args.context_length, n_q_heads=args.n_heads,
+                     n_kv_heads=args.n_kv_heads or args.n_heads,
+                     **{k: v for k, v in given.items() if v is not None})
+
+
+def build_srm(args: argparse.Namespace, vocab_size: int):
+    cfg = srm_config_from_args(args, vocab_size)
+    model = SRM(cfg)
+    if args.srm_mixer != "parallel":
+        # Same function, another form of the token mixer; the weights do not change.
+        model.forward = functools.partial(model.forward, mixer=args.srm_mixer)
+    return model, cfg
+
+
+def build_pha(args: argparse.Namespace, vocab_size: int):
+    cfg = pha_config_from_args(args, vocab_size)
+    return PHA(cfg), cfg
+
+
+def build_transformer(args: argparse.Namespace, vocab_size: int):
+    srm_cfg = srm_config_from_args(args, vocab_size)  # the sizes are checked as the SRM's
+    if args.ffn_dim:
+        cfg = TransformerConfig(vocab_size, args.d_model, args.n_layers, args.n_heads,
+                                args.context_length, args.ffn_dim)
+    else:
+        cfg = matched_config(srm_cfg)  # same parameter count as the SRM of these sizes
+    return Transformer(cfg), cfg
+
+
+ARCHITECTURES: dict[str, Callable[[argparse.Namespace, int], tuple[nn.Module, object]]] = {
+    "srm": build_srm,
+    "pha": build_pha,
+    "transformer": build_transformer,
+}
+
+
+def build_model(args: argparse.Namespace, vocab_size: int):
+    """``(model, config)`` of the architecture ``args.arch``."""
+    return ARCHITECTURES[args.arch](args, vocab_size)
