@@ -1,9 +1,8 @@
 """The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
 
 Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
-and ``pha_decode_*`` (``graphs/pha``), batch size, prompt length (in chunks of
-``graphs.pha.CHUNK`` tokens: prompts are right-padded to a whole number of chunks)
-and steps per call symbolic; weights bound at load time by name; compiled models cached as
+and ``pha_decode_*`` (``graphs/pha``), batch size, prompt length and steps per
+call symbolic; weights bound at load time by name; compiled models cached as
 ``.mef`` files (``compile_cache``).
 
 States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
@@ -89,16 +88,15 @@ class PHAEngine(CompiledGraphs):
                 raise GenerationError(f"prompt {i} has {len(p)} tokens: expected 1 to the context length {n}")
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int64)
-        C = pha_graphs.CHUNK
-        M = -(-int(lengths.max()) // C)  # chunks: the graph runs T = M C tokens
-        ids = right_padded(prompts, M * C).reshape(B, M, C)
-        pos = np.arange(M * C, dtype=np.int64).reshape(M, C)
+        T = int(lengths.max())
+        ids = right_padded(prompts, T)
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
             logits, nxt, states = self.prefill_model.execute(
-                self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
+                self.to_device(ids), self.to_device(np.arange(T, dtype=np.int64)), self.to_device(np.arange(T, dtype=np.int64)),
+                self.to_device(lengths),
                 *self.sampling_buffers(sampling))
         return PrefillResult(logits, self.host(nxt), states)
 
 
-__all__ = ["PHAEngine", "weights_registry", "check_weights"]
+__all__ = ["PHAEngine", "check_weights", "weights_registry"]

@@ -1,0 +1,325 @@
+"""The PHA's weights, state layout and the pieces its prefill and decode graphs share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from max.dtype import DType
+from max.graph import DeviceRef, TensorValue, Weight, ops
+
+from .. import ops as gops
+from ..ops import F32, I64, linear
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Column ranges of one layer's state in the flat ``[L, B, X]`` tensor."""
+
+    gss: int  # 2 * H * N (0 without GSS)
+    kv: int  # Hkv * n * dh per cache (0 without attention)
+
+    @classmethod
+    def of(cls, config) -> "StateLayout":
+        c = config
+        gss = 2 * c.gss_hidden_dim * c.dss_state_size if "gss" in c.branches else 0
+        kv = c.n_kv_heads * c.context_length * c.head_dim if "attn" in c.branches else 0
+        return cls(gss, kv)
+
+    @property
+    def width(self) -> int:
+        return max(1, self.gss + 2 * self.kv)
+
+    @property
+    def keys(self) -> slice:
+        return slice(self.gss, self.gss + self.kv)
+
+    @property
+    def values(self) -> slice:
+        return slice(self.gss + self.kv, self.gss + 2 * self.kv)
+
+
+# ----------------------------------------------------------------------- weights
+def _block_prefix(l: int) -> str:
+    return f"blocks.{l}."
+
+
+def derived_name(l: int, what: str) -> str:
+    return f"pha_derived.{l}.{what}"
+
+
+def matrix_names(config) -> list[str]:
+    """Checkpoint keys of the big matrices (stored in the weight dtype)."""
+    c = config
+    names = ["embed.weight"] + ([] if c.tie_embeddings else ["lm_head.weight"])
+    for l in range(c.n_layers):
+        b = _block_prefix(l) + "branches."
+        if "gss" in c.branches:
+            names += [b + f"gss.{m}.weight" for m in ("to_u", "to_v", "to_gate", "to_out")]
+        if "attn" in c.branches:
+            names += [b + f"attn.{m}_proj.weight" for m in "qkvo"]
+        for i in range(len(c.ffn_dims)):
+            names += [b + f"ffn_{i}.fc.weight", b + f"ffn_{i}.proj.weight"]
+    return names
+
+
+def graph_weight_names(config) -> list[str]:
+    """Checkpoint keys the graphs read as they are (the rest enter only derived)."""
+    c = config
+    names = matrix_names(c)
+    for l in range(c.n_layers):
+        p = _block_prefix(l)
+        b = p + "branches."
+        if "gss" in c.branches:
+            names += [b + "gss.to_v.bias", b + "gss.dss.norm.weight", b + "gss.dss.norm.bias",
+                      b + "gss.dss.param_D", b + "gss.to_out.bias"]
+        for i in range(len(c.ffn_dims)):
+            names += [b + f"ffn_{i}.fc.bias", b + f"ffn_{i}.proj.bias"]
+        if c.mode == "parallel":
+            names += [p + "post_norm.weight", p + "post_norm.bias"]
+        else:
+            for name in c.branch_names:
+                names += [p + f"branch_norms.{name}.weight", p + f"post_norms.{name}.weight",
+                          p + f"post_norms.{name}.bias"]
+    return names
+
+
+def derived_weights(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host-side tensors computed from the checkpoint at load time (float64 math, float32 out).
+
+    gss: a, w [N] (Abar = exp(a + i w): a = -exp(Lambda_real), w = exp(Lambda_imag));
+         ct_re, ct_im [H, N] (Ct = C (Abar - 1) / Lambda); and per flat (h, n) channel
+         [H*N]: abar_re, abar_im, ct_re_flat, ct_im_flat (for the decode step).
+    attn: scale [Hq*dh], exp(min(logit_scale, log max)) repeated over each head's channels.
+    parallel mode: branch_norm.{name} [E] = w_i * RMSNorm_i.weight, the mixing weight
+         w = softplus(p) / sum(softplus(p)) folded into the branch's norm.
+    """
+    c = config
+    out: dict[str, np.ndarray] = {}
+    for l in range(c.n_layers):
+        p = _block_prefix(l)
+        b = p + "branches."
+        if "gss" in c.branches:
+            d = b + "gss.dss."
+            a = -np.exp(weights[d + "Lambda_real"].astype(np.float64))
+            w = np.exp(weights[d + "Lambda_imag"].astype(np.float64))
+            lam = a + 1j * w
+            ct = (weights[d + "C_real"].astype(np.float64) + 1j * weights[d + "C_imag"]) * (np.exp(lam) - 1) / lam
+            abar = np.exp(lam)
+            H = c.gss_hidden_dim
+            out |= {
+                derived_name(l, "gss.a"): a, derived_name(l, "gss.w"): w,
+                derived_name(l, "gss.ct_re"): ct.real, derived_name(l, "gss.ct_im"): ct.imag,
+                derived_name(l, "gss.abar_re"): np.tile(abar.real, H),
+                derived_name(l, "gss.abar_im"): np.tile(abar.imag, H),
+                derived_name(l, "gss.ct_re_flat"): ct.real.reshape(-1),
+                derived_name(l, "gss.ct_im_flat"): ct.imag.reshape(-1),
+            }
+        if "attn" in c.branches:
+            s = weights[b + "attn.logit_scale"].astype(np.float64)
+            scale = np.exp(np.minimum(s, math.log(c.logit_scale_max)))
+            out[derived_name(l, "attn.scale")] = np.repeat(scale, c.head_dim)
+        if c.mode == "parallel":
+            m = weights[p + "mixing"].astype(np.float64)
+            soft = np.logaddexp(0.0, m)  # softplus
+            mix = soft / soft.sum()
+            for i, name in enumerate(c.branch_names):
+                out[derived_name(l, f"branch_norm.{name}")] = mix[i] * weights[p + f"branch_norms.{name}.weight"]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+class PHAWeights(gops.NamedWeights):
+    """The PHA graph's named weights."""
+
+    def embedding(self) -> Weight:
+        c = self.config
+        return self.matrix("embed.weight", [c.vocab_size, c.d_model])
+
+    def output(self) -> Weight:
+        c = self.config
+        return self.embedding() if c.tie_embeddings else self.matrix("lm_head.weight", [c.vocab_size, c.d_model])
+
+    def gss(self, l: int) -> dict:
+        c = self.config
+        E, F, H, N = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim, c.dss_state_size
+        b = _block_prefix(l) + "branches.gss."
+        g = {
+            "to_u": self.matrix(b + "to_u.weight", [F, E]),
+            "to_v": self.matrix(b + "to_v.weight", [H, E]),
+            "to_v_b": self.get(b + "to_v.bias", [H]),
+            "norm_w": self.get(b + "dss.norm.weight", [H]),
+            "norm_b": self.get(b + "dss.norm.bias", [H]),
+            "D": self.get(b + "dss.param_D", [H]),
+            "to_gate": self.matrix(b + "to_gate.weight", [F, H]),
+            "to_out": self.matrix(b + "to_out.weight", [E, F]),
+            "to_out_b": self.get(b + "to_out.bias", [E]),
+        }
+        for k, shape in (("a", [N]), ("w", [N]), ("ct_re", [H, N]), ("ct_im", [H, N]), ("abar_re", [H * N]),
+                         ("abar_im", [H * N]), ("ct_re_flat", [H * N]), ("ct_im_flat", [H * N])):
+            g[k] = self.get(derived_name(l, "gss." + k), shape)
+        return g
+
+    def attn(self, l: int) -> dict:
+        c = self.config
+        E, dq, dk = c.d_model, c.n_q_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        b = _block_prefix(l) + "branches.attn."
+        return {
+            "q": self.matrix(b + "q_proj.weight", [dq, E]),
+            "k": self.matrix(b + "k_proj.weight", [dk, E]),
+            "v": self.matrix(b + "v_proj.weight", [dk, E]),
+            "o": self.matrix(b + "o_proj.weight", [E, dq]),
+            "scale": self.get(derived_name(l, "attn.scale"), [dq]),
+        }
+
+    def ffn(self, l: int, i: int) -> dict:
+        c = self.config
+        E, f = c.d_model, c.ffn_dims[i]
+        b = _block_prefix(l) + f"branches.ffn_{i}."
+        return {"fc": self.matrix(b + "fc.weight", [f, E]), "fc_b": self.get(b + "fc.bias", [f]),
+                "proj": self.matrix(b + "proj.weight", [E, f]), "proj_b": self.get(b + "proj.bias", [E])}
+
+    def branch_norm(self, l: int, name: str) -> Weight:
+        E = self.config.d_model
+        if self.config.mode == "parallel":
+            return self.get(derived_name(l, f"branch_norm.{name}"), [E])
+        return self.get(_block_prefix(l) + f"branch_norms.{name}.weight", [E])
+
+    def post_norm(self, l: int, name: str) -> tuple[Weight, Weight]:
+        E, p = self.config.d_model, _block_prefix(l)
+        key = "post_norm" if self.config.mode == "parallel" else f"post_norms.{name}"
+        return self.get(p + key + ".weight", [E]), self.get(p + key + ".bias", [E])
+
+
+# ------------------------------------------------------------- shared pieces
+class _Consts:
+    """Graph constants that depend only on the config (RoPE tables, iotas), and the
+    per-head spread and sum built on them."""
+
+    def __init__(self, config, device: DeviceRef):
+        c = self.config = config
+        self.device = device
+        dh, half = c.head_dim, c.head_dim // 2
+        self._memo: dict = {}
+        # inv_freq as the reference computes it (float32), per channel of a head.
+        self.inv_freq = (c.rope_base ** (-np.arange(half, dtype=np.float32) / half)).astype(np.float32)
+        self.dh, self.half = dh, half
+
+    def _once(self, key, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def spread(self, x: TensorValue, groups: int, width: int) -> TensorValue:
+        """x [..., groups] -> [..., groups*width]: each value repeated width times."""
+        index = self._once(("spread", groups, width), lambda: gops.const(
+            np.repeat(np.arange(groups, dtype=np.int64), width), I64, self.device))
+        return ops.gather(x, index, axis=x.rank - 1)
+
+    @staticmethod
+    def group_sum(x: TensorValue, groups: int, width: int) -> TensorValue:
+        """x [..., groups*width] -> [..., groups]: the sum of each group of width channels."""
+        lead = list(x.shape[:-1])
+        return ops.reshape(ops.sum(ops.reshape(x, lead + [groups, width]), axis=-1), lead + [groups])
+
+    def rope_freq(self, heads: int) -> TensorValue:
+        """[1, heads*dh]: the rotation frequency of every channel (pairs (i, i + dh/2))."""
+        f = np.tile(np.concatenate([self.inv_freq, self.inv_freq]), heads).reshape(1, -1)
+        return self._once(("freq", heads), lambda: gops.const(f, F32, self.device))
+
+    def rope_rotate(self, heads: int) -> TensorValue:
+        """[D, D]: x @ R = (-x2, x1) within every head (x1, x2 its two halves)."""
+        def make():
+            dh, half = self.dh, self.half
+            D = heads * dh
+            R = np.zeros((D, D), np.float32)
+            for h in range(heads):
+                for i in range(half):
+                    lo, hi = h * dh + i, h * dh + half + i
+                    R[hi, lo] = -1.0  # out[lo] = -x[hi]
+                    R[lo, hi] = 1.0  # out[hi] = x[lo]
+            return gops.const(R, F32, self.device)
+        return self._once(("rot", heads), make)
+
+    @property
+    def logit_bound(self) -> float:
+        """Above every |attention logit|: q, k unit vectors, scale <= logit_scale_max."""
+        return float(self.config.logit_scale_max) + 1.0
+
+    def iota_n(self) -> TensorValue:
+        """[n] int64: the cache positions 0 .. n-1."""
+        n = self.config.context_length
+        return self._once("iota", lambda: gops.const(np.arange(n, dtype=np.int64), I64, self.device))
+
+
+
+def _l2_normalize(x: TensorValue, heads: int, K: _Consts) -> TensorValue:
+    """x [..., heads*dh] -> each head scaled to unit length (F.normalize, eps 1e-12)."""
+    sq = K.group_sum(x * x, heads, K.dh)  # [..., heads]
+    inv = 1.0 / gops.floor_at(ops.sqrt(sq), 1e-12)
+    return x * K.spread(inv, heads, K.dh)
+
+
+def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorValue:
+    """Rotate x [..., heads*dh] by angle (per channel): (x1 cos - x2 sin, x1 sin + x2 cos) per head."""
+    return x * ops.cos(angle) + ops.matmul(x, K.rope_rotate(heads)) * ops.sin(angle)
+
+
+def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts):
+    """Normalised, rotated q (times the logit scale) and k, and v; flat channels.
+
+    pos_f [..., 1] float32 broadcasts against the rows of x [..., E].
+    """
+    def rotated(w, heads):
+        h = _l2_normalize(linear(x, w), heads, K)
+        return _rope(h, pos_f * K.rope_freq(heads), heads, K)
+
+    # logits = scale_h * q.k: the scale rides on q's channels.
+    return rotated(a["q"], c.n_q_heads) * a["scale"], rotated(a["k"], c.n_kv_heads), linear(x, a["v"])
+
+
+def _ffn(x: TensorValue, f: dict) -> TensorValue:
+    return linear(ops.gelu(linear(x, f["fc"], f["fc_b"])), f["proj"], f["proj_b"])
+
+
+def _masked_softmax(logits: TensorValue, keep: TensorValue, bound: float) -> TensorValue:
+    """Softmax over the last axis of the entries where ``keep`` (0/1) is 1.
+
+    The mask is applied by multiplication, so a masked entry is exactly 0 whatever
+    the logits; ``bound`` >= |logits| puts masked entries below every kept one, so
+    the shift is the kept maximum.
+    """
+    z = logits * keep + (keep - 1.0) * bound
+    e = ops.exp(z - ops.max(z, axis=-1)) * keep
+    return e / ops.sum(e, axis=-1)
+
+
+def _block(x: TensorValue, l: int, W: PHAWeights, run) -> TensorValue:
+    """The block around ``run(name, h) -> branch output`` (reference ``PHABlock._combine``)."""
+    c = W.config
+    alpha, eps = c.deepnorm_alpha, c.norm_eps
+    if c.mode == "parallel":
+        mixed = None
+        for name in c.branch_names:  # the mixing weight is folded into the norm's weight
+            b = ops.rms_norm(run(name, x), W.branch_norm(l, name), epsilon=eps)
+            mixed = b if mixed is None else mixed + b
+        w, bias = W.post_norm(l, "")
+        return ops.layer_norm(alpha * x + mixed, w, bias, epsilon=eps)
+    for name in c.branch_names:
+        b = ops.rms_norm(run(name, x), W.branch_norm(l, name), epsilon=eps)
+        w, bias = W.post_norm(l, name)
+        x = ops.layer_norm(alpha * x + b, w, bias, epsilon=eps)
+    return x
+
+
+def _state_row(found: dict, zero_col: TensorValue) -> TensorValue:
+    """One layer's state [B, X] in ``StateLayout`` order."""
+    parts = ([found["gss"]] if "gss" in found else []) + (list(found["attn"]) if "attn" in found else [])
+    if not parts:
+        return zero_col
+    return parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
+
+
+def _embed(W: PHAWeights, ids: TensorValue) -> TensorValue:
+    x = ops.gather(W.embedding(), ids, axis=0)
+    return x if x.dtype == F32 else ops.cast(x, F32)
