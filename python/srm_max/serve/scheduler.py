@@ -235,8 +235,8 @@ class SlotPool:
     def _start(self, turn: Turn) -> None:
         """Prefill as many pending sequences as there are free slots; those still running
         after their first token join the batch."""
-        starting = []
-        while self.pending and len(starting) < self.free_slots:
+        starting, free = [], self.free_slots  # rows do not change until the rebuild below
+        while self.pending and len(starting) < free:
             s = self.pending.popleft()
             if s.finish_without_running(self.n_ctx):
                 self._finish(s, s.reason, turn)

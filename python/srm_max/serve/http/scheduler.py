@@ -142,7 +142,9 @@ class Scheduler:
                 if self._waiting or not pool.idle:
                     break
                 self._cv.wait()
-            while self._waiting and len(pool.pending) < pool.free_slots:
+            free = pool.free_slots - len(pool.pending)
+            while self._waiting and free > 0:
+                free -= 1
                 s = self._waiting.popleft()
                 s.request.started = True
                 pool.submit([s])
