@@ -293,7 +293,9 @@ def test_an_engine_failure_ends_its_batch_not_the_server(served, monkeypatch):
         raise RuntimeError("injected failure")
 
     monkeypatch.setattr(served.generator.engine, "prefill", broken)
-    status, _, body = served.post("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4})
+    # a prompt no earlier test sent: the pool reuses its last prefill for a prompt it holds
+    prompt = "an engine failure"
+    status, _, body = served.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4})
     assert status == 500 and "injected failure" in body["error"]["message"]
     monkeypatch.undo()
     r = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)

@@ -165,3 +165,36 @@ def test_each_prompt_is_prefilled_once_and_its_state_forked(generator):
         alone = generator.generate(prompts[s.prompt_index], seed=s.seed, **kw)
         assert (s.ids, s.finish_reason) == (alone.ids, alone.finish_reason), (s.prompt_index, s.sample_index)
     assert all(len({tuple(s.ids[:1]) for s in samples if s.prompt_index == p}) > 1 for p in range(len(prompts)))
+
+
+def test_refill_regroups_states_on_the_device(generator, monkeypatch):
+    """Refills, forks and compactions move states only through the engine's regroup graph
+    (no state comes back to the host), and that graph is the gather it promises."""
+    eng = generator.engine
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((TINY.n_layers, 3, TINY.n_heads, TINY.head_dim)).astype(np.float32)
+    fresh = rng.standard_normal((TINY.n_layers, 2, TINY.n_heads, TINY.head_dim)).astype(np.float32)
+    index = [4, 0, 2, 3, 3]
+    got = eng.host(eng.regroup(eng.to_device(pool), eng.to_device(fresh), index))
+    np.testing.assert_array_equal(got, np.concatenate([pool, fresh], axis=1)[:, index])
+    np.testing.assert_array_equal(eng.host(eng.regroup(None, eng.to_device(fresh), [1, 1])), fresh[:, [1, 1]])
+
+    host = type(eng).host
+    state_rank = pool.ndim
+
+    def host_without_states(buf):
+        assert len(buf.shape) != state_rank, "a state went through the host"
+        return host(buf)
+
+    monkeypatch.setattr(eng, "host", host_without_states)
+    prompts = [rnd_prompt(5, 1), rnd_prompt(9, 2)]
+    kw = dict(max_new_tokens=10, temperature=1.0, stop=[7, 11])
+    stats = PoolStats()
+    samples = list(sample_many(generator, prompts, 5, max_batch=4, seed=3, stats=stats, **kw))
+    monkeypatch.undo()
+    # the later samples of a prompt fork the last prefill; only a refill that mixes the kept
+    # prompt's samples with a new prompt's prefills both (without the reuse: one per refill)
+    assert len(samples) == 10 and stats.prompts_prefilled <= len(prompts) + 1
+    for s in samples:
+        alone = generator.generate(prompts[s.prompt_index], seed=s.seed, **kw)
+        assert (s.ids, s.finish_reason) == (alone.ids, alone.finish_reason), (s.prompt_index, s.sample_index)

@@ -47,7 +47,7 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 # x86-64 CPUs of the last decade have (x86-64-v4 would need an AVX-512 machine to check it)
 DEFAULT_TARGETS = ("x86-64-v3",)
 # the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
-KINDS = ("prefill", "decode", "sample", "decode_greedy")
+KINDS = ("prefill", "decode", "sample", "regroup", "decode_greedy")
 # x86-64 levels, lowest first: a CPU runs code compiled for its level or any below it
 X86_LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 # relative to max(1, max |expected|): the float32 engine against the float64 reference
@@ -203,6 +203,10 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
                          [len(prompt)] * 3)
         if drawn.tolist() != [int(tokens[0])] * 3:
             problems.append(f"sample: tokens {drawn.tolist()}, expected {[int(tokens[0])] * 3}")
+    if "regroup" in eng._models:  # a gather: rows of the known states, forked and reordered
+        pool, fresh = expected["states"], expected["decode_states"]
+        got = eng.host(eng.regroup(eng.to_device(pool), eng.to_device(fresh), [1, 0, 1]))
+        compare("regroup", got, np.concatenate([pool, fresh], axis=1)[:, [1, 0, 1]])
     steps = len(tokens) - 1
     for kind in ("decode", "decode_greedy"):
         if kind not in eng._models:

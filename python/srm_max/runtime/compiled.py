@@ -167,7 +167,7 @@ class CompiledGraphs:
         return self.kernels and isinstance(self.device, CPU)
 
     def graph_kinds(self) -> list[str]:
-        return ["prefill", "decode", "sample"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
+        return ["prefill", "decode", "sample", "regroup"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
@@ -205,6 +205,20 @@ class CompiledGraphs:
                 logits, self.to_device(np.asarray(rows, np.int64)), *self.sampling_buffers(sampling),
                 self.to_device(np.asarray(counters, np.int64)))
         return self.host(ids)
+
+    def regroup(self, pool: Buffer | None, fresh: Buffer | None, index) -> Buffer:
+        """A batch of states made on the device (``graphs/slots.py``): row b is row
+        ``index[b]`` of ``pool`` then ``fresh`` side by side (either may be None: no
+        rows). Only ``index`` crosses from the host."""
+        if pool is None and fresh is None:
+            raise ValueError("regroup needs pool or fresh states")
+        like = pool if pool is not None else fresh
+        none = self.to_device(np.zeros((like.shape[0], 0, *like.shape[2:]), np.float32))
+        with self._lock:
+            (states,) = self.model("regroup").execute(
+                pool if pool is not None else none, fresh if fresh is not None else none,
+                self.to_device(np.asarray(index, np.int64)))
+        return states
 
     # -- the decode call (every engine's decode graph has the same inputs and outputs)
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:

@@ -8,16 +8,18 @@
 1. drops cancelled sequences,
 2. moves pending sequences into free slots: their distinct prompts are prefilled
    together in one call (the samples of one prompt fork its state and draw their
-   first tokens from its logits) and their states copied into the batch, next to
-   the running rows,
+   first tokens from its logits; samples of the last call's prompts fork it without
+   a new prefill) and their states copied into the batch, next to the running rows,
 3. runs one decode call of up to ``steps_per_call`` steps for the whole batch,
 4. lets every running sequence take its tokens (stop token, stop string, length,
    context: in that order) and reports what happened as a ``Turn``.
 
 A finished sequence's row keeps running (its tokens are dropped) until the batch
 is rebuilt: when a pending sequence can take its place, or when half the rows are
-finished (then the batch is compacted). A rebuild copies the kept rows' states
-through the host.
+finished (then the batch is compacted). A rebuild is one gather on the device
+(the engine's ``regroup`` graph) of the kept rows and the new samples' prefilled
+states: states never go through the host, only token ids, positions and the row
+index do.
 
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
@@ -192,6 +194,7 @@ class SlotPool:
         """Forget every row (after a failed engine call); pending sequences stay."""
         self.rows: list[Sequence] = []  # the batch's rows, finished ones included
         self._states = self._sampling = self._device_inputs = None
+        self._last_prefill = None  # (prompt -> row, states, logits) of the last prefill call
         self._ids = self._positions = np.zeros(0, np.int64)
 
     def submit(self, sequences: Iterable[Sequence]) -> None:
@@ -226,7 +229,7 @@ class SlotPool:
         while self.pending and self.free_slots > 0:
             self._start(turn)
         if len(self.rows) == rows and len(self.rows) > 1 and 2 * len(self.live) <= len(self.rows):
-            self._rebuild(self.live, [], [])  # compact: half the rows are finished
+            self._rebuild(self.live, [])  # compact: half the rows are finished
         if self.live:
             self._decode(turn)
         return turn
@@ -246,7 +249,7 @@ class SlotPool:
             return
         t0 = time.perf_counter()
         try:
-            states, first = self._prefill(starting, turn)
+            states, row_of, first = self._prefill(starting, turn)
         except BaseException:
             self.pending.extendleft(reversed(starting))  # still the caller's to finish or retry
             raise
@@ -254,44 +257,58 @@ class SlotPool:
         turn.prompt_tokens += sum(len(s.prompt) for s in starting)
         turn.ticks.append(self._take(zip(starting, first.tolist()), turn))
         go_on = [i for i, s in enumerate(starting) if s.reason is None]
-        self._rebuild(self.live, [starting[i] for i in go_on], [(states[:, go_on], first[go_on])])
+        self._rebuild(self.live, [starting[i] for i in go_on], (states, [row_of[i] for i in go_on], first[go_on]))
 
-    def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[object, list[int], np.ndarray]:
         """Each distinct prompt is prefilled once and its state forked into its samples;
-        -> host states [L, len(starting), ...] and each sample's first token, drawn from its
-        prompt's logits with its own parameters and seed (the same token as a prefill of
-        its own would draw)."""
+        -> the prefilled states (device, one row per distinct prompt), each sample's row
+        among them, and each sample's first token, drawn from its prompt's logits with
+        its own parameters and seed (the same token as a prefill of its own would draw).
+
+        The last prefill is kept: when every starting sample's prompt is in it (the next
+        samples of a prompt, started as slots free up), they fork it without a prefill."""
         eng = self.engine
+        keys = [tuple(s.prompt) for s in starting]
+        kept = self._last_prefill
+        if kept is not None and all(k in kept[0] for k in keys):
+            rows, states, logits = kept
+            row_of = [rows[k] for k in keys]
+            first = eng.draw(logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
+            return states, row_of, np.asarray(first, np.int64)
         rows: dict[tuple[int, ...], int] = {}
-        row_of = [rows.setdefault(tuple(s.prompt), len(rows)) for s in starting]
+        row_of = [rows.setdefault(k, len(rows)) for k in keys]
         self.stats.prefill_calls += 1
         self.stats.prompts_prefilled += len(rows)
         turn.prompts_prefilled += len(rows)
         if len(rows) == len(starting):
             pre = eng.prefill([s.prompt for s in starting], _sampling_of(starting))
-            return eng.host(pre.states), np.asarray(pre.next_ids, np.int64)
-        distinct = [list(p) for p in rows]
-        pre = eng.prefill(distinct)
-        first = eng.draw(pre.logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
-        return eng.host(pre.states)[:, row_of], np.asarray(first, np.int64)
+            first = pre.next_ids
+        else:
+            pre = eng.prefill([list(p) for p in rows])
+            first = eng.draw(pre.logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
+        self._last_prefill = (rows, pre.states, pre.logits)
+        return pre.states, row_of, np.asarray(first, np.int64)
 
-    def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled: list) -> None:
+    def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled=None) -> None:
         """The batch of the ``kept`` rows, then the ``starting`` sequences (``prefilled``:
-        their host states [L, n, ...] and first tokens)."""
+        (their prefill's states on the device, each one's row there, their first tokens)),
+        regrouped on the device."""
         eng = self.engine
         index = {id(s): i for i, s in enumerate(self.rows)}
         keep = [index[id(s)] for s in kept]
-        states = ([eng.host(self._states)[:, keep]] if kept else []) + [p[0] for p in prefilled]
-        ids = [self._ids[keep]] + [p[1] for p in prefilled]
-        positions = [self._positions[keep]] + [np.array([len(s.prompt) for s in starting], np.int64)]
+        fresh, fresh_rows, first = prefilled or (None, [], np.zeros(0, np.int64))
+        self._ids = np.concatenate([self._ids[keep], first])
+        self._positions = np.concatenate([self._positions[keep], [len(s.prompt) for s in starting]]).astype(np.int64)
         self.rows = kept + starting
         self._device_inputs = None
         if not self.rows:
             self.reset()
             return
-        self._states = eng.to_device(np.ascontiguousarray(np.concatenate(states, axis=1)))
-        self._ids = np.concatenate(ids)
-        self._positions = np.concatenate(positions)
+        if not starting and keep == list(range(len(index))):
+            return  # the same rows: nothing to move
+        pool = self._states if kept else None
+        offset = len(index) if pool is not None else 0
+        self._states = eng.regroup(pool, fresh, keep + [offset + r for r in fresh_rows])
         self._sampling = eng.sampling_buffers(_sampling_of(self.rows))
 
     def _decode(self, turn: Turn) -> None:

@@ -7,6 +7,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph
 
 from ...graphs.sampler import build_sample_graph
+from ...graphs.slots import build_regroup_graph
 from ...graphs.srm import build_decode_graph, build_decode_greedy_graph, build_prefill_graph
 from ...runtime.kernels import kernel_library
 from . import packing, schema
@@ -18,9 +19,11 @@ GRAPH_KEY = b"srm-graphs-v2"
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind``: "prefill", "decode", "sample" (``graphs.sampler.build_sample_graph``),
-    or with the Mojo ops on a CPU "decode_greedy"."""
+    "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_greedy"."""
     if kind == "sample":
         return build_sample_graph("srm_sample", config.vocab_size, device)
+    if kind == "regroup":
+        return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
     library = kernel_library() if kernels else None
     if kind == "prefill":
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
