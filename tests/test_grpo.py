@@ -156,3 +156,23 @@ def test_arithmetic_task():
     assert not set(probs) & set(held)
     assert all(0 <= x.a < 1000 and 0 <= x.b < 1000 for x in probs)
     assert len(p.prompt_ids()) + len(p.target_ids()) <= arithmetic.max_length(3)
+
+
+def test_a_time_budget_stops_before_the_next_iteration(monkeypatch):
+    """With ``max_seconds`` no iteration starts once the budget is spent; each log says when
+    its update ended."""
+    clock = iter(range(0, 10_000, 10))  # every perf_counter call: 10 s later
+    monkeypatch.setattr(grpo.time, "perf_counter", lambda: float(next(clock)))
+
+    def fake_rollouts(generator, batch_prompts, n, verify, **kw):
+        return [[SimpleNamespace(score=float(i % 2), ids=[5, 6], finish_reason="length") for i in range(n)]
+                for _ in batch_prompts]
+
+    monkeypatch.setattr(grpo, "rollouts", fake_rollouts)
+    prompts = [[3, 4, i] for i in range(CFG.vocab_size)]
+    cfg = GRPOConfig(iterations=50, prompts_per_iter=2, samples_per_prompt=4, group_size=4, epochs=1, seed=3,
+                     max_seconds=100)
+    log = train_grpo(model(), lambda weights: None, prompts, lambda i, ids: 0.0, cfg, stop_id=1)
+    assert 1 < len(log) < 50
+    assert all(e.elapsed > 0 for e in log) and [e.elapsed for e in log] == sorted(e.elapsed for e in log)
+    assert log[-2].elapsed < 100 <= log[-1].elapsed + 10  # the last started within budget, the next would not

@@ -142,6 +142,7 @@ class GRPOConfig:
     max_new_tokens: int = 8
     max_batch: int | str = 256
     seed: int = 0
+    max_seconds: float | None = None  # wall-clock budget: no iteration starts after it is spent
 
 
 @dataclass
@@ -157,6 +158,7 @@ class IterationLog:
     rebuild_seconds: float
     eval: dict = field(default_factory=dict)
     prompts: list[int] = field(default_factory=list)  # indices of the iteration's prompts
+    elapsed: float = 0.0  # seconds since training started, at the end of this iteration's update
 
 
 def weights_numpy(model) -> dict[str, np.ndarray]:
@@ -213,8 +215,11 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     prompt_rng, shuffle_rng = random_streams(cfg.seed)
     history = []
+    start = time.perf_counter()
     for it in range(cfg.iterations):
         t0 = time.perf_counter()
+        if cfg.max_seconds is not None and t0 - start >= cfg.max_seconds:
+            break
         gen = make_generator(weights_numpy(policy))
         t1 = time.perf_counter()
         chosen = prompt_rng.sample(range(len(prompts)), min(cfg.prompts_per_iter, len(prompts)))
@@ -239,7 +244,7 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
         info = grpo_step(policy, reference, optimizer, P, C, A, cfg.epochs, cfg.clip_eps, cfg.beta, pad_id)
         t3 = time.perf_counter()
         entry = IterationLog(it, float(np.mean(all_rewards)), float(np.mean(group_rewards)), useful, info["kl"],
-                             info["loss"], t2 - t1, t3 - t2, t1 - t0, prompts=list(chosen))
+                             info["loss"], t2 - t1, t3 - t2, t1 - t0, prompts=list(chosen), elapsed=t3 - start)
         if evaluate is not None and eval_every and ((it + 1) % eval_every == 0 or it + 1 == cfg.iterations):
             entry.eval = evaluate(make_generator(weights_numpy(policy)))
         history.append(entry)
