@@ -1,21 +1,30 @@
 """Load test of ``srm-max serve`` on loopback, against ``Generator.generate`` at the same batch.
 
-    python -m bench.serve_load [--quick] [--clients 256] [--requests 2] [--max-tokens 64]
+    python -m bench.serve_load [--quick] [--clients 256] [--requests 2] [--max-tokens 64] [--steps-per-call 8]
 
 1. ``Generator.generate`` on the embedded model: one batch of ``--clients``
-   prompts, ``--max-tokens`` new tokens each, sampled (the best of two runs before
-   and two after the load test): the engine's tokens/s with no server in the way.
+   prompts, ``--max-tokens`` new tokens each, sampled, ``--steps-per-call`` decode
+   steps per engine call: the engine's tokens/s with no server in the way.
 2. ``srm-max serve`` in a child process (so the clients do not share its
-   interpreter), ``--max-batch`` = ``--clients``.
-3. ``--clients`` concurrent streaming clients (a minimal HTTP/1.1 client on
-   asyncio: light enough that hundreds of them leave the CPU to the server),
-   each sending ``--requests`` requests one after the other.
+   interpreter), ``--max-batch`` = ``--clients``, the same ``--steps-per-call``.
+3. A load run: ``--clients`` concurrent streaming clients, each sending
+   ``--requests`` requests one after the other. A client is a plain asyncio
+   protocol on its connection (``StreamedCompletion``): it sends the request, and
+   from each read it counts the token ids of every complete ``data:`` event and
+   notes the read's time; it does not parse the JSON. So the clients cost the
+   shared CPUs little, and the server is what is measured.
 
-Records requests/s, tokens/s, p50/p99 time to first token and inter-token latency
-(the gap between two chunks spread over the tokens of the later one), the
-server's tokens/s as a ratio of generate's, and the server's own metrics; writes
+Generate runs and ``--repeats`` load runs alternate (G L G L ... G), the server
+frozen (SIGSTOP) while generate runs, so that both see the same machine even when
+it is shared and its speed drifts: each load run's ratio is its tokens/s over the
+mean of the generate runs just before and after it, and the result is the load
+run with the median ratio. Records requests/s, tokens/s, p50/p99 time to first
+token and inter-token latency (the gap between two chunks spread over the tokens
+of the later one), the ratio, the server's engine calls, and where the CPU time
+of a load run went: the server's event loop (HTTP, JSON, SSE), its other threads
+(the engine loop and the engine's workers), and the clients. Writes
 ``bench/results/serve_load.json`` (``serve_load-quick.json`` with ``--quick``) and
-a plot beside it. Both sides run on the same CPUs, one after the other.
+a plot beside it.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -48,17 +59,25 @@ def prompts_for(clients: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ the baseline
-def measure_generate(gen, clients: int, max_tokens: int, times: list[float]) -> dict:
-    """Two timed runs added to ``times``; the best of all runs so far (the machine may be shared)."""
-    prompts = prompts_for(clients)
-    gen.generate(prompts, max_new_tokens=4, temperature=TEMPERATURE, seed=0)  # warm-up
-    for r in range(2):
-        t = time.perf_counter()
-        out = gen.generate(prompts, max_new_tokens=max_tokens, temperature=TEMPERATURE, seed=r)
-        times.append(time.perf_counter() - t)
-    tokens = sum(len(c.ids) for c in out)
-    return {"batch": clients, "tokens": tokens, "steps_per_call": 8, "seconds": min(times), "times": times,
-            "tokens_per_s": tokens / min(times)}
+def generate_tokens_per_s(gen, clients: int, max_tokens: int, steps_per_call: int, seed: int) -> float:
+    """One timed ``generate`` of the benchmark's batch."""
+    t = time.perf_counter()
+    out = gen.generate(prompts_for(clients), max_new_tokens=max_tokens, temperature=TEMPERATURE, seed=seed,
+                       steps_per_call=steps_per_call)
+    return sum(len(c.ids) for c in out) / (time.perf_counter() - t)
+
+
+@contextmanager
+def frozen(proc: subprocess.Popen):
+    """The server stopped (SIGSTOP) while the baseline runs, where POSIX signals exist."""
+    if not hasattr(signal, "SIGSTOP"):
+        yield
+        return
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
 
 
 # ------------------------------------------------------------------ the server
@@ -86,6 +105,24 @@ def start_server(port: int, max_batch: int, steps_per_call: int) -> subprocess.P
     raise RuntimeError("the server did not come up")
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process ``pid``: its main thread (the server's
+    event loop) and all its other threads (Linux /proc; empty elsewhere)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {"main_thread": 0.0, "other_threads": 0.0}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out["main_thread" if int(t) == pid else "other_threads"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def server_metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -98,30 +135,66 @@ def server_metrics(port: int) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ the clients
+class StreamedCompletion(asyncio.Protocol):
+    """One streamed completion read straight off its connection (no stream reader, no
+    task wake-up per chunk, no JSON parsing): it records the status, when each event
+    with tokens arrived (the time of the read that completed it) and how many token
+    ids it carried, and the last finish reason. It relies on what the server's
+    events are: one compact JSON object per ``data:`` line, its ``token_ids`` the last
+    array (a quote inside the text is escaped, so the markers below cannot occur in it)."""
+
+    def __init__(self, request: bytes):
+        self.request, self.buffer = request, b""
+        self.status, self.arrivals, self.counts, self.reason = None, [], [], None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        lines = (self.buffer + data).split(b"\n")
+        self.buffer = lines.pop()
+        for line in lines:
+            if self.status is None:
+                self.status = int(line.split()[1])
+            elif line.startswith(b"data: "):
+                self._event(line.rstrip(), now)
+
+    def _event(self, line: bytes, now: float) -> None:
+        if line == b"data: [DONE]":
+            self._finish()
+            return
+        ids = line[line.rindex(b'"token_ids":[') + 13: line.rindex(b"]")]
+        if ids:
+            self.arrivals.append(now)
+            self.counts.append(ids.count(b",") + 1)
+        at = line.find(b'"finish_reason":"')
+        if at >= 0:
+            self.reason = line[at + 17: line.index(b'"', at + 17)].decode()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+        self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
 async def one_request(port: int, body: dict) -> dict:
-    """One streamed completion: when it was sent, when each chunk with tokens came, and how many."""
+    """One streamed completion: when it was sent, when each event with tokens came, and how many."""
     payload = json.dumps(body).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
     t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-    await writer.drain()
-    status = int((await reader.readline()).split()[1])
-    arrivals, counts, reason = [], [], None
-    # each SSE event is one HTTP chunk: its "data:" line is whole, the chunk-size lines are skipped
-    while line := await reader.readline():
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        choice = json.loads(data)["choices"][0]
-        if choice["token_ids"]:
-            arrivals.append(time.perf_counter())
-            counts.append(len(choice["token_ids"]))
-        reason = choice.get("finish_reason") or reason
-    writer.close()
-    return {"status": status, "start": t0, "arrivals": arrivals, "counts": counts, "reason": reason}
+    _, stream = await asyncio.get_running_loop().create_connection(lambda: StreamedCompletion(request),
+                                                                   "127.0.0.1", port)
+    await stream.done
+    return {"status": stream.status, "start": t0, "arrivals": stream.arrivals, "counts": stream.counts,
+            "reason": stream.reason}
 
 
 async def client(port: int, index: int, requests: int, max_tokens: int, prompt: str) -> list[dict]:
@@ -174,12 +247,26 @@ def plot(summary: dict, baseline: dict, path: Path) -> Path | None:
     b.bar(["Generator.generate", "srm-max serve"], [baseline["tokens_per_s"], summary["tokens_per_s"]],
           color=["tab:gray", "tab:blue"])
     b.set_ylabel("tokens/s")
-    b.set_title(f"batch {baseline['batch']}: serve / generate = "
+    b.set_title(f"batch {baseline['batch']}, {baseline['steps_per_call']} steps per call: serve / generate = "
                 f"{summary['tokens_per_s'] / baseline['tokens_per_s']:.2f}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def load_run(port: int, pid: int, args) -> dict:
+    """One load run: its summary, the server's engine calls and where the CPU time went."""
+    before, cpu0, own0 = server_metrics(port), cpu_seconds(pid), os.times()
+    results, seconds = asyncio.run(load(port, args.clients, args.requests, args.max_tokens))
+    after, cpu1, own1 = server_metrics(port), cpu_seconds(pid), os.times()
+    summary = summarize(results, seconds)
+    summary["engine_calls"] = {k.split('"')[1]: after[k] - before.get(k, 0) for k in after
+                               if k.startswith("srm_engine_calls_total")}
+    summary["cpu_s"] = {"server_event_loop": cpu1.get("main_thread", 0) - cpu0.get("main_thread", 0),
+                        "server_engine_threads": cpu1.get("other_threads", 0) - cpu0.get("other_threads", 0),
+                        "clients": own1.user + own1.system - own0.user - own0.system}
+    return summary
 
 
 def main(argv=None) -> int:
@@ -188,51 +275,70 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=256)
     ap.add_argument("--requests", type=int, default=2, help="requests per client, one after the other")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--steps-per-call", type=int, default=4)
+    ap.add_argument("--steps-per-call", type=int, default=8, help="decode steps per engine call, both sides")
+    ap.add_argument("--repeats", type=int, default=3, help="load runs, each between two generate runs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.clients, args.requests, args.max_tokens = 32, 1, 32
+    if min(args.clients, args.requests, args.max_tokens, args.steps_per_call, args.repeats) < 1:
+        ap.error("--clients, --requests, --max-tokens, --steps-per-call and --repeats must be >= 1")
     out = args.out or RESULTS / ("serve_load-quick.json" if args.quick else "serve_load.json")
 
     from srm_max import Generator
 
-    gen, times = Generator.from_pretrained(), []
-    print(f"generate: batch {args.clients}, {args.max_tokens} tokens ...", flush=True)
-    baseline = measure_generate(gen, args.clients, args.max_tokens, times)
-    print(f"  {baseline['tokens_per_s']:.0f} tokens/s", flush=True)
+    gen = Generator.from_pretrained()
+    gen.generate(prompts_for(args.clients), max_new_tokens=4, temperature=TEMPERATURE, seed=0)  # warm-up
+
+    def baseline_run() -> float:
+        tps = generate_tokens_per_s(gen, args.clients, args.max_tokens, args.steps_per_call, len(generate))
+        print(f"generate: batch {args.clients}, {args.max_tokens} tokens, {args.steps_per_call} steps per call: "
+              f"{tps:.0f} tokens/s", flush=True)
+        return tps
+
+    generate, runs = [], []
+    generate.append(baseline_run())
     port = free_port()
     proc = start_server(port, args.clients, args.steps_per_call)
     try:
         asyncio.run(load(port, min(8, args.clients), 1, 4))  # warm-up: graphs loaded, connections made
-        before = server_metrics(port)
-        print(f"serve: {args.clients} clients x {args.requests} requests ...", flush=True)
-        results, seconds = asyncio.run(load(port, args.clients, args.requests, args.max_tokens))
-        after = server_metrics(port)
+        for i in range(args.repeats):
+            runs.append(load_run(port, proc.pid, args))
+            print(f"serve: {args.clients} clients x {args.requests} requests: {runs[-1]['tokens_per_s']:.0f} "
+                  f"tokens/s, CPU seconds {runs[-1]['cpu_s']}", flush=True)
+            with frozen(proc):
+                generate.append(baseline_run())
     finally:
         proc.terminate()
         proc.wait(30)
-    baseline = measure_generate(gen, args.clients, args.max_tokens, times)  # again, after: the best of both
-    summary = summarize(results, seconds)
-    engine_calls = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("srm_engine_calls_total")}
+    ratios = [r["tokens_per_s"] / ((generate[i] + generate[i + 1]) / 2) for i, r in enumerate(runs)]
+    median = sorted(range(len(runs)), key=ratios.__getitem__)[(len(runs) - 1) // 2]
+    summary = runs[median]
+    baseline = {"batch": args.clients, "max_tokens": args.max_tokens, "steps_per_call": args.steps_per_call,
+                "tokens_per_s": (generate[median] + generate[median + 1]) / 2, "runs_tokens_per_s": generate}
     result = {
         "command": command_line(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine_info(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "model": "embedded (srm-max default model)", "temperature": TEMPERATURE,
+        "client": "asyncio protocol per connection: counts the token ids of each data: event, no JSON parsing",
+        "ratio": "a load run's tokens/s over the mean of the generate runs before and after it; the median run",
         "generate": baseline,
         "serve": {k: v for k, v in summary.items() if not k.startswith("_")},
-        "serve_over_generate": summary["tokens_per_s"] / baseline["tokens_per_s"],
-        "server_engine_calls": engine_calls,
+        "serve_runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "serve_runs_over_generate": ratios,
+        "serve_runs_cpu_s": [r["cpu_s"] for r in runs],
+        "serve_over_generate": ratios[median],
     }
     write_json(out, result)
     png = plot(summary, baseline, out.with_suffix(".png"))
     s = result["serve"]
     print(f"  {s['ok']}/{s['requests']} ok, {s['requests_per_s']:.1f} requests/s, {s['tokens_per_s']:.0f} tokens/s "
-          f"({result['serve_over_generate']:.2f} x generate)")
+          f"({result['serve_over_generate']:.2f} x generate at {baseline['tokens_per_s']:.0f}; all runs: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"  TTFT p50 {s['ttft_s']['p50'] * 1000:.0f} ms, p99 {s['ttft_s']['p99'] * 1000:.0f} ms; "
           f"inter-token p50 {s['itl_s']['p50'] * 1000:.1f} ms, p99 {s['itl_s']['p99'] * 1000:.1f} ms")
     print(f"wrote {out}" + (f" and {png}" if png else ""))
-    return 0 if s["ok"] == s["requests"] else 1
+    return 0 if all(r["ok"] == r["requests"] for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import srm_max, torch, pytest, max, ray, fastapi, uvicorn, sse_starlette, prometheus_client, openai' 2>/dev/null; then
+if ! .venv/bin/python -c 'import srm_max, torch, pytest, max, ray, fastapi, uvicorn, httptools, prometheus_client, openai' 2>/dev/null; then
   # SRM_TORCH_INDEX=https://download.pytorch.org/whl/cpu where no local CPU wheel is configured.
   .venv/bin/pip install --quiet --disable-pip-version-check 'torch==2.13.*' \
     ${SRM_TORCH_INDEX:+--extra-index-url "$SRM_TORCH_INDEX"}

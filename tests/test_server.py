@@ -23,7 +23,6 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
@@ -321,8 +320,9 @@ def test_a_client_that_goes_away_frees_its_slot(served, stream):
         conn.close()
         served.wait_for(lambda m: m["srm_client_disconnects_total"] == before["srm_client_disconnects_total"] + 1,
                         "the disconnect")
-    after = served.wait_for(lambda m: m["srm_running_requests"] == 0 and m["srm_slots_busy"] == 0,
-                            "the slot to be freed")
+    # gone from the books (a request still waiting for the engine loop is not running either)
+    after = served.wait_for(lambda m: m["srm_running_requests"] + m["srm_waiting_requests"] == 0
+                            and m["srm_slots_busy"] == 0, "the slot to be freed")
     assert after.get(cancelled, 0) == before.get(cancelled, 0) + 1
 
 

@@ -16,7 +16,6 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -24,16 +23,17 @@ from . import chat as chat_module
 from .errors import APIError, error_body
 from .guard import Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import CHAT_FIELDS, COMPLETION_FIELDS, Answer, Job, check_fields, check_model, parse_job, \
+from .protocol import CHAT_FIELDS, COMPLETION_FIELDS, Answer, Job, check_fields, check_model, dumps, parse_job, \
     queue_full, refuse_unsupported
 from .scheduler import QueueFull, Scheduler, SchedulerStopped
 from .sequence import ERROR, Delta, Sample, Work
+from .stream import EventStream, Mailbox, event
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a context
 
 
 def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_waiting: int = 1024,
-               steps_per_call: int = 4, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               steps_per_call: int = 8, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                chat_template: str | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan.
 
@@ -41,7 +41,13 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
     queued for a slot (beyond it: 429); ``chat_template``: Jinja, or None for no chat.
     """
     metrics = Metrics()
-    scheduler = Scheduler(generator, max_batch, max_waiting, steps_per_call, metrics)
+    mailboxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # one per event loop (one under uvicorn)
+
+    def flush() -> None:  # the engine loop has handed out a turn's news
+        for mailbox in list(mailboxes.values()):
+            mailbox.flush()
+
+    scheduler = Scheduler(generator, max_batch, max_waiting, steps_per_call, metrics, flush)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -108,12 +114,10 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
         answer = Answer(job, model_name)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
 
         def sink(deltas: list[Delta]) -> None:  # called from the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, deltas)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting
-                pass
+            mailbox.post(queue, deltas)
 
         req = Work(answer.id, job.stream, job.stop, sink)
         req.samples = [Sample(p, job.temperature, job.top_k, job.top_p, job.sample_seed(i * job.n + j), job.max_new,
@@ -126,7 +130,11 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
         except SchedulerStopped as e:
             raise APIError(503, str(e)) from None
         if job.stream:
-            return EventSourceResponse(_chunks(req, answer, queue), ping=15)
+            def went_away():
+                scheduler.cancel(req)
+                queue.put_nowait(None)
+
+            return EventStream(_events(req, answer, queue), went_away)
         return await _collect(request, req, answer, queue)
 
     async def _collect(request: Request, req: Work, answer: Answer, queue: asyncio.Queue):
@@ -152,22 +160,29 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
             watcher.cancel()
         return JSONResponse(answer.completion(list(finals.values())))
 
-    async def _chunks(req: Work, answer: Answer, queue: asyncio.Queue):
+    async def _events(req: Work, answer: Answer, queue: asyncio.Queue):
+        """The SSE bytes of a streamed answer: one item per engine call that brought news."""
         finished, tokens = 0, 0
         try:
             while finished < len(req.samples):
-                for d in await queue.get():
+                deltas = await queue.get()
+                if deltas is None:  # the client went away
+                    return
+                out = []
+                for d in deltas:
                     if d.finish_reason == ERROR:
-                        yield {"data": _dumps(error_body(500, d.text))}
+                        yield event(dumps(error_body(500, d.text)).encode())
                         return
                     tokens += len(d.ids)
                     finished += d.finish_reason is not None
-                    yield {"data": _dumps(answer.chunk(d))}
-            if answer.job.include_usage:
-                yield {"data": _dumps(answer.usage_chunk(tokens))}
-            yield {"data": "[DONE]"}
+                    out.append(event(answer.chunk_json(d)))
+                if finished == len(req.samples):  # the last news and the end go in one write
+                    if answer.job.include_usage:
+                        out.append(event(dumps(answer.usage_chunk(tokens)).encode()))
+                    out.append(event(b"[DONE]"))
+                yield b"".join(out)
         finally:
-            # a disconnect cancels this generator: the samples leave their slots
+            # a disconnect ends this generator early: the samples leave their slots
             if not req.done:
                 scheduler.cancel(req)
 
@@ -181,7 +196,3 @@ async def _json(request: Request):
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
-
-
-def _dumps(body: dict) -> str:
-    return json.dumps(body, separators=(",", ":"))  # compact: a stream sends one per token batch

@@ -20,6 +20,7 @@ says "context" (it is otherwise the same as ``finish_reason``).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -194,6 +195,9 @@ class Answer:
         self.object = "chat.completion" if job.chat else "text_completion"
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.started: set[int] = set()  # chat chunks: the role goes in a choice's first one
+        # the bytes every running completion chunk starts with (see ``chunk_json``)
+        self._head = dumps({"id": self.id, "object": self.object, "created": self.created,
+                            "model": self.model})[:-1].encode() + b',"choices":[{"index":'
 
     def _finish_fields(self, delta: Delta) -> dict:
         if delta.finish_reason is None:
@@ -231,6 +235,15 @@ class Answer:
         return {"id": self.id, "object": self.object + ("" if not self.job.chat else ".chunk"),
                 "created": self.created, "model": self.model, "choices": [body]}
 
+    def chunk_json(self, delta: Delta) -> bytes:
+        """``dumps(self.chunk(delta))``, encoded: a stream sends one per sample per engine call,
+        so the chunk of a running completion sample is put together from bytes made once."""
+        if self.job.chat or delta.finish_reason is not None:
+            return dumps(self.chunk(delta)).encode()
+        return b"".join((self._head, str(delta.index).encode(), b',"text":', json.dumps(delta.text).encode(),
+                         b',"logprobs":null,"finish_reason":null,"token_ids":[',
+                         ",".join(map(str, delta.ids)).encode(), b"]}]}"))
+
     def usage_chunk(self, completion_tokens: int) -> dict:
         return {"id": self.id, "object": self.object + ("" if not self.job.chat else ".chunk"),
                 "created": self.created, "model": self.model, "choices": [],
@@ -240,6 +253,10 @@ class Answer:
         prompt = self.prompt_tokens  # once per prompt, whatever n (as OpenAI counts)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
+
+
+def dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"))  # compact: a stream sends one per engine call
 
 
 def queue_full(retry_after: int) -> APIError:

@@ -6,7 +6,9 @@ free slots, drops cancelled ones, runs one decode call of a few steps and hands
 each request the tokens and text of its samples (``Work.sink``). So a request
 joins at the next turn, never waiting for the batch to drain, and a finished or
 disconnected sample's slot is reused at the next turn; the batching does not
-change what anyone gets (see the scheduler).
+change what anyone gets (see the scheduler). After a round of ``sink`` calls the
+loop calls ``flush``: a sink may hold its news until then (the app's wakes its
+event loop once per turn).
 
 Admission is bounded: ``submit`` refuses a request whose samples do not fit in
 the waiting queue (``QueueFull``; the app answers 429 with Retry-After).
@@ -18,6 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from ..scheduler import SlotPool
 from .metrics import Metrics
@@ -38,8 +41,8 @@ class SchedulerStopped(Exception):
 
 
 class Scheduler:
-    def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = 4,
-                 metrics: Metrics | None = None):
+    def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = 8,
+                 metrics: Metrics | None = None, flush: Callable[[], None] = lambda: None):
         if max_batch < 1 or max_waiting < 1 or steps_per_call < 1:
             raise ValueError("max_batch, max_waiting and steps_per_call must be >= 1")
         self.generator = generator
@@ -49,6 +52,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.steps_per_call = steps_per_call
         self.metrics = metrics or Metrics()
+        self.flush = flush
         self.metrics.watch(self.snapshot)
         self._cv = threading.Condition()
         self._waiting: deque[Sample] = deque()  # guarded by _cv
@@ -129,6 +133,7 @@ class Scheduler:
             self._busy = 0
         for r in requests:
             r.sink([Delta(-1, message, [], ERROR)])
+        self.flush()
 
     # ------------------------------------------------------------ one turn
     def _turn(self) -> bool:
@@ -157,7 +162,6 @@ class Scheduler:
         with self._cv:
             self._busy = len(pool.live)
         self._report(turn)
-        self._retire_requests()
         return True
 
     def _report(self, turn) -> None:
@@ -169,15 +173,11 @@ class Scheduler:
         if turn.steps:
             self.metrics.engine_calls.labels("decode").inc()
             self._seconds_per_token = 0.9 * self._seconds_per_token + 0.1 * turn.decode_seconds / turn.steps
-        new: dict[int, int] = {}
-        touched: dict[int, Sample] = {}
+        touched: dict[Sample, object] = {}  # the samples with news, in order
         for tick in turn.ticks:
-            for s, taken in tick.items():
-                new[id(s)] = new.get(id(s), 0) + int(taken.joined)
-                touched[id(s)] = s
-        for s in turn.finished:
-            touched.setdefault(id(s), s)
-        self._deliver(list(touched.values()), new, turn.prefill_seconds + turn.decode_seconds)
+            touched.update(tick)
+        touched.update(dict.fromkeys(turn.finished))
+        self._deliver(list(touched))
 
     def _fail_batch(self, samples: list[Sample], message: str) -> None:
         requests = {id(s.request): s.request for s in samples}
@@ -186,9 +186,11 @@ class Scheduler:
                 if s.reason is None:
                     self._finish(s, ERROR)
             r.sink([Delta(-1, message, [], ERROR)])
+        self.flush()
         with self._cv:  # their samples still waiting go too
             self._waiting = deque(s for s in self._waiting if s.reason is None)
             self._busy = 0
+        self._retire(requests.values())
         self._pool.pending.clear()
         self._pool.reset()
 
@@ -202,15 +204,17 @@ class Scheduler:
             for rid in [rid for rid, r in self._live.items() if r.done]:
                 del self._live[rid]
 
-    def _deliver(self, samples: list[Sample], new: dict[int, int], elapsed: float) -> None:
-        """Send each request the news of its ``samples`` (one sink call per request);
-        ``new``: the tokens each took in the engine call that took ``elapsed`` seconds."""
+    def _deliver(self, samples: list[Sample]) -> None:
+        """Send each request the news of its ``samples`` (one sink call per request), then flush."""
         now = time.perf_counter()
         by_request: dict[str, tuple[Work, list[Delta]]] = {}
+        ended: list[Work] = []
+        generated = 0
         for s in samples:
-            r, k = s.request, new.get(id(s), 0)
+            r, k = s.request, len(s.tokens) - s.counted_tokens
             if k:
-                self.metrics.generated_tokens.inc(k)
+                generated += k
+                s.counted_tokens = len(s.tokens)
                 if r.first_token is None:
                     r.first_token = now
                     self.metrics.ttft.observe(now - r.submitted)
@@ -220,11 +224,14 @@ class Scheduler:
             delta = s.delta(self.generator.decode)
             if s.reason is not None:
                 self._finish(s, s.reason)
+                ended.append(r)
             if delta is not None:
                 by_request.setdefault(r.id, (r, []))[1].append(delta)
+        self.metrics.generated_tokens.inc(generated)
         for r, deltas in by_request.values():
             r.sink(deltas)
-        self._retire_requests()
+        self.flush()
+        self._retire(ended)
 
     def _finish(self, s: Sample, reason: str) -> None:
         """Count a finished sample once."""
@@ -234,7 +241,9 @@ class Scheduler:
         s.reason = reason
         self.metrics.samples_finished.labels(reason).inc()
 
-    def _retire_requests(self) -> None:
+    def _retire(self, requests: Iterable[Work]) -> None:
+        """Forget the requests among ``requests`` that are done."""
         with self._cv:
-            for rid in [rid for rid, r in self._live.items() if r.done]:
-                del self._live[rid]
+            for r in requests:
+                if r.done:
+                    self._live.pop(r.id, None)

@@ -58,6 +58,7 @@ class Sample(Sequence):
     request: Work | None = None
     index: int = 0  # the choice index in the response
     sent: int = 0  # tokens the stream has sent
+    counted_tokens: int = 0  # tokens counted in the metrics
     last_delivery: float | None = None  # for the inter-token latency
     counted: bool = False  # in the finished-samples metric
 
