@@ -27,11 +27,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from bench.common import command_line, machine_info, write_json
-from bench.verifiable_demo import config, evaluate, make_generator, supervised
-from srm_max.reference.srm import SRM
+from bench.verifiable_demo import add_start_arguments, evaluate, make_generator, supervised_start
 from srm_max.rl import arithmetic as ar
 from srm_max.rl.grpo import GRPOConfig, train_grpo, weights_numpy
 
@@ -90,18 +88,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--large-group", type=int, default=48)
     ap.add_argument("--small-samples", type=int, default=6)
     ap.add_argument("--prompts-per-iter", type=int, default=16)
-    ap.add_argument("--min-digits", type=int, default=1)
-    ap.add_argument("--max-digits", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=16)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--n-layers", type=int, default=2)
-    ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--sft-steps", type=int, default=1500)
-    ap.add_argument("--sft-seconds", type=float, default=150)
-    ap.add_argument("--sft-target", type=float, default=0.3)
-    ap.add_argument("--sft-batch", type=int, default=128)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--heldout", type=int, default=200)
+    add_start_arguments(ap)
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--beta", type=float, default=0.02)
@@ -112,17 +99,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.sft_steps, args.heldout, args.eval_samples = 10.0, 50, 40, 4
-    args.max_new = args.max_digits + 2
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    cfg = config(args)
-    heldout = ar.problems(args.heldout, args.min_digits, args.max_digits, seed=10_000)
-    train = ar.problems(4000, args.min_digits, args.max_digits, seed=args.seed, exclude=set(heldout))
-    model = SRM(cfg).eval()
-    with torch.no_grad():
-        model.output_layer.weight.mul_(0.1)
-    sft = supervised(model, train, heldout[:100], args, log)
+    cfg, train, heldout, model, sft = supervised_start(args, log)
     before = evaluate(make_generator(cfg, weights_numpy(model)), heldout, args)
     log(f"start: {before}")
     runs = {"large": run("large", model, cfg, train, heldout, args, log, samples=args.large_samples,

@@ -93,6 +93,38 @@ def supervised(model, train, probe, args, log):
     return {"steps": step, "seconds": time.perf_counter() - t0, "probe_greedy_acc": acc}
 
 
+def add_start_arguments(ap: argparse.ArgumentParser) -> None:
+    """The task, the model and its supervised start (also bench/grpo_groups.py's)."""
+    ap.add_argument("--min-digits", type=int, default=1)
+    ap.add_argument("--max-digits", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--n-layers", type=int, default=2)
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--sft-steps", type=int, default=1500)
+    ap.add_argument("--sft-seconds", type=float, default=150)
+    ap.add_argument("--sft-target", type=float, default=0.3, help="stop SFT at this greedy accuracy")
+    ap.add_argument("--sft-batch", type=int, default=128)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--heldout", type=int, default=200)
+
+
+def supervised_start(args, log):
+    """-> (config, train problems, held-out problems, the model after SFT, the SFT record)."""
+    args.max_new = args.max_digits + 2
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    cfg = config(args)
+    assert ar.max_length(args.max_digits) <= cfg.context_length
+    heldout = ar.problems(args.heldout, args.min_digits, args.max_digits, seed=10_000)
+    train = ar.problems(4000, args.min_digits, args.max_digits, seed=args.seed, exclude=set(heldout))
+    log(f"SFT: {cfg}")
+    model = SRM(cfg).eval()
+    with torch.no_grad():
+        model.output_layer.weight.mul_(0.1)
+    return cfg, train, heldout, model, supervised(model, train, heldout[:100], args, log)
+
+
 # ------------------------------------------------------------------ evaluation with MAX
 def scored(gen, probs, n, args, seed, stats=None):
     """correct counts [P] of n samples each at temperature 1."""
@@ -135,18 +167,7 @@ def pass_at_k_report(gen, probs, args, log):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--min-digits", type=int, default=1)
-    ap.add_argument("--max-digits", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=16)
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--n-layers", type=int, default=2)
-    ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--sft-steps", type=int, default=1500)
-    ap.add_argument("--sft-seconds", type=float, default=150)
-    ap.add_argument("--sft-target", type=float, default=0.3, help="stop SFT at this greedy accuracy")
-    ap.add_argument("--sft-batch", type=int, default=128)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--heldout", type=int, default=200)
+    add_start_arguments(ap)
     ap.add_argument("--k-max", type=int, default=64)
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--iterations", type=int, default=60)
@@ -159,22 +180,9 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    args.max_new = args.max_digits + 2
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    cfg = config(args)
-    assert ar.max_length(args.max_digits) <= cfg.context_length
-
-    heldout = ar.problems(args.heldout, args.min_digits, args.max_digits, seed=10_000)
-    train = ar.problems(4000, args.min_digits, args.max_digits, seed=args.seed, exclude=set(heldout))
     t_all = time.perf_counter()
-
-    log(f"SFT: {cfg}")
-    model = SRM(cfg).eval()
-    with torch.no_grad():
-        model.output_layer.weight.mul_(0.1)
-    sft = supervised(model, train, heldout[:100], args, log)
+    cfg, train, heldout, model, sft = supervised_start(args, log)
 
     t = time.perf_counter()
     gen = make_generator(cfg, weights_numpy(model))
