@@ -70,7 +70,7 @@ def unfused_engine(config, weights, dtype: str = "float32"):
     from srm_max.runtime.kernels import kernel_library
 
     class Unfused(Engine):
-        greedy_steps_in_one_op = False  # greedy decode too runs the unfused loop
+        steps_in_one_op = False  # decode runs the unfused loop
 
         def _load(self, kind):
             if kind != "decode":
@@ -84,13 +84,12 @@ def unfused_engine(config, weights, dtype: str = "float32"):
 
 
 def loop_engine(config, weights, dtype: str = "float32"):
-    """The CPU SRM Engine, but greedy decode runs its decode graph's loop (one whole-step
-    op and MAX's sampler per step), as sampled decoding always does, instead of every
-    step in one op."""
+    """The CPU SRM Engine, but decode runs its decode graph's loop (one whole-step op and
+    MAX's sampler per step) instead of every step in one op."""
     from srm_max.models.srm.engine import Engine
 
     class Loop(Engine):
-        greedy_steps_in_one_op = False
+        steps_in_one_op = False
 
     return Loop(config, weights, dtype, kernels=True)
 

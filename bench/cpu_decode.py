@@ -10,9 +10,9 @@ side by side in one run (best of ``--repeats``, engines interleaved):
 
     srm-max          the project's greedy decode (``Engine``, CPU defaults: all
                      ``--steps`` steps of a call in one Mojo op, mojo/decode_step.mojo
-                     ``srm_decode_greedy``, on weights packed at load)
+                     ``srm_decode_steps``, on weights packed at load)
     srm-max-loop     the decode graph's loop: one whole-step op (``srm_decode_step``)
-                     and MAX's sampler per step, the path of sampled decoding
+                     and MAX's sampler ops per step
     srm-max-unfused  that loop with the step as plain MAX ops (matmuls, norms,
                      adds, the Mojo mixer update): what the whole-step op replaced
     torch-eager-1/2  the readable PyTorch reference's recurrent step (``SRM.step``: it

@@ -127,7 +127,10 @@ def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
     keep = ops.cast(rank < ops.unsqueeze(k_eff, -1), F32)
     w = ops.exp(vals - vals[:, :1]) * keep
     before = ops.cumsum(w, axis=-1, exclusive=True)
-    total = ops.sum(w, axis=-1)
+    # The total as the inclusive sum's last value: MAX's cumsum accumulates in float64 in
+    # rank order, which the whole-step op (mojo/row_sampler.mojo) repeats bit for bit; a
+    # float32 ops.sum adds in the kernel's own order (SIMD lanes, then a tree).
+    total = ops.cumsum(w, axis=-1)[:, V - 1 :]
     keep = keep * ops.cast(before < ops.unsqueeze(top_p, -1) * total, F32)
     m = ops.cast(ops.sum(keep, axis=-1), I64)  # >= 1: the first has nothing before it
     threshold = ops.gather_nd(vals, m - 1, batch_dims=1)  # [B]

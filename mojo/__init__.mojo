@@ -1,6 +1,10 @@
-"""SRM token-mixer custom ops for MAX (srm_max.mojo).
+"""SRM custom ops for MAX (srm_max.mojo).
 
-    srm_mixer_step             (mixer_step.mojo)  decode step, state updated in place
-    srm_mixer_step_functional  (mixer_step.mojo)  decode step, state in -> new state out
-    srm_mixer_scan             (mixer_scan.mojo)  prefill scan: y and final state
+    srm_mixer_step             (mixer_step.mojo)   decode step, state updated in place
+    srm_mixer_step_functional  (mixer_step.mojo)   decode step, state in -> new state out
+    srm_mixer_scan             (mixer_scan.mojo)   prefill scan: y and final state
+    srm_decode_step            (decode_step.mojo)  a whole decode step (every layer, logits), CPU
+    srm_decode_steps           (decode_step.mojo)  S decode steps, tokens chosen inside, CPU
+
+row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses.
 """

@@ -1,5 +1,5 @@
 """SRM decode on the CPU as one op: a whole step (every layer and the logits), or
-S greedy steps in one call.
+S steps in one call, each token chosen greedily or drawn.
 
 A decode step is a chain of small matrix products (five per layer, batch rows
 against the weights) with norms, activations, residuals and the mixer update
@@ -20,15 +20,20 @@ busy thread pool only slows the step down.
         -> logits [B, V], new_states [L, B, H, hd], scratch [B, f + 3d],
            clamped positions [B] int64
 
-    srm_decode_greedy(the same inputs, then steps [S] int64: only its length is read)
+    srm_decode_steps(the same inputs, then steps [S] int64: only its length is read,
+                      temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
+                      mode [1] int64: graphs/sampler.py's MODE_*)
         -> tokens [B, S] int64, new_states, last [B] int64 (= tokens[:, S-1]),
            next positions [B] int64 (= positions + S), scratch [B, f + 3d + V]
 
-S steps with greedy choice: each step's token is the first argmax of its logits,
-read back inside the op as the next step's input, so S steps cost one call and
-one fork-join per 64 steps (a graph loop around the one-step op pays both per
-step; each step's phases keep their own counters, hence the 64). With S = 0 the
-states are copied and last = ids.
+S steps, each step's token chosen inside the op and read back as the next step's
+input, so S steps cost one call and one fork-join per 64 steps (a graph loop
+around the one-step op pays both per step; each step's phases keep their own
+counters, hence the 64). The choice is graphs/sampler.py's ``sample``: in
+MODE_GREEDY the first argmax of the logits; otherwise row_sampler.mojo's draw per
+sample (greedy for temperature 0), whose random counter is the new token's
+position (positions + s + 1 at step s, not clamped). With S = 0 the states are
+copied and last = ids.
 
 x starts as the ids' rows of the embedding; positions past the context are clamped
 to n - 1 (the host discards those tokens); norms holds LN_c weight, LN_c bias, LN_t weight, LN_t
@@ -62,10 +67,13 @@ from max.algorithm import sync_parallelize
 from extensibility import InputTensor, OutputTensor, register
 from max.gpu.host import DeviceContext
 
+from .row_sampler import choose_token, first_argmax
+
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
+comptime U64P = Pointer[UInt64, MutUntrackedOrigin]
 comptime PANEL = 64  # output columns per packed panel (srm_max/models/srm/packing.py)
 comptime PAD = 16  # output rows of a packed matrix are padded to a multiple of this
 # A register tile is MR batch rows x NV SIMD vectors of columns: MR * NV accumulators,
@@ -98,7 +106,7 @@ comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
 comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
 comptime MAX_WORKERS = 8
 comptime STRIDE = 16  # int64 slots between phase counters (separate cache lines)
-comptime STEPS_PER_FORK = 64  # greedy steps per fork-join: bounds the counters' memory
+comptime STEPS_PER_FORK = 64  # steps per fork-join: bounds the counters' memory
 
 # phases of a layer, then the logits
 comptime LN_C = 0
@@ -109,6 +117,9 @@ comptime PROJ = 4
 comptime OUT = 5
 comptime HEAD = 6
 comptime ARGMAX = 7  # greedy: each row's token, and its embedding row as the next x
+comptime DRAW = 8  # as ARGMAX, the token drawn by each sample's parameters
+comptime MODE_GREEDY = 0  # graphs/sampler.py
+comptime MODE_FILTERED = 2
 
 
 def _padded(n: Int) -> Int:
@@ -160,10 +171,16 @@ struct Step(ImplicitlyCopyable, Movable):
     var head: Int
     var workers: Int
     var emb: Int  # the embedding [V_in, d] (the matrices' dtype)
-    var pos_in: I64P  # the positions given (greedy steps count on from them)
-    var tokens: I64P  # greedy: [B, S]
+    var pos_in: I64P  # the positions given (later steps count on from them)
+    var tokens: I64P  # S steps: [B, S]
     var S: Int  # steps this call
     var s: Int  # the step being computed
+    # the draw's per-sample parameters (DRAW only)
+    var temperature: F32P
+    var top_k: I64P
+    var top_p: F32P
+    var seed: U64P
+    var filtered: Bool  # some sample has top-k or top-p
 
 
 # ------------------------------------------------------------------ products
@@ -383,7 +400,7 @@ def _norm_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
         _layer_norm[WD](a.z.unsafe_offset(r * a.d), a.x.unsafe_offset(r * a.d), g, b, a.eps, a.d)
 
 
-# ------------------------------------------------------------------ greedy choice
+# ------------------------------------------------------------------ choosing the tokens
 def _embed_row[WD: DType](a: Step, r: Int, token: Int):
     """x[r] = the embedding's row ``token``, widened to float32."""
     var e = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=a.emb).unsafe_offset(token * a.d)
@@ -395,28 +412,35 @@ def _embed_row[WD: DType](a: Step, r: Int, token: Int):
         a.x[unsafe_offset=r * a.d + j] = e[unsafe_offset=j].cast[F32]()
 
 
+@always_inline
+def _take[WD: DType](a: Step, r: Int, token: Int):
+    """Row r's token of this step and, for the next step, its embedding row as x and
+    its clamped position."""
+    a.tokens[unsafe_offset=r * a.S + a.s] = Int64(token)
+    if a.s + 1 < a.S:
+        _embed_row[WD](a, r, token)
+        a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
+
+
 def _argmax_unit[WD: DType](a: Step, u: Int):
-    """Rows of one unit: the token (first index of the largest logit, as MAX's argmax)
-    and, for the next step, its embedding row as x and its clamped position."""
+    """Rows of one unit: the first index of the largest logit (as MAX's argmax)."""
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
-        var row = a.logits.unsafe_offset(r * a.V)
-        var m = SIMD[F32, W](-Float32.MAX)
-        var i = 0
-        while i + W <= a.V:
-            m = max(m, row.unsafe_load[width=W](i))
-            i += W
-        var best = m.reduce_max()
-        for t in range(i, a.V):
-            best = max(best, row[unsafe_offset=t])
-        var token = 0  # the first index holding best: a vector at a time, then in it
-        while token + W <= a.V and not row.unsafe_load[width=W](token).eq(best).reduce_or():
-            token += W
-        while token < a.V - 1 and row[unsafe_offset=token] != best:
-            token += 1
-        a.tokens[unsafe_offset=r * a.S + a.s] = Int64(token)
-        if a.s + 1 < a.S:
-            _embed_row[WD](a, r, token)
-            a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
+        _take[WD](a, r, first_argmax(a.logits.unsafe_offset(r * a.V), a.V))
+
+
+def _draw_unit[WD: DType](a: Step, u: Int):
+    """Rows of one unit: each sample's token drawn from its logits (row_sampler.mojo),
+    at the random counter of the new token's position."""
+    var buf = List[Float32](length=a.V if a.filtered else 0, fill=0)
+    var bp = F32P(unsafe_from_address=Int(buf.unsafe_ptr()))
+    for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
+        var token = choose_token(
+            a.logits.unsafe_offset(r * a.V), a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),
+            a.top_p[unsafe_offset=r], a.seed[unsafe_offset=r], a.pos_in[unsafe_offset=r] + Int64(a.s + 1),
+            a.filtered, bp,
+        )
+        _take[WD](a, r, token)
+    _ = buf^
 
 
 # ------------------------------------------------------------------ scheduling
@@ -444,7 +468,7 @@ def _panels(N: Int) -> Int:
 
 
 def _units[kind: Int](a: Step) -> Int:
-    comptime if kind == LN_C or kind == LN_T or kind == ARGMAX:
+    comptime if kind == LN_C or kind == LN_T or kind == ARGMAX or kind == DRAW:
         return (a.B + NORM_CHUNK - 1) // NORM_CHUNK
     else:
         return _panels(_width[kind](a)) * _chunks(a.B)
@@ -463,6 +487,8 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
             _norm_unit[kind, WD](a, l, u)
         elif kind == ARGMAX:
             _argmax_unit[WD](a, u)
+        elif kind == DRAW:
+            _draw_unit[WD](a, u)
         else:
             _product_unit[kind, WD](a, l, u)
         _ = Atomic[Int64].fetch_add(done, 1)
@@ -470,12 +496,13 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
         pass
 
 
-def _phases_per_step(greedy: Bool, L: Int) -> Int:
-    return L * HEAD + 1 + (1 if greedy else 0)
+def _phases_per_step(choose: Int, L: Int) -> Int:
+    return L * HEAD + 1 + (0 if choose == HEAD else 1)
 
 
-def _worker[WD: DType, greedy: Bool](step: Step, counters: I64P, first: Int, last: Int):
-    """Every phase of steps first .. last-1 in order (each phase has its own counters)."""
+def _worker[WD: DType, choose: Int](step: Step, counters: I64P, first: Int, last: Int):
+    """Every phase of steps first .. last-1 in order (each phase has its own counters);
+    ``choose``: the phase that picks each step's tokens (ARGMAX or DRAW), HEAD for none."""
     var a = step
     var c = counters
     for s in range(first, last):
@@ -486,8 +513,8 @@ def _worker[WD: DType, greedy: Bool](step: Step, counters: I64P, first: Int, las
                 c = c.unsafe_offset(STRIDE)
         _phase[HEAD, WD](a, a.L - 1, c)
         c = c.unsafe_offset(STRIDE)
-        comptime if greedy:
-            _phase[ARGMAX, WD](a, 0, c)
+        comptime if choose != HEAD:
+            _phase[choose, WD](a, 0, c)
             c = c.unsafe_offset(STRIDE)
         a.s_in = a.s_out  # later steps update the new states in place
 
@@ -566,6 +593,8 @@ def _prepare[WD: DType](
         _in(w), _in(beta), _in(lam),
         Int(fc1.unsafe_ptr()), Int(fc2.unsafe_ptr()), Int(proj.unsafe_ptr()), Int(out_w.unsafe_ptr()),
         Int(head.unsafe_ptr()), _workers(), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
+        # the draw's parameters: set by the op that draws; until then valid addresses unread
+        logits, pos, logits, U64P(unsafe_from_address=Int(pos)), False,
     )
     for b in range(B):
         _embed_row[WD](a, b, Int(ids_in[unsafe_offset=b]))
@@ -576,11 +605,11 @@ def _workers() -> Int:
     return min(num_physical_cores(), MAX_WORKERS)
 
 
-def _run[WD: DType, greedy: Bool](step: Step):
+def _run[WD: DType, choose: Int](step: Step):
     """All of the call's phases, STEPS_PER_FORK steps per fork-join."""
     var a = step
     var per_fork = min(a.S, STEPS_PER_FORK)
-    var counters = List[Int64](length=per_fork * _phases_per_step(greedy, a.L) * STRIDE, fill=0)
+    var counters = List[Int64](length=per_fork * _phases_per_step(choose, a.L) * STRIDE, fill=0)
     var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
     var workers = a.workers
     var first = 0
@@ -591,7 +620,7 @@ def _run[WD: DType, greedy: Bool](step: Step):
                 counters[i] = 0
 
         def work(i: Int) {var a, var cp, var first, var last}:
-            _worker[WD, greedy](a, cp, first, last)
+            _worker[WD, choose](a, cp, first, last)
 
         sync_parallelize(work, workers)
         a.s_in = a.s_out
@@ -637,11 +666,11 @@ struct SrmDecodeStep:
             scratch, new_states, ids, embedding, states, positions, norms, fc1_b, biases, w, beta, lam,
             fc1, fc2, proj, out_w, head, eps,
         )
-        _run[fc1.dtype, False](a)
+        _run[fc1.dtype, HEAD](a)
 
 
-@register("srm_decode_greedy")
-struct SrmDecodeGreedy:
+@register("srm_decode_steps")
+struct SrmDecodeSteps:
     @staticmethod
     def execute[
         target: StaticString,
@@ -668,10 +697,15 @@ struct SrmDecodeGreedy:
         head: InputTensor[dtype=fc1.dtype, rank=1, ...],
         eps: InputTensor[dtype=F32, rank=1, ...],
         steps: InputTensor[dtype=DType.int64, rank=1, ...],
+        temperature: InputTensor[dtype=F32, rank=1, ...],
+        top_k: InputTensor[dtype=DType.int64, rank=1, ...],
+        top_p: InputTensor[dtype=F32, rank=1, ...],
+        seed: InputTensor[dtype=DType.uint64, rank=1, ...],
+        mode: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         comptime if target != "cpu":
-            raise Error("srm_decode_greedy: CPU only")
+            raise Error("srm_decode_steps: CPU only")
         var B = ids.dim_size(0)
         var S = steps.dim_size(0)
         var d = embedding.dim_size(1)
@@ -679,23 +713,35 @@ struct SrmDecodeGreedy:
         # the logits live after the activations in scratch: its width names V
         var V = scratch.dim_size(1) - f - 3 * d
         if V < 1 or V > embedding.dim_size(0):
-            raise Error("srm_decode_greedy: scratch must be [B, f + 3d + V] with V <= the embedding's rows")
+            raise Error("srm_decode_steps: scratch must be [B, f + 3d + V] with V <= the embedding's rows")
         if tokens.dim_size(0) != B or tokens.dim_size(1) != S or last.dim_size(0) != B or (
             next_positions.dim_size(0) != B
         ):
-            raise Error("srm_decode_greedy: tokens must be [B, S], last and next positions [B]")
+            raise Error("srm_decode_steps: tokens must be [B, S], last and next positions [B]")
+        if temperature.dim_size(0) != B or top_k.dim_size(0) != B or top_p.dim_size(0) != B or (
+            seed.dim_size(0) != B or mode.dim_size(0) != 1
+        ):
+            raise Error("srm_decode_steps: temperature, top_k, top_p and seed must be [B], mode [1]")
         var pos = List[Int64](length=B, fill=0)
         var a = _prepare[fc1.dtype](
-            "srm_decode_greedy", V, S, _out(scratch).unsafe_offset(B * (f + 3 * d)), _out(tokens),
+            "srm_decode_steps", V, S, _out(scratch).unsafe_offset(B * (f + 3 * d)), _out(tokens),
             I64P(unsafe_from_address=Int(pos.unsafe_ptr())),
             scratch, new_states, ids, embedding, states, positions, norms, fc1_b, biases, w, beta, lam,
             fc1, fc2, proj, out_w, head, eps,
         )
+        var m = Int(mode[0])
         if S == 0:
             for i in range(states.size()):
                 a.s_out[unsafe_offset=i] = a.s_in[unsafe_offset=i]
+        elif m == MODE_GREEDY:
+            _run[fc1.dtype, ARGMAX](a)
         else:
-            _run[fc1.dtype, True](a)
+            a.temperature = _in(temperature)
+            a.top_k = _in(top_k)
+            a.top_p = _in(top_p)
+            a.seed = _in(seed)
+            a.filtered = m == MODE_FILTERED
+            _run[fc1.dtype, DRAW](a)
         var ids_in = _in(ids)
         for b in range(B):
             last[b] = tokens[b, S - 1] if S > 0 else ids_in[unsafe_offset=b]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from srm_max.runtime.compile_cache import load_compiled
-from srm_max.runtime.kernels import (OP_DECODE_GREEDY, OP_DECODE_STEP, OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL, kernel_library)
+from srm_max.runtime.kernels import (OP_DECODE_STEPS, OP_DECODE_STEP, OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL, kernel_library)
 
 _session = None
 _models: dict = {}
@@ -200,8 +200,8 @@ def build_decode_step_graph(library: Path | None = None, greedy: bool = False):
     """Graph (ids, embedding, states, positions, *packing.INPUTS, eps, vocab) -> (logits,
     new_states): one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU.
     ``vocab`` is any [V] array: it only names the logits' width. With ``greedy``:
-    one ``srm_decode_greedy``, a last input steps [S], and -> (tokens [B, S],
-    new_states, last [B], next positions [B])."""
+    one ``srm_decode_steps``, further inputs steps [S], temperature / top_k / top_p /
+    seed [B] and mode [1], and -> (tokens [B, S], new_states, last [B], next positions [B])."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
 
@@ -216,16 +216,17 @@ def build_decode_step_graph(library: Path | None = None, greedy: bool = False):
              TensorType(i64, ["B"], dev), *(TensorType(f32, shapes[k], dev) for k in INPUTS),
              TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
     if greedy:
-        types.append(TensorType(i64, ["S"], dev))
-    name = "srm_decode_greedy_op" if greedy else "srm_decode_step_op"
+        types += [TensorType(i64, ["S"], dev), TensorType(f32, ["B"], dev), TensorType(i64, ["B"], dev),
+                  TensorType(f32, ["B"], dev), TensorType(DType.uint64, ["B"], dev), TensorType(i64, [1], dev)]
+    name = "srm_decode_steps_op" if greedy else "srm_decode_step_op"
     with Graph(name, input_types=types, custom_extensions=[library or kernel_library()]) as g:
         ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
-        steps = rest.pop() if greedy else None
+        choice = [rest.pop() for _ in range(6)][::-1] if greedy else []  # steps, then sampling
         vocab = rest.pop()
         activations = Dim("f") + 3 * Dim("d")
         if greedy:
             tokens, new_states, last, next_positions, _ = ops.custom(
-                OP_DECODE_GREEDY, device=dev, values=[ids, embedding, states, positions, *rest, steps],
+                OP_DECODE_STEPS, device=dev, values=[ids, embedding, states, positions, *rest, *choice],
                 out_types=[TensorType(i64, ["B", "S"], dev), TensorType(f32, states.shape, dev),
                            TensorType(i64, ["B"], dev), TensorType(i64, ["B"], dev),
                            TensorType(f32, ["B", activations + vocab.shape[0]], dev)])
@@ -261,15 +262,20 @@ def _decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps
             np.array([eps], np.float32), np.zeros(len(head_w), np.float32)]
 
 
-def decode_greedy(ids, embedding, states, positions, layer_params: list[dict], head_w, eps: float,
-                  steps: int):
-    """``steps`` greedy decode steps in one op, arguments as ``decode_step``; ->
-    ``(tokens [B, steps], new_states, last [B], next positions [B])``."""
-    if "decode_greedy" not in _models:
-        _models["decode_greedy"] = load_compiled(session(), build_decode_step_graph(greedy=True))
-    out = _models["decode_greedy"].execute(
+def decode_steps(ids, embedding, states, positions, layer_params: list[dict], head_w, eps: float,
+                  steps: int, sampling=None):
+    """``steps`` decode steps in one op, arguments as ``decode_step``; greedy, or drawn
+    with ``sampling`` (a ``SamplingArrays``); -> ``(tokens [B, steps], new_states, last
+    [B], next positions [B])``."""
+    from srm_max.runtime.compiled import SamplingArrays
+
+    if "decode_steps" not in _models:
+        _models["decode_steps"] = load_compiled(session(), build_decode_step_graph(greedy=True))
+    s = sampling or SamplingArrays.greedy(len(ids))
+    out = _models["decode_steps"].execute(
         *_decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps),
-        np.arange(steps, dtype=np.int64))
+        np.arange(steps, dtype=np.int64), s.temperature.astype(np.float32), s.top_k.astype(np.int64),
+        s.top_p.astype(np.float32), s.seed.astype(np.uint64), np.array([s.mode()], np.int64))
     return tuple(t.to_numpy().copy() for t in out)
 
 

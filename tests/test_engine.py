@@ -173,13 +173,13 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtype):
     """An all-greedy decode on the CPU runs every step inside one op
-    (``srm_decode_greedy``); the decode graph's loop of one-step ops with MAX's argmax
+    (``srm_decode_steps``); the decode graph's loop of one-step ops with MAX's argmax
     gives the same tokens, bit for bit the same states, and the same last ids and
     positions, also where positions run past the context (clamped)."""
     from max.driver import Buffer
 
     engine = engine if dtype == "float32" else engine_bf16
-    assert engine.greedy_steps_in_one_op
+    assert engine.steps_in_one_op
     n = TINY.context_length
     lengths = [1, 5, 33, 60, n - 4, n, 17]
     prompts = prompts_of(lengths, seed=31)

@@ -386,7 +386,7 @@ def test_greedy_steps_match_one_step_at_a_time(B, L, H, hd, f, V, S):
     ids = rng.integers(0, V + 3, B)
     states = rng.standard_normal((L, B, H, hd)).astype(np.float32)
     positions = rng.integers(n - 4, n + 2, B)
-    tokens, new_states, last, next_positions = K.decode_greedy(
+    tokens, new_states, last, next_positions = K.decode_steps(
         ids, embedding, states, positions, layers, head_w, 1e-5, S)
     want, s, t = [], states, ids
     for k in range(S):
@@ -412,5 +412,5 @@ def test_whole_decode_step_rejects_negative_positions_and_unknown_tokens():
         K.decode_step([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5)
     with pytest.raises(Exception, match=r"token id 5 outside \[0, 5\)"):
         K.decode_step([5, 1], emb, states, [0, 1], [p], np.ones((3, d)), 1e-5)
-    with pytest.raises(Exception, match="srm_decode_greedy: position -1 is negative"):
-        K.decode_greedy([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5, 2)
+    with pytest.raises(Exception, match="srm_decode_steps: position -1 is negative"):
+        K.decode_steps([0, 1], emb, states, [0, -1], [p], np.ones((3, d)), 1e-5, 2)

@@ -4,7 +4,7 @@ Builders take the config and the weight schema (``srm_max.models.srm.schema``) t
 are handed, and the path of the Mojo kernel library when they use its ops.
 """
 
-from .decode import build_decode_graph, build_decode_greedy_graph
+from .decode import build_decode_graph, build_decode_steps_graph
 from .prefill import CHUNK, build_prefill_graph
 
-__all__ = ["CHUNK", "build_decode_graph", "build_decode_greedy_graph", "build_prefill_graph"]
+__all__ = ["CHUNK", "build_decode_graph", "build_decode_steps_graph", "build_prefill_graph"]

@@ -16,10 +16,10 @@ Outputs:
     positions    [B]            int64  = positions + S
 
 With the Mojo kernels on a CPU the whole step (every layer and the logits) is one
-op, ``step_fused`` (mojo/decode_step.mojo), at every batch size; and when every
-sample is greedy the engine runs ``build_decode_greedy_graph`` instead: all S
-steps in one op, no graph loop (whose per-step cost was a tenth of a batch-1
-step).
+op, ``step_fused`` (mojo/decode_step.mojo), at every batch size; and the engine
+runs ``build_decode_steps_graph`` instead: all S steps in one op, the tokens
+chosen (greedy or drawn) inside it, no graph loop (whose per-step cost was a
+tenth of a batch-1 step).
 
 The new token drawn after reading position p has position p + 1: that is its
 random counter, so a sample's tokens depend only on its seed, prompt and
@@ -37,7 +37,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as gops
 from ..loop import build_multistep_decode_graph
-from ..ops import F32, I64
+from ..ops import F32, I64, U64
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
 
@@ -119,28 +119,34 @@ def step_fused(W: SRMWeights, config, packed: list, ids: TensorValue, pos: Tenso
     return logits.tensor, new_states.tensor
 
 
-def build_decode_greedy_graph(config, schema, packed: list, kernel_library: Path, wdtype: DType = DType.float32,
+def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path, wdtype: DType = DType.float32,
                               name: str | None = None) -> Graph:
-    """S greedy steps as ONE op (mojo/decode_step.mojo ``srm_decode_greedy``), CPU.
+    """S steps as ONE op (mojo/decode_step.mojo ``srm_decode_steps``), CPU: each token
+    the first argmax in ``sampler.MODE_GREEDY``, else drawn in the op as ``sampler.sample``
+    draws it.
 
-    Inputs: ids [B], positions [B], states, steps [S] (its length is the step
-    count). Outputs as ``build_decode_graph``'s: tokens [B, S], states, ids =
-    tokens[:, -1], positions + S. The same tokens and states as that graph in
-    greedy mode (tests/test_engine.py)."""
+    Inputs: ids [B], positions [B], states, temperature / top_k / top_p / seed [B],
+    mode [] (host), steps [S] (its length is the step count): ``build_decode_graph``'s
+    without n_steps. Outputs as that graph's: tokens [B, S], states, ids =
+    tokens[:, -1], positions + S. The same tokens and states as that graph in every
+    mode (tests/test_engine.py, tests/test_sampled_decode.py)."""
     device = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
     input_types = [TensorType(I64, ["batch"], device), TensorType(I64, ["batch"], device), state_type,
-                   TensorType(I64, ["steps"], device)]
-    with Graph(name or f"srm_decode_greedy_{dt}_kernels", input_types=input_types,
+                   TensorType(F32, ["batch"], device), TensorType(I64, ["batch"], device),
+                   TensorType(F32, ["batch"], device), TensorType(U64, ["batch"], device),
+                   TensorType(I64, [], DeviceRef.CPU()), TensorType(I64, ["steps"], device)]
+    with Graph(name or f"srm_decode_steps_{dt}_kernels", input_types=input_types,
                custom_extensions=[kernel_library]) as g:
-        ids, pos, states, steps = (v.tensor for v in g.inputs)
+        ids, pos, states, temperature, top_k, top_p, seed, mode, steps = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
         B = ids.shape[0]
         tokens, new_states, last, next_pos, _ = ops.custom(
-            "srm_decode_greedy", device=device,
-            values=[*_op_inputs(W, c, packed, ids, pos, states, device), steps],
+            "srm_decode_steps", device=device,
+            values=[*_op_inputs(W, c, packed, ids, pos, states, device), steps, temperature, top_k, top_p, seed,
+                    ops.reshape(mode, [1])],
             out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(F32, states.shape, device),
                        TensorType(I64, [B], device), TensorType(I64, [B], device),
                        TensorType(F32, [B, c.ffn_dim + 3 * c.d_model + c.vocab_size], device)])

@@ -1,7 +1,7 @@
 """Compiled graphs shipped inside the package, for the embedded model's shape.
 
 A cold compile of the CPU graphs that ``srm-max generate`` runs (prefill, decode
-and decode_greedy with the Mojo ops, float32) takes minutes on a small CPU, so
+and decode_steps with the Mojo ops, float32) takes minutes on a small CPU, so
 the package carries them, compiled by ``scripts/build_shipped_graphs.py`` for
 portable CPU targets: code compiled for ``x86-64-v3`` (AVX2 + FMA) runs on every
 CPU of that level or above. They live in
@@ -47,7 +47,7 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 # x86-64 CPUs of the last decade have (x86-64-v4 would need an AVX-512 machine to check it)
 DEFAULT_TARGETS = ("x86-64-v3",)
 # the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
-KINDS = ("prefill", "decode", "sample", "regroup", "decode_greedy")
+KINDS = ("prefill", "decode", "sample", "regroup", "decode_steps")
 # x86-64 levels, lowest first: a CPU runs code compiled for its level or any below it
 X86_LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 # relative to max(1, max |expected|): the float32 engine against the float64 reference
@@ -164,12 +164,12 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
 
     class Checker(Engine):
         """An engine whose models are set by hand, and which decodes greedily with
-        the decode_greedy graph or the decode graph's loop, as told."""
+        the decode_steps graph or the decode graph's loop, as told."""
 
         one_op = True
 
         @property
-        def greedy_steps_in_one_op(self) -> bool:
+        def steps_in_one_op(self) -> bool:
             return self.one_op
 
     ckpt = load_checkpoint(EMBEDDED_MODEL_DIR)
@@ -208,10 +208,10 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
         got = eng.host(eng.regroup(eng.to_device(pool), eng.to_device(fresh), [1, 0, 1]))
         compare("regroup", got, np.concatenate([pool, fresh], axis=1)[:, [1, 0, 1]])
     steps = len(tokens) - 1
-    for kind in ("decode", "decode_greedy"):
+    for kind in ("decode", "decode_steps"):
         if kind not in eng._models:
             continue
-        eng.one_op = kind == "decode_greedy"
+        eng.one_op = kind == "decode_steps"
         res = eng.decode([int(tokens[0])], [len(prompt)], eng.to_device(expected["states"]),
                          SamplingArrays.greedy(1), steps=steps)
         if res.tokens[0].tolist() != tokens[1:].tolist():

@@ -157,17 +157,17 @@ class CompiledGraphs:
         return self.model("decode")
 
     @property
-    def decode_greedy_model(self) -> Model:
-        return self.model("decode_greedy")
+    def decode_steps_model(self) -> Model:
+        return self.model("decode_steps")
 
     @property
-    def greedy_steps_in_one_op(self) -> bool:
-        """Whether an all-greedy decode runs the ``decode_greedy`` graph (every step
-        in one op) instead of the decode graph's loop: the Mojo ops on a CPU."""
+    def steps_in_one_op(self) -> bool:
+        """Whether a decode runs the ``decode_steps`` graph (every step in one op, greedy
+        or sampled) instead of the decode graph's loop: the Mojo ops on a CPU."""
         return self.kernels and isinstance(self.device, CPU)
 
     def graph_kinds(self) -> list[str]:
-        return ["prefill", "decode", "sample", "regroup"] + (["decode_greedy"] if self.greedy_steps_in_one_op else [])
+        return ["prefill", "decode", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else [])
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
@@ -230,11 +230,10 @@ class CompiledGraphs:
             positions = self.to_device(np.asarray(positions, np.int64))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
-        one_op = self.greedy_steps_in_one_op and int(sampling[-1].to_numpy()) == MODE_GREEDY
         with self._lock:
-            if one_op:
-                toks, states, last, pos = self.decode_greedy_model.execute(
-                    ids, positions, states, self.to_device(np.arange(steps, dtype=np.int64)))
+            if self.steps_in_one_op:
+                toks, states, last, pos = self.decode_steps_model.execute(
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)))
                 return DecodeResult(self.host(toks), states, last, pos)
             toks, states, last, pos = self.decode_model.execute(
                 ids, positions, states, *sampling,

@@ -4,7 +4,7 @@ kernel library they are precompiled into.
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
 package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
 step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
-in one op; ``srm_decode_greedy``: S greedy steps in one op; CPU only, used by
+in one op; ``srm_decode_steps``: S steps in one op, each token chosen greedily or drawn; CPU only, used by
 graphs/srm/decode.py), see the ``.mojo`` files for
 the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
@@ -53,14 +53,14 @@ from pathlib import Path
 
 from .compile_cache import cache_dir
 
-__all__ = ["OP_DECODE_GREEDY", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP", "OP_STEP_FUNCTIONAL", "kernel_library",
+__all__ = ["OP_DECODE_STEPS", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP", "OP_STEP_FUNCTIONAL", "kernel_library",
            "mojo_source_dir"]
 
 OP_STEP = "srm_mixer_step"
 OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
 OP_SCAN = "srm_mixer_scan"
 OP_DECODE_STEP = "srm_decode_step"
-OP_DECODE_GREEDY = "srm_decode_greedy"
+OP_DECODE_STEPS = "srm_decode_steps"
 
 _lock = threading.Lock()
 _library: Path | None = None

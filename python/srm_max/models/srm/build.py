@@ -8,7 +8,7 @@ from max.graph import DeviceRef, Graph
 
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
-from ...graphs.srm import build_decode_graph, build_decode_greedy_graph, build_prefill_graph
+from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph
 from ...runtime.kernels import kernel_library
 from . import packing, schema
 from .config import SRMConfig
@@ -19,7 +19,7 @@ GRAPH_KEY = b"srm-graphs-v2"
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind``: "prefill", "decode", "sample" (``graphs.sampler.build_sample_graph``),
-    "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_greedy"."""
+    "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
     if kind == "sample":
         return build_sample_graph("srm_sample", config.vocab_size, device)
     if kind == "regroup":
@@ -30,8 +30,8 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     packed = packing.packed_inputs(config) if kernels and device.is_cpu() else None
     if kind == "decode":
         return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
-    if kind == "decode_greedy" and packed is not None:
-        return build_decode_greedy_graph(config, schema, packed, library, wdtype)
+    if kind == "decode_steps" and packed is not None:
+        return build_decode_steps_graph(config, schema, packed, library, wdtype)
     raise ValueError(f"unknown SRM graph kind {kind!r} (kernels={kernels}, device {device})")
 
 

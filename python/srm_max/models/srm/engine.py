@@ -4,10 +4,10 @@
 cache, see ``compile_cache``) two graphs per (config shape, weight dtype,
 device): ``srm_prefill_*`` and ``srm_decode_*``; batch size, prompt length and
 the number of decode steps per call are symbolic, so these two graphs serve
-every request. With the Mojo ops on a CPU there is a third, ``srm_decode_greedy_*``:
-a decode where every sample is greedy runs all its steps inside one op (see
-graphs/srm/decode.py); other decodes take the decode graph's loop. Weights are bound
-at load time by name.
+every request. With the Mojo ops on a CPU there is a third, ``srm_decode_steps_*``:
+a decode runs all its steps inside one op, each token chosen greedily or drawn there
+by the sampler's rules (see graphs/srm/decode.py); elsewhere decodes take the decode
+graph's loop. Weights are bound at load time by name.
 
 The rest (lazy loading, the decode call, threads) is ``runtime.compiled``.
 """

@@ -1,0 +1,83 @@
+"""Sampled decode inside the whole-step op (mojo/decode_step.mojo with
+mojo/row_sampler.mojo): on the CPU with the Mojo kernels every decode, greedy or
+sampled, runs all its steps in one op; the decode graph's loop of one-step ops and
+MAX's sampler ops (graphs/sampler.py) must give the same tokens and states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from max.driver import Buffer
+
+from conftest import TINY, graphs, random_prompts
+from srm_max.graphs import sampler
+from srm_max.runtime.compiled import SamplingArrays
+
+# the graphs test_engine.py declares too: the session compiles them once
+pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16")]
+
+# (temperature, top_k, top_p) per row: greedy, plain temperatures, top-k in a sorted buffer
+# (k <= V / 8) and by a sort of the row, top-p alone and after top-k
+ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 0, 1.0), (1.0, 5, 1.0), (0.8, 1, 1.0),
+        (1.0, 20, 1.0), (1.0, 0, 0.9), (1.2, 0, 0.5), (1.0, 5, 0.9), (0.9, 40, 0.8), (0.0, 3, 0.5)]
+
+
+def sampling_of(rows, seeds) -> SamplingArrays:
+    t, k, p = (np.array(c) for c in zip(*rows))
+    return SamplingArrays(t.astype(np.float32), k.astype(np.int64), p.astype(np.float32),
+                          np.asarray(seeds, np.uint64))
+
+
+def loop_decode(engine, ids, lengths, states, s: SamplingArrays, steps: int):
+    """The decode graph's loop: one-step ops and the MAX sampler ops."""
+    toks, states, last, pos = engine.decode_model.execute(
+        engine.to_device(ids), engine.to_device(np.asarray(lengths, np.int64)), states,
+        *engine.sampling_buffers(s), engine.to_device(np.arange(steps, dtype=np.int64)),
+        Buffer.from_numpy(np.array(steps, np.int64)))
+    return engine.host(toks), engine.host(states), engine.host(last), engine.host(pos)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("filtered", [True, False])
+def test_sampled_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtype, filtered):
+    """A mixed batch (greedy rows, plain temperatures, top-k, top-p, several seeds;
+    with ``filtered`` False no row filters: the plain mode) draws in the one op the
+    tokens the graph loop draws, and ends in bit for bit the same states, ids and
+    positions, also where positions run past the context (clamped)."""
+    engine = engine if dtype == "float32" else engine_bf16
+    assert engine.steps_in_one_op
+    rows = ROWS if filtered else [(t, 0, 1.0) for t, _, _ in ROWS]
+    rows = rows + rows  # every kind of row with two seeds
+    n = TINY.context_length
+    lengths = [1 + (13 * i) % (n - 8) for i in range(len(rows) - 2)] + [n - 3, n]
+    prompts = random_prompts(lengths, TINY.vocab_size, seed=5)
+    s = sampling_of(rows, 1000 + 7 * np.arange(len(rows)))
+    assert s.mode() == (sampler.MODE_FILTERED if filtered else sampler.MODE_PLAIN)
+    pre = engine.prefill(prompts, s)
+    states = engine.host(pre.states)
+    steps = 9
+    one_op = engine.decode(pre.next_ids, lengths, engine.to_device(states), s, steps)
+    toks, loop_states, last, pos = loop_decode(engine, pre.next_ids, lengths, engine.to_device(states), s, steps)
+    np.testing.assert_array_equal(one_op.tokens, toks)
+    np.testing.assert_array_equal(engine.host(one_op.states), loop_states)
+    np.testing.assert_array_equal(engine.host(one_op.ids), last)
+    np.testing.assert_array_equal(engine.host(one_op.positions), pos)
+    drawn = np.array([t > 0 for t, _, _ in rows])
+    assert len({tuple(r) for r in one_op.tokens[drawn]}) > 1  # the draws are not all alike
+
+
+def test_a_sampled_sample_draws_the_same_in_one_call_or_several(engine):
+    """The draw's random counter is the new token's position: 8 steps in one call and
+    in calls of 3, 1 and 4 steps give the same tokens."""
+    rows = ROWS[1:5] + ROWS[7:10]
+    prompts = random_prompts([4, 30, 9, 50, 2, 17, 41], TINY.vocab_size, seed=8)
+    lengths = [len(p) for p in prompts]
+    s = sampling_of(rows, np.arange(len(rows)) + 77)
+    pre = engine.prefill(prompts, s)
+    whole = engine.decode(pre.next_ids, lengths, pre.states, s, 8).tokens
+    ids, pos, states, parts = pre.next_ids, np.array(lengths), pre.states, []
+    for steps in (3, 1, 4):
+        out = engine.decode(ids, pos, states, s, steps)
+        parts.append(out.tokens)
+        ids, pos, states = out.ids, out.positions, out.states
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
