@@ -159,8 +159,11 @@ def _worker_main() -> int:
     job = pickle.loads(sys.stdin.buffer.read())
     if not isinstance(job, GraphJob):
         raise SystemExit("srm_max.runtime.precompile: expected a pickled GraphJob on stdin")
-    print(_compile(job))
-    return 0
+    print(_compile(job), flush=True)
+    # The .mef file is complete (written atomically) once _compile returns; MAX's worker
+    # threads can abort the interpreter's teardown after that ("terminate called without an
+    # active exception"), which would report a finished compile as failed: leave at once.
+    os._exit(0)
 
 
 __all__ = ["GraphJob", "compile_in_workers", "precompile"]
