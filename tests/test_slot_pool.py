@@ -43,7 +43,7 @@ def test_same_samples_as_alone_and_no_idle_slot(generator):
     n, seed = 4, 99
     kw = dict(max_new_tokens=14, temperature=1.0, top_k=0, top_p=0.9, stop=[7, 11])
     stats = PoolStats()
-    samples = list(sample_many(generator, prompts, n, max_batch=5, seed=seed, stats=stats, **kw))
+    samples = list(sample_many(generator, prompts, n, max_batch=5, seed=seed, stats=stats, steps_per_call=1, **kw))
     assert sorted((s.prompt_index, s.sample_index) for s in samples) == [
         (p, i) for p in range(len(prompts)) for i in range(n)]
     for s in samples:
@@ -87,7 +87,7 @@ def test_finish_reasons_stop_length_context(generator):
     prompts = [stopping, running, long]
     stats = PoolStats()
     samples = list(sample_many(generator, prompts, 2, max_batch=2, max_new_tokens=8, temperature=0.0,
-                               stop=[x], stats=stats))
+                               stop=[x], stats=stats, steps_per_call=1))
     by_prompt = {p: [s for s in samples if s.prompt_index == p] for p in range(3)}
     assert all(s.finish_reason == "stop" and len(s.ids) == k for s in by_prompt[0])
     assert all(s.finish_reason == "length" and len(s.ids) == 8 for s in by_prompt[1])
@@ -142,6 +142,7 @@ BAD = [
     ("token outside vocab", dict(prompts=[[1, 64]]), "token id 64"),
     ("stop id outside vocab", dict(stop=[99]), "stop token id 99"),
     ("budget holds no sample", dict(memory_budget_bytes=1000), "memory budget"),
+    ("steps_per_call 0", dict(steps_per_call=0), "steps_per_call"),
 ]
 
 

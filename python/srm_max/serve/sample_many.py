@@ -1,9 +1,11 @@
 """Massive sampling: ``n`` samples of every prompt through a refilled pool of slots.
 
 A fixed pool of B slots (``scheduler.SlotPool``) runs every decode step. When a
-sample finishes (stop, length or context), its slot is refilled at once with the
-next pending sample: no padding to the longest sequence, no idle slot while work
-remains.
+sample finishes (stop, length or context), its slot is refilled with the next
+pending sample at the end of that engine call: no padding to the longest
+sequence. ``steps_per_call`` (default 8, as ``generate``) trades the slot-steps a
+finished sample idles until its call ends for fewer engine calls; with 1 no slot
+idles while work remains.
 
 Each sample's randomness depends only on its own seed, ``sample_seed(seed,
 prompt_index, sample_index)``, and its positions, so a sample is the same
@@ -95,7 +97,8 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
 
 def sample_many(generator, prompts, n: int, verifier: Callable | None = None, max_batch="auto",
                 max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int | None = None, stop=None,
-                memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None) -> Iterator[Sample]:
+                memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None,
+                steps_per_call: int = 8) -> Iterator[Sample]:
     """Yield ``n`` samples of every prompt, in order of completion (see module docs).
 
     ``verifier(text)`` (or ``verifier(ids)`` without a tokenizer) scores each sample.
@@ -103,17 +106,20 @@ def sample_many(generator, prompts, n: int, verifier: Callable | None = None, ma
     """
     job = plan(generator, prompts, n, max_batch, max_new_tokens, temperature, top_k, top_p, seed, stop,
                memory_budget_bytes)
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+        raise GenerationError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
     pairs = [(p, s) for p in range(len(job.prompts)) for s in range(n)]
-    return run_pairs(generator, job, pairs, verifier, stats)
+    return run_pairs(generator, job, pairs, verifier, stats, steps_per_call)
 
 
 def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
-              stats: PoolStats | None = None) -> Iterator[Sample]:
+              stats: PoolStats | None = None, steps_per_call: int = 8) -> Iterator[Sample]:
     """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
     sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
                           job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s))
                  for p, s in pairs]
-    pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), stats=stats)
+    pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), steps_per_call,
+                    stats=stats)
     pool.submit(sequences)
     return _samples(pool, generator.decode, verifier)
 
