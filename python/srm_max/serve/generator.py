@@ -48,7 +48,7 @@ from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import resolve_device, resolve_dtype
 from .sample_many import sample_many
-from .sampling import SamplingParams, check_max_new_tokens, resolve_seed
+from .sampling import SamplingParams, check_max_new_tokens, check_steps_per_call, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
 
@@ -298,8 +298,7 @@ class Generator:
         max_new = check_max_new_tokens(max_new_tokens)
         params = SamplingParams.build(len(ids), temperature, top_k, top_p, seed)
         stop_ids, stop_strings = self._normalize_stop(stop)
-        if not isinstance(steps_per_call, int) or steps_per_call < 1:
-            raise GenerationError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
+        check_steps_per_call(steps_per_call)
         stop_ids = frozenset(int(t) for t in stop_ids)
         sequences = [scheduler.Sequence(p, float(params.temperature[b]), int(params.top_k[b]), float(params.top_p[b]),
                               int(params.seed[b]), max_new, stop_ids, tuple(stop_strings), tag=b)

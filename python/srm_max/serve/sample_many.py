@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..models import registry
-from .sampling import SamplingParams, check_max_new_tokens, resolve_seed
+from .sampling import SamplingParams, check_max_new_tokens, check_steps_per_call, resolve_seed
 from .scheduler import PoolStats, Sequence, SlotPool
 
 # Per-sample memory the decode step needs besides its state: logits, sorted
@@ -106,8 +106,7 @@ def sample_many(generator, prompts, n: int, verifier: Callable | None = None, ma
     """
     job = plan(generator, prompts, n, max_batch, max_new_tokens, temperature, top_k, top_p, seed, stop,
                memory_budget_bytes)
-    if not isinstance(steps_per_call, int) or steps_per_call < 1:
-        raise GenerationError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
+    check_steps_per_call(steps_per_call)
     pairs = [(p, s) for p in range(len(job.prompts)) for s in range(n)]
     return run_pairs(generator, job, pairs, verifier, stats, steps_per_call)
 

@@ -101,6 +101,12 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return int(max_new_tokens)
 
 
+def check_steps_per_call(steps_per_call) -> int:
+    if not isinstance(steps_per_call, int) or steps_per_call < 1:
+        raise GenerationError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
+    return steps_per_call
+
+
 # ------------------------------------------------------------ numpy mirror
 _K0 = np.uint64(0xC8E4FD154CE32F6D)
 _K1 = np.uint64(0x9B2D67A3E8F15C47)
@@ -164,5 +170,5 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
 
 
-__all__ = ["SamplingParams", "check_max_new_tokens", "check_seed", "fresh_seed", "resolve_seed", "uniform_np",
+__all__ = ["SamplingParams", "check_max_new_tokens", "check_steps_per_call", "check_seed", "fresh_seed", "resolve_seed", "uniform_np",
            "filtered_probs", "draw_np"]
