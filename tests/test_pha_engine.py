@@ -1,9 +1,12 @@
 """The MAX PHA engine (graphs/pha/, PHAEngine) and the Generator serving PHA
 checkpoints, against the PyTorch reference (reference/pha.py) on the same weights.
 
-ONE tiny config for the whole file: its two graphs (prefill, decode; float32,
-CPU) are compiled once and cached as .mef files (see compile_cache), so later
-runs load them in milliseconds.
+ONE tiny config for the whole file: its graphs (prefill, decode, the sampler;
+float32, CPU) are compiled once and cached as .mef files (see compile_cache), so
+later runs load them in milliseconds. Context 160 = 2.5 GSS prefill chunks of
+``CHUNK`` = 64, so prompts cross chunks. The ablation configs and bfloat16 weights
+are in tests/test_pha_long_context.py (graphs of their own, which the AVX2 rerun of
+tests/test_cpu_target.py does not recompile).
 """
 
 from __future__ import annotations
@@ -20,16 +23,22 @@ from srm_max.reference.pha import PHA
 from srm_max.serve.sampling import draw_np, filtered_probs
 from test_pha import randomized
 
-# Every branch on, GQA with 2 query heads per KV head, context 32.
-CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=32, n_q_heads=4, n_kv_heads=2,
+# Every branch on, GQA with 2 query heads per KV head, context 160 = 2.5 chunks.
+CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
                    dss_state_size=8)
 pytestmark = graphs(CONFIG, ("prefill", "decode", "sample", "regroup"), kernels=False)
 
 
 def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
     """Float32 reference with unequal mixing weights, varied logit scales, non-trivial
-    norms and biases, O(1) logits (tests/test_pha.py's ``randomized``)."""
-    return randomized(config, torch.float32, seed)
+    norms and biases, O(1) logits (tests/test_pha.py's ``randomized``), and DSS modes
+    decaying from about 0.1 to 0.995 per token, so states carry across chunks."""
+    model = randomized(config, torch.float32, seed)
+    with torch.no_grad():
+        for block in model.blocks:
+            if "gss" in block.branches:
+                block.branches["gss"].dss.Lambda_real.copy_(torch.linspace(-5.3, 0.8, config.dss_state_size))
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +88,12 @@ def assert_states_close(engine, states, cache, filled, rel=1e-4):
     """MAX states against a reference PHACache: GSS states, and the KV caches up to
     each sample's ``filled`` positions (later rows are padding or unused)."""
     got = engine.split_states(states)
-    assert_close_rel(got["gss_state"], cache.gss_state.numpy(), rel)
+    assert (got["gss_state"] is None) == (cache.gss_state is None)
+    if cache.gss_state is not None:
+        assert_close_rel(got["gss_state"], cache.gss_state.numpy(), rel)
     for name, ref in (("keys", cache.keys), ("values", cache.values)):
-        for b, f in enumerate(filled):
+        assert (got[name] is None) == (ref is None)
+        for b, f in enumerate(filled if ref is not None else []):
             assert_close_rel(got[name][:, b, :, :f], ref[:, b, :, :f].numpy(), rel)
 
 
@@ -89,7 +101,8 @@ def assert_states_close(engine, states, cache, filled, rel=1e-4):
 
 
 def test_prefill_logits_and_states_match_reference(engine, reference):
-    lengths = [1, 5, 17, 32]  # mixed, right-padded in one batch, up to the full context
+    # mixed, right-padded in one batch: inside chunk 0, on its last token, in chunk 1, the full context
+    lengths = [1, 64, 100, 160]
     prompts = prompts_of(lengths)
     res = engine.prefill(prompts)
     ref_logits, cache = ref_prefill(reference, prompts)
@@ -119,9 +132,9 @@ def ref_greedy(reference, prompts, new_tokens):
 
 
 def test_multi_step_greedy_decode_matches_reference(engine, reference):
-    lengths = [1, 6, 20, 13]
+    lengths = [1, 63, 148, 13]
     prompts = prompts_of(lengths, seed=1)
-    calls = [4, 1, 6]  # 12 new tokens: the longest prompt ends at 20 + 12 = 32 = n
+    calls = [4, 1, 6]  # 12 new tokens: the longest prompt ends at 148 + 12 = 160 = n
     expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
     pre = engine.prefill(prompts)
     tokens, states = [pre.next_ids[:, None]], pre.states
@@ -148,7 +161,7 @@ def test_generate_greedy_equals_reference_generate(generator, reference):
         expected = reference.generate_greedy(torch.tensor(p), 9).tolist()
         assert out.ids == expected and out.finish_reason == "length"
     # a prompt near the context stops there
-    (p,) = prompts_of([28], seed=3)
+    (p,) = prompts_of([156], seed=3)
     out = generator.generate(p, max_new_tokens=10)
     assert out.finish_reason == "context"
     assert out.ids == reference.generate_greedy(torch.tensor(p), 4).tolist()
@@ -194,8 +207,8 @@ def test_generator_builds_a_pha_engine_from_config_and_weights(weights):
     H, N = CONFIG.gss_hidden_dim, CONFIG.dss_state_size
     assert split["gss_state"].shape == (2, 3, H, N)
     assert split["keys"].shape == (2, 3, CONFIG.n_kv_heads, CONFIG.context_length, CONFIG.head_dim)
-    with pytest.raises(GenerationError, match="prompt 0 has 33 tokens"):
-        gen.engine.prefill([[1] * 33])
+    with pytest.raises(GenerationError, match="prompt 0 has 161 tokens"):
+        gen.engine.prefill([[1] * 161])
     bad = dict(weights)
     bad.pop("blocks.1.branches.attn.logit_scale")
     with pytest.raises(GenerationError, match="missing key 'blocks.1.branches.attn.logit_scale'"):
@@ -214,7 +227,7 @@ def test_slot_pool_plans_pha_batches_by_their_state_size():
 def test_a_sample_past_the_context_does_not_disturb_its_batch_mates(generator, reference):
     """Decode calls of 8 steps: the long prompt hits the context after 2 tokens and runs on
     past n inside the call (positions >= n write nothing); the short one is unaffected."""
-    short, long = prompts_of([3, 30], seed=8)
+    short, long = prompts_of([3, 158], seed=8)
     outs = generator.generate([short, long], max_new_tokens=12, steps_per_call=8)
     assert outs[0].ids == reference.generate_greedy(torch.tensor(short), 12).tolist()
     assert outs[1].ids == reference.generate_greedy(torch.tensor(long), 2).tolist()

@@ -1,76 +1,70 @@
-"""The PHA decode graph: S steps in one ``execute`` (``graphs.loop``), states [L, B, X]."""
+"""The PHA decode graph: S steps in one ``execute`` (``graphs.loop``), states [L, B, X].
+
+A step reads each layer's KV cache once (``attention.attn_step``) and, after the last
+layer, writes every layer's new GSS state and one key and one value row per KV head
+with a single ``scatter`` (``write_rows``). Inside ``ops.while_loop`` MAX 26.7
+carries tensors, not buffers, so that scatter still yields a new tensor: the state is
+copied once per step (one memcpy, not a pass of arithmetic over every cache).
+"""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..loop import build_multistep_decode_graph
-from ..ops import F32, linear
-from .model import (StateLayout, PHAWeights, _Consts, _block, _embed, _ffn, _masked_softmax, _qkv, _state_row)
+from ..ops import F32, I64, clamp_max, const, linear
+from .attention import attn_step
+from .gss import gss_step
+from .model import PHAWeights, StateLayout, _Consts, _block, _embed, _ffn
 
 
-def _gss_step(x, st, g: dict, c, K: _Consts):
-    """x [B, E], this layer's state [B, X] -> (out [B, E], new GSS state [B, 2*H*N]).
+def row_width(config) -> int:
+    """The width w the state is cut into for ``write_rows``: divides the GSS state and a head."""
+    lay = StateLayout.of(config)
+    sizes = ([lay.gss] if lay.gss else []) + ([config.head_dim] if lay.kv else [])
+    return math.gcd(*sizes) if sizes else 1
 
-    s = Abar s + LN(v) (complex, as real pairs over flat (h, n) channels);
-    y = Re(Ct . s) + D LN(v), the sum over n by ``group_sum``.
+
+def write_rows(states: TensorValue, gss: list, keys: list, values: list, pos: TensorValue, config,
+               device: DeviceRef) -> TensorValue:
+    """states [L, B, X] with, per layer l and sample b, the GSS state gss[l] [B, 2HN] written
+    whole and keys[l], values[l] [B, Hkv*dh] written as row min(pos, n-1) of each KV head.
+
+    One ``scatter`` along the rows of the state seen as rows of w = ``row_width`` floats,
+    with elementwise indices (a ``scatter_nd`` with (layer, sample, row) index vectors
+    wrote other samples' rows too). A position past the context overwrites the last row:
+    such a sample is finished (the host discards its tokens and its state).
     """
-    H, N = c.gss_hidden_dim, c.dss_state_size
-    HN = H * N
-    u = ops.gelu(linear(x, g["to_u"]))
-    xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"])), g["norm_w"], g["norm_b"],
-                        epsilon=c.norm_eps)  # [B, H]
-    xe = K.spread(xn, H, N)  # [B, H*N]
-    re, im = st[:, :HN], st[:, HN : 2 * HN]
-    ar, ai = g["abar_re"], g["abar_im"]
-    re2 = ar * re - ai * im + xe
-    im2 = ar * im + ai * re
-    y = K.group_sum(re2 * g["ct_re_flat"] - im2 * g["ct_im_flat"], H, N) + xn * g["D"]
-    out = linear(linear(y, g["to_gate"]) * u, g["to_out"], g["to_out_b"])
-    return out, ops.concat([re2, im2], axis=1)
-
-
-def _attn_step(x, pos, pos_f, st, a: dict, c, K: _Consts, lay: StateLayout):
-    """x [B, E] at pos [B]: writes k, v at pos into the caches, attends over 0..pos.
-
-    -> (out [B, E], (keys, values) [B, Hkv*n*dh]). Rank-3 ops per KV head on its
-    contiguous columns [n, dh] of the state. A position >= n writes nothing (the
-    host discards such tokens).
-    """
-    Hq, Hkv, dh, n = c.n_q_heads, c.n_kv_heads, c.head_dim, c.context_length
-    G = Hq // Hkv
-    B = x.shape[0]
-    q, k, v = _qkv(x, ops.unsqueeze(pos_f, -1), a, c, K)
-    # cache * (1 - hit) + hit * new, every factor broadcast to [B, n, dh] explicitly
-    # (exact: the factors are 0 or 1).
-    hit = ops.reshape(ops.cast(ops.equal(ops.unsqueeze(pos, 1), ops.unsqueeze(K.iota_n(), 0)), F32), [B, n, 1])
-    keep = ops.broadcast_to(1.0 - hit, [B, n, dh])
-    hit = ops.broadcast_to(hit, [B, n, dh])
-    seen = ops.reshape(ops.cast(ops.unsqueeze(K.iota_n(), 0) <= ops.unsqueeze(pos, 1), F32), [B, 1, n])
-    keys, values, heads = [], [], []
-    for kv in range(Hkv):
-        ch = slice(kv * dh, (kv + 1) * dh)
-
-        def write(section: slice, new):
-            start = section.start + kv * n * dh
-            old = ops.reshape(st[:, start : start + n * dh], [B, n, dh])
-            return old * keep + hit * ops.broadcast_to(ops.reshape(new[:, ch], [B, 1, dh]), [B, n, dh])
-
-        kh, vh = write(lay.keys, k), write(lay.values, v)
-        keys.append(ops.reshape(kh, [B, n * dh]))
-        values.append(ops.reshape(vh, [B, n * dh]))
-        for h in range(kv * G, (kv + 1) * G):
-            qh = ops.reshape(q[:, h * dh : (h + 1) * dh], [B, 1, dh])
-            logits = ops.matmul(qh, ops.transpose(kh, 1, 2))  # [B, 1, n]
-            att = ops.matmul(_masked_softmax(logits, seen, K.logit_bound), vh)  # [B, 1, dh]
-            heads.append(ops.reshape(att, [B, dh]))
-    out = linear(ops.concat(heads, axis=1), a["o"])
-    return out, (_cat(keys), _cat(values))
-
-
-def _cat(parts: list) -> TensorValue:
-    return parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
+    c, lay = config, StateLayout.of(config)
+    L, Hkv, dh, n = c.n_layers, c.n_kv_heads, c.head_dim, c.context_length
+    w = row_width(c)
+    B = pos.shape[0]
+    # the rows each (l, b) writes: its GSS rows, then dh / w rows per KV head for k, then v
+    base, step = [], []
+    if lay.gss:
+        base += list(range(lay.gss // w))
+        step += [0] * (lay.gss // w)
+    if lay.kv:
+        for start in (lay.keys.start, lay.values.start):
+            for h in range(Hkv):
+                base += [(start + h * n * dh) // w + r for r in range(dh // w)]
+                step += [dh // w] * (dh // w)
+    R = len(base)
+    row = ops.unsqueeze(clamp_max(pos, n - 1), 1) * const(np.array(step, np.int64).reshape(1, R), I64, device)
+    row = row + const(np.array(base, np.int64).reshape(1, R), I64, device)  # [B, R]
+    index = ops.broadcast_to(ops.reshape(row, [1, B, R, 1]), [L, B, R, w])  # the row of every element
+    updates = []
+    for l in range(L):
+        parts = ([gss[l]] if lay.gss else []) + ([keys[l], values[l]] if lay.kv else [])
+        flat = parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
+        updates.append(ops.reshape(flat, [B, R, w]))
+    rows = ops.reshape(states, [L, B, lay.width // w, w])
+    out = ops.scatter(rows, ops.stack(updates, axis=0), index, axis=2)
+    return ops.reshape(out, [L, B, lay.width])
 
 
 def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue, device: DeviceRef):
@@ -78,33 +72,36 @@ def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue,
     c = W.config
     K = _Consts(c, device)
     lay = StateLayout.of(c)
-    pos_f = ops.cast(pos, F32)
-    zero_col = ops.unsqueeze(ops.cast(pos * 0, F32), -1)  # [B, 1]
+    HN = lay.gss // 2
     x = _embed(W, ids)  # [B, E]
-    new_states = []
+    gss, keys, values = [], [], []
     for l in range(c.n_layers):
         st = states[l]  # [B, X]
-        found: dict = {}
 
-        def run(name, h, l=l, st=st, found=found):
+        def run(name, h, l=l, st=st):
             if name == "gss":
-                out, found["gss"] = _gss_step(h, st, W.gss(l), c, K)
+                out, re, im = gss_step(h, st[:, :HN], st[:, HN : 2 * HN], W.gss(l), c, K)
+                gss.append(ops.concat([re, im], axis=1))
             elif name == "attn":
-                out, found["attn"] = _attn_step(h, pos, pos_f, st, W.attn(l), c, K, lay)
+                out, (k, v) = attn_step(h, pos, st, W.attn(l), c, K, lay)
+                keys.append(k)
+                values.append(v)
             else:
                 out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))))
             return out
 
         x = _block(x, l, W, run)
-        new_states.append(_state_row(found, zero_col))
-    return linear(x, W.output()), ops.stack(new_states, axis=0)
+    logits = linear(x, W.output())
+    if not (lay.gss or lay.kv):
+        return logits, states
+    return logits, write_rows(states, gss, keys, values, pos, c, device)
 
 
 def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                            name: str | None = None) -> Graph:
     """S decode steps for a batch in one ``execute`` (B and S symbolic).
 
-    Inputs and outputs as ``graphs/decode.py`` (ids, positions, states, sampling, mode,
+    Inputs and outputs as ``graphs/loop.py`` (ids, positions, states, sampling, mode,
     steps, n_steps -> tokens [B, S], states, ids, positions), with states [L, B, X].
     """
     device = device or DeviceRef.CPU()

@@ -6,11 +6,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 
 from .. import ops as gops
 from ..ops import F32, I64, linear
+from .gss import gss_table_shapes, gss_tables
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,8 @@ def graph_weight_names(config) -> list[str]:
 def derived_weights(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Host-side tensors computed from the checkpoint at load time (float64 math, float32 out).
 
-    gss: a, w [N] (Abar = exp(a + i w): a = -exp(Lambda_real), w = exp(Lambda_imag));
-         ct_re, ct_im [H, N] (Ct = C (Abar - 1) / Lambda); and per flat (h, n) channel
-         [H*N]: abar_re, abar_im, ct_re_flat, ct_im_flat (for the decode step).
+    gss: ``gss.gss_tables`` (Lambda = -exp(Lambda_real) + i exp(Lambda_imag),
+         Ct = C (Abar - 1) / Lambda): every power of Abar the graphs use.
     attn: scale [Hq*dh], exp(min(logit_scale, log max)) repeated over each head's channels.
     parallel mode: branch_norm.{name} [E] = w_i * RMSNorm_i.weight, the mixing weight
          w = softplus(p) / sum(softplus(p)) folded into the branch's norm.
@@ -102,20 +101,10 @@ def derived_weights(config, weights: dict[str, np.ndarray]) -> dict[str, np.ndar
         b = p + "branches."
         if "gss" in c.branches:
             d = b + "gss.dss."
-            a = -np.exp(weights[d + "Lambda_real"].astype(np.float64))
-            w = np.exp(weights[d + "Lambda_imag"].astype(np.float64))
-            lam = a + 1j * w
+            lam = -np.exp(weights[d + "Lambda_real"].astype(np.float64)) + 1j * np.exp(
+                weights[d + "Lambda_imag"].astype(np.float64))
             ct = (weights[d + "C_real"].astype(np.float64) + 1j * weights[d + "C_imag"]) * (np.exp(lam) - 1) / lam
-            abar = np.exp(lam)
-            H = c.gss_hidden_dim
-            out |= {
-                derived_name(l, "gss.a"): a, derived_name(l, "gss.w"): w,
-                derived_name(l, "gss.ct_re"): ct.real, derived_name(l, "gss.ct_im"): ct.imag,
-                derived_name(l, "gss.abar_re"): np.tile(abar.real, H),
-                derived_name(l, "gss.abar_im"): np.tile(abar.imag, H),
-                derived_name(l, "gss.ct_re_flat"): ct.real.reshape(-1),
-                derived_name(l, "gss.ct_im_flat"): ct.imag.reshape(-1),
-            }
+            out |= {derived_name(l, "gss." + k): v for k, v in gss_tables(c, lam, ct).items()}
         if "attn" in c.branches:
             s = weights[b + "attn.logit_scale"].astype(np.float64)
             scale = np.exp(np.minimum(s, math.log(c.logit_scale_max)))
@@ -142,7 +131,7 @@ class PHAWeights(gops.NamedWeights):
 
     def gss(self, l: int) -> dict:
         c = self.config
-        E, F, H, N = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim, c.dss_state_size
+        E, F, H = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim
         b = _block_prefix(l) + "branches.gss."
         g = {
             "to_u": self.matrix(b + "to_u.weight", [F, E]),
@@ -155,8 +144,7 @@ class PHAWeights(gops.NamedWeights):
             "to_out": self.matrix(b + "to_out.weight", [E, F]),
             "to_out_b": self.get(b + "to_out.bias", [E]),
         }
-        for k, shape in (("a", [N]), ("w", [N]), ("ct_re", [H, N]), ("ct_im", [H, N]), ("abar_re", [H * N]),
-                         ("abar_im", [H * N]), ("ct_re_flat", [H * N]), ("ct_im_flat", [H * N])):
+        for k, shape in gss_table_shapes(c).items():
             g[k] = self.get(derived_name(l, "gss." + k), shape)
         return g
 

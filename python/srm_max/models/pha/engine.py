@@ -88,13 +88,14 @@ class PHAEngine(CompiledGraphs):
                 raise GenerationError(f"prompt {i} has {len(p)} tokens: expected 1 to the context length {n}")
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int64)
-        T = int(lengths.max())
-        ids = right_padded(prompts, T)
+        C = pha_graphs.CHUNK
+        M = -(-int(lengths.max()) // C)  # chunks: the graph runs T = M C tokens
+        ids = right_padded(prompts, M * C).reshape(B, M, C)
+        pos = np.arange(M * C, dtype=np.int64).reshape(M, C)
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
             logits, nxt, states = self.prefill_model.execute(
-                self.to_device(ids), self.to_device(np.arange(T, dtype=np.int64)), self.to_device(np.arange(T, dtype=np.int64)),
-                self.to_device(lengths),
+                self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
                 *self.sampling_buffers(sampling))
         return PrefillResult(logits, self.host(nxt), states)
 

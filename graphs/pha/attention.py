@@ -1,0 +1,75 @@
+"""The GQA branch: causal attention over a prompt, and one decode step over the KV cache.
+
+Query head h reads KV head h // G (G = Hq / Hkv). q and k are L2-normalised and rotated
+(RoPE); the per-head logit scale rides on q (``model._qkv``).
+"""
+
+from __future__ import annotations
+
+from max.graph import TensorValue, ops
+
+from ..ops import F32, linear
+from .model import StateLayout, _Consts, _masked_softmax, _qkv
+
+
+def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, a: dict, c, K: _Consts):
+    """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, Hkv*n*dh]).
+
+    One rank-3 attention per query head on channel slices ([B, T, T] logits). The caches
+    hold rows 0..T-1 and zeros after (a gather of rows, not a placement matmul).
+    """
+    Hq, Hkv, dh, n = c.n_q_heads, c.n_kv_heads, c.head_dim, c.context_length
+    G = Hq // Hkv
+    B = x.shape[0]
+    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K)
+    causal = ops.cast(ops.unsqueeze(pos_cols, 0) <= ops.unsqueeze(pos, 1), F32)  # [T(i), T(j)]: j <= i
+    heads = []
+    for h in range(Hq):
+        kv = slice((h // G) * dh, (h // G + 1) * dh)
+        logits = ops.matmul(q[:, :, h * dh : (h + 1) * dh], ops.transpose(k[:, :, kv], 1, 2))  # [B, T, T]
+        heads.append(ops.matmul(_masked_softmax(logits, causal, K.logit_bound), v[:, :, kv]))
+    out = linear(ops.concat(heads, axis=2), a["o"])
+
+    # cache row i = token min(i, T-1), times (i < T)
+    iota = K.iota_n()
+    top = ops.max(pos, axis=-1)  # [1]: T - 1
+    over = ops.cast(iota > top, iota.dtype)
+    rows = iota - over * (iota - top)
+    keep = ops.broadcast_to(ops.reshape(1.0 - ops.cast(over, F32), [1, n, 1]), [B, n, Hkv * dh])
+
+    def cache(t):  # [B, T, Hkv*dh] -> [B, Hkv*n*dh]
+        full = ops.gather(t, rows, axis=1) * keep  # [B, n, Hkv*dh]
+        return ops.reshape(ops.permute(ops.reshape(full, [B, n, Hkv, dh]), [0, 2, 1, 3]), [B, -1])
+
+    return out, (cache(k), cache(v))
+
+
+def attn_step(x: TensorValue, pos: TensorValue, st: TensorValue, a: dict, c, K: _Consts, lay: StateLayout):
+    """x [B, E] at pos [B], this layer's state [B, X] -> (out [B, E], (k, v) [B, Hkv*dh]).
+
+    The cache holds positions < pos; the new key and value join the softmax as one more
+    column, so the cache is read once (one [G, dh] x [dh, n] matmul per KV head for the
+    logits, one [G, n] x [n, dh] for the values) and nothing is written here: the decode
+    step writes k, v as row pos afterwards (``decode.write_rows``).
+    """
+    Hq, Hkv, dh, n = c.n_q_heads, c.n_kv_heads, c.head_dim, c.context_length
+    G = Hq // Hkv
+    B = x.shape[0]
+    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K)
+    q4 = ops.reshape(q, [B, Hkv, G, dh])
+
+    def per_query(t):  # [B, Hkv*dh] -> [B, Hkv, G, dh], each KV head's row repeated G times
+        return ops.broadcast_to(ops.reshape(t, [B, Hkv, 1, dh]), [B, Hkv, G, dh])
+
+    keys = ops.reshape(st[:, lay.keys], [B, Hkv, n, dh])
+    values = ops.reshape(st[:, lay.values], [B, Hkv, n, dh])
+    cached = ops.matmul(q4, ops.transpose(keys, 2, 3))  # [B, Hkv, G, n]
+    fresh = ops.sum(q4 * per_query(k), axis=-1)  # [B, Hkv, G, 1]
+    logits = ops.concat([cached, fresh], axis=-1)  # [B, Hkv, G, n + 1]
+    seen = ops.cast(ops.unsqueeze(K.iota_n(), 0) < ops.unsqueeze(pos, 1), F32)  # [B, n]
+    seen = ops.concat([seen, ops.unsqueeze(ops.cast(pos * 0 + 1, F32), -1)], axis=1)  # [B, n + 1]
+    keep = ops.broadcast_to(ops.reshape(seen, [B, 1, 1, n + 1]), [B, Hkv, G, n + 1])
+    p = _masked_softmax(logits, keep, K.logit_bound)
+    p_new = ops.broadcast_to(p[:, :, :, n:], [B, Hkv, G, dh])
+    att = ops.matmul(p[:, :, :, :n], values) + p_new * per_query(v)  # [B, Hkv, G, dh]
+    return linear(ops.reshape(att, [B, Hq * dh]), a["o"]), (k, v)

@@ -1,0 +1,175 @@
+"""The GSS branch: its load-time tables, the chunked-scan prefill and the decode step.
+
+DSS over H channels with N complex modes shared by the channels (A = Abar = exp(Lambda)):
+
+    s_t = A s_{t-1} + x_t          x = LN(gelu(W_v h + b_v)), [H] per token
+    y_t = Re(Ct . s_t) + D x_t
+
+Prefill splits T = M C tokens into M chunks of C = ``CHUNK``. With P_m the state
+entering chunk m and j the offset in it:
+
+    y[mC + j] = sum_{i <= j} K[j - i] x[mC + i]          inside the chunk: [H, C, C] Toeplitz
+              + Re(sum_n Ct A**(j+1) P_m)                the state carried in
+    S_m       = sum_i A**(C-1-i) x[mC + i]               the chunk's own final state
+    P_m       = sum_{m' < m} A**(C (m-1-m')) S_m'        an [M, M] matrix per mode
+
+O(T C H + T H N + M**2 H N) work and O(T H + M H N) memory per sample, against the
+O(H N T**2) time and O(N T**2) memory of a dense Toeplitz kernel. Every power of A
+is a table computed in float64 at load time (``gss_tables``), so long-range phases
+keep float64 accuracy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from max.graph import TensorValue, ops
+
+from ..ops import I64, const, linear
+
+# Prefill chunk (tokens). The scan costs O(T C H) inside chunks and O((T / C)**2 N H)
+# between them; 64 balances the two at T = 8192, N = 512.
+CHUNK = 64
+
+
+def n_chunks(config) -> int:
+    """Chunks of the longest prompt: ceil(n / CHUNK)."""
+    return -(-config.context_length // CHUNK)
+
+
+def _pairs(z: np.ndarray) -> np.ndarray:
+    """complex [..., N] -> real [..., 2N]: real parts, then imaginary parts."""
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]:
+    """The GSS tensors of one layer, from Lambda [N] and Ct [H, N] (complex128).
+
+    Decode (per flat (h, n) channel [H*N]): abar_re, abar_im, ct_re_flat, ct_im_flat.
+    Chunked prefill (C = CHUNK, pairs: [re | im] on the last axis):
+      ct_t_re, ct_t_im [N, H]   Ct transposed
+      kin     [H, C, C]   K[i - j, h] for j <= i, else 0; K[k, h] = Re(sum_n Ct A**k)
+      p_end   [C, 2N]     A**(C-1-j): a chunk's inputs -> its final local state
+      p_out   [C, 2N]     (Re, -Im) of A**(j+1): the entering state's share of y at offset j
+      p_chunk [K+1, 2N]   A**(C k), k < K = ceil(n / C), then a zero row
+      p_step  [C+2, 2N]   A**k, k <= C, then a zero row
+    """
+    C, H = CHUNK, ct.shape[0]
+    powers = np.exp(np.outer(np.arange(C + 1), lam))  # [C+1, N]: A**k
+    K = (powers[:C] @ ct.T).real  # [C, H]
+    gap = np.arange(C)[:, None] - np.arange(C)[None, :]
+    kin = np.where(gap >= 0, K[np.maximum(gap, 0)].transpose(2, 0, 1), 0.0)  # [H, C, C]
+    chunk_powers = np.exp(np.outer(np.arange(n_chunks(config)) * C, lam))
+    zero = np.zeros((1, 2 * lam.shape[0]))
+    abar = np.exp(lam)
+    return {
+        "abar_re": np.tile(abar.real, H), "abar_im": np.tile(abar.imag, H),
+        "ct_re_flat": ct.real.reshape(-1), "ct_im_flat": ct.imag.reshape(-1),
+        "ct_t_re": ct.real.T, "ct_t_im": ct.imag.T,
+        "kin": kin, "p_end": _pairs(powers[C - 1 :: -1][:C]),
+        "p_out": np.concatenate([powers[1:].real, -powers[1:].imag], axis=1),
+        "p_chunk": np.concatenate([_pairs(chunk_powers), zero]),
+        "p_step": np.concatenate([_pairs(powers), zero]),
+    }
+
+
+def gss_table_shapes(config) -> dict[str, list[int]]:
+    c = config
+    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
+    return {"abar_re": [H * N], "abar_im": [H * N], "ct_re_flat": [H * N], "ct_im_flat": [H * N],
+            "ct_t_re": [N, H], "ct_t_im": [N, H], "kin": [H, C, C], "p_end": [C, 2 * N],
+            "p_out": [C, 2 * N], "p_chunk": [n_chunks(c) + 1, 2 * N], "p_step": [C + 2, 2 * N]}
+
+
+def _projections(x: TensorValue, g: dict, c):
+    """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v)))."""
+    u = ops.gelu(linear(x, g["to_u"]))
+    xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"])), g["norm_w"], g["norm_b"],
+                        epsilon=c.norm_eps)
+    return u, xn
+
+
+def _out(y: TensorValue, u: TensorValue, g: dict) -> TensorValue:
+    return linear(linear(y, g["to_gate"]) * u, g["to_out"], g["to_out_b"])
+
+
+def _cmul(ar, ai, br, bi):
+    """(ar + i ai)(br + i bi) as real pairs."""
+    return ar * br - ai * bi, ar * bi + ai * br
+
+
+def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, lengths: TensorValue,
+                g: dict, c, device):
+    """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
+
+    chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
+    """
+    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
+    B, M = x.shape[0], x.shape[1]
+    u, xs = _projections(x, g, c)  # xs [B, M, C, H]
+
+    # inside each chunk: [H, C, C] @ [H, C, B*M]
+    xh = ops.reshape(ops.permute(xs, [3, 2, 0, 1]), [H, C, -1])
+    y_in = ops.permute(ops.reshape(ops.matmul(g["kin"], xh), [H, C, B, M]), [2, 3, 1, 0])  # [B, M, C, H]
+
+    # each chunk's own final state, modes first: [2N, M, B*H] (real parts, then imaginary)
+    rows = ops.reshape(ops.permute(xs, [0, 1, 3, 2]), [-1, C])  # [B*M*H, C]
+    ends = ops.reshape(ops.matmul(rows, g["p_end"]), [B, M, H, 2 * N])
+    ends = ops.reshape(ops.permute(ends, [3, 1, 0, 2]), [2 * N, M, -1])
+    s_re, s_im = ends[:N], ends[N:]
+
+    # the state entering chunk m: decay[n, m, m'] = A**(C (m-1-m')) for m' < m, else 0
+    # (the zero row of p_chunk), as [N, M, M] matmuls over the modes
+    ci, cj = ops.unsqueeze(chunk_rows, 1), ops.unsqueeze(chunk_cols, 0)
+    before = ops.cast(cj < ci, I64)
+    index = before * (ci - cj - 1) + (1 - before) * n_chunks(c)  # [M, M]
+    decay = ops.permute(ops.gather(g["p_chunk"], index, axis=0), [2, 0, 1])  # [2N, M, M]
+    d_re, d_im = decay[:N], decay[N:]
+    p_re = ops.matmul(d_re, s_re) - ops.matmul(d_im, s_im)  # [N, M, B*H]
+    p_im = ops.matmul(d_re, s_im) + ops.matmul(d_im, s_re)
+
+    # its share of y: Re(sum_n A**(j+1) (Ct P)_n) = p_out [C, 2N] @ [Re; Im](Ct P)
+    def per_mode(t):  # Ct^T [N, H] spread over [N, M, B, H]
+        return ops.reshape(ops.broadcast_to(ops.reshape(t, [N, 1, 1, H]), [N, M, B, H]), [N, M, -1])
+
+    q_re, q_im = _cmul(per_mode(g["ct_t_re"]), per_mode(g["ct_t_im"]), p_re, p_im)
+    q = ops.reshape(ops.concat([q_re, q_im], axis=0), [2 * N, -1])
+    y_carry = ops.permute(ops.reshape(ops.matmul(g["p_out"], q), [C, M, B, H]), [2, 1, 0, 3])  # [B, M, C, H]
+    out = _out(y_in + y_carry + xs * g["D"], u, g)
+
+    # the state after token e - 1 = m C + j: A**(j+1) P_m + sum_{i <= j} A**(j-i) x[mC + i]
+    last = lengths - 1
+    m = ops.floor_div(last, ops.constant(C, I64, device=device))
+    j = last - m * C
+    mb = ops.unsqueeze(m, -1)  # [B, 1]
+
+    def entering(p):  # [N, M, B*H] -> [B, H, N] at each sample's chunk
+        return ops.gather_nd(ops.permute(ops.reshape(p, [N, M, B, H]), [2, 1, 3, 0]), mb, batch_dims=1)
+
+    w = ops.gather(g["p_step"], j + 1, axis=0)  # [B, 2N]: A**(j+1)
+    w_re = ops.broadcast_to(ops.reshape(w[:, :N], [B, 1, N]), [B, H, N])
+    w_im = ops.broadcast_to(ops.reshape(w[:, N:], [B, 1, N]), [B, H, N])
+    c_re, c_im = _cmul(w_re, w_im, entering(p_re), entering(p_im))
+    offs = const(np.arange(C, dtype=np.int64).reshape(1, C), I64, device)
+    jb = ops.unsqueeze(j, -1)
+    inside = ops.cast(offs <= jb, I64)
+    index = inside * (jb - offs) + (1 - inside) * (C + 1)  # [B, C]: A**(j-i), or the zero row
+    weights = ops.gather(g["p_step"], index, axis=0)  # [B, C, 2N]
+    x_last = ops.permute(ops.gather_nd(xs, mb, batch_dims=1), [0, 2, 1])  # [B, H, C]
+    local = ops.matmul(x_last, weights)  # [B, H, 2N]
+    s_re = ops.reshape(c_re + local[:, :, :N], [B, H * N])
+    s_im = ops.reshape(c_im + local[:, :, N:], [B, H * N])
+    return out, ops.concat([s_re, s_im], axis=1)
+
+
+def gss_step(x: TensorValue, re: TensorValue, im: TensorValue, g: dict, c, K):
+    """x [B, E], the state's real and imaginary parts [B, H*N] -> (out [B, E], new re, new im).
+
+    s = A s + x (complex, as real pairs over flat (h, n) channels);
+    y = Re(Ct . s) + D x, the sum over n by ``K.group_sum``, the spread by ``K.spread``.
+    """
+    H, N = c.gss_hidden_dim, c.dss_state_size
+    u, xn = _projections(x, g, c)  # xn [B, H]
+    re2, im2 = _cmul(g["abar_re"], g["abar_im"], re, im)
+    re2 = re2 + K.spread(xn, H, N)
+    y = K.group_sum(re2 * g["ct_re_flat"] - im2 * g["ct_im_flat"], H, N) + xn * g["D"]
+    return _out(y, u, g), re2, im2
