@@ -1,10 +1,13 @@
-"""The PHA decode graph: S steps in one ``execute`` (``graphs.loop``), states [L, B, X].
+"""The PHA decode graph: one step per ``execute``, the state ``[L, B, X]`` a buffer
+written in place.
 
 A step reads each layer's KV cache once (``attention.attn_step``) and, after the last
 layer, writes every layer's new GSS state and one key and one value row per KV head
-with a single ``scatter`` (``write_rows``). Inside ``ops.while_loop`` MAX 26.7
-carries tensors, not buffers, so that scatter still yields a new tensor: the state is
-copied once per step (one memcpy, not a pass of arithmetic over every cache).
+with one Mojo op (``srm_write_state_rows``, mojo/state_rows.mojo): the caches are
+never copied. MAX 26.7's ``ops.while_loop`` carries tensors, not buffers, so an
+in-place write cannot sit in a loop of steps; the engine calls this graph once per
+step (``PHAEngine.decode``). Without a loop the graph also stays clear of the
+loop-graph faults of docs/avx2_crash.md.
 """
 
 from __future__ import annotations
@@ -13,13 +16,15 @@ import math
 
 import numpy as np
 from max.dtype import DType
-from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
+from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..loop import build_multistep_decode_graph
-from ..ops import F32, I64, clamp_max, const, linear
+from ..ops import F32, I64, U64, clamp_max, const, linear
+from ..sampler import sample
 from .attention import attn_step
 from .gss import gss_step
 from .model import PHAWeights, StateLayout, _Consts, _block, _embed, _ffn
+
+OP_WRITE_STATE_ROWS = "srm_write_state_rows"
 
 
 def row_width(config) -> int:
@@ -29,15 +34,14 @@ def row_width(config) -> int:
     return math.gcd(*sizes) if sizes else 1
 
 
-def write_rows(states: TensorValue, gss: list, keys: list, values: list, pos: TensorValue, config,
-               device: DeviceRef) -> TensorValue:
-    """states [L, B, X] with, per layer l and sample b, the GSS state gss[l] [B, 2HN] written
-    whole and keys[l], values[l] [B, Hkv*dh] written as row min(pos, n-1) of each KV head.
+def row_updates(gss: list, keys: list, values: list, pos: TensorValue, config, device: DeviceRef):
+    """What one step writes, per layer l and sample b: the GSS state gss[l] [B, 2HN] whole
+    and keys[l], values[l] [B, Hkv*dh] as row min(pos, n-1) of each KV head.
 
-    One ``scatter`` along the rows of the state seen as rows of w = ``row_width`` floats,
-    with elementwise indices (a ``scatter_nd`` with (layer, sample, row) index vectors
-    wrote other samples' rows too). A position past the context overwrites the last row:
-    such a sample is finished (the host discards its tokens and its state).
+    -> (rows [L, B, R, w], index [B, R]): the state seen as rows of w = ``row_width``
+    floats, ``rows[l, b, r]`` goes to row ``index[b, r]`` (the same rows in every layer).
+    A position past the context overwrites the last row: such a sample is finished (the
+    host discards its tokens and its state).
     """
     c, lay = config, StateLayout.of(config)
     L, Hkv, dh, n = c.n_layers, c.n_kv_heads, c.head_dim, c.context_length
@@ -54,21 +58,19 @@ def write_rows(states: TensorValue, gss: list, keys: list, values: list, pos: Te
                 base += [(start + h * n * dh) // w + r for r in range(dh // w)]
                 step += [dh // w] * (dh // w)
     R = len(base)
-    row = ops.unsqueeze(clamp_max(pos, n - 1), 1) * const(np.array(step, np.int64).reshape(1, R), I64, device)
-    row = row + const(np.array(base, np.int64).reshape(1, R), I64, device)  # [B, R]
-    index = ops.broadcast_to(ops.reshape(row, [1, B, R, 1]), [L, B, R, w])  # the row of every element
+    index = ops.unsqueeze(clamp_max(pos, n - 1), 1) * const(np.array(step, np.int64).reshape(1, R), I64, device)
+    index = index + const(np.array(base, np.int64).reshape(1, R), I64, device)  # [B, R]
     updates = []
     for l in range(L):
         parts = ([gss[l]] if lay.gss else []) + ([keys[l], values[l]] if lay.kv else [])
         flat = parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
         updates.append(ops.reshape(flat, [B, R, w]))
-    rows = ops.reshape(states, [L, B, lay.width // w, w])
-    out = ops.scatter(rows, ops.stack(updates, axis=0), index, axis=2)
-    return ops.reshape(out, [L, B, lay.width])
+    return ops.stack(updates, axis=0), index
 
 
 def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue, device: DeviceRef):
-    """One token for the whole batch: -> (logits [B, V], new states [L, B, X])."""
+    """One token for the whole batch: -> (logits [B, V], (gss, keys, values)), the per-layer
+    pieces of the state this step writes (``row_updates``)."""
     c = W.config
     K = _Consts(c, device)
     lay = StateLayout.of(c)
@@ -91,26 +93,44 @@ def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue,
             return out
 
         x = _block(x, l, W, run)
-    logits = linear(x, W.output())
-    if not (lay.gss or lay.kv):
-        return logits, states
-    return logits, write_rows(states, gss, keys, values, pos, c, device)
+    return linear(x, W.output()), (gss, keys, values)
 
 
 def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                           name: str | None = None) -> Graph:
-    """S decode steps for a batch in one ``execute`` (B and S symbolic).
+                           kernel_library=None, name: str | None = None) -> Graph:
+    """One decode step for a batch (B symbolic), the states updated in place.
 
-    Inputs and outputs as ``graphs/loop.py`` (ids, positions, states, sampling, mode,
-    steps, n_steps -> tokens [B, S], states, ids, positions), with states [L, B, X].
+    Inputs: ids [B], positions [B], states [L, B, X] (a buffer), temperature / top_k /
+    top_p / seed [B], mode [] (host), as ``graphs/loop.py`` without its step counts.
+    Outputs: the drawn token [B] (its random counter is its position, positions + 1)
+    and positions + 1. ``kernel_library``: the Mojo package holding
+    ``srm_write_state_rows``.
     """
+    if kernel_library is None:
+        raise ValueError("the PHA decode graph needs the Mojo kernel library (srm_write_state_rows)")
     device = device or DeviceRef.CPU()
-    c = config
+    c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    state_type = TensorType(F32, [c.n_layers, "batch", StateLayout.of(c).width], device)
-
-    def make_step():
-        W = PHAWeights(c, wdtype, device)
-        return lambda ids, pos, states: step(W, ids, pos, states, device)
-
-    return build_multistep_decode_graph(name or f"pha_decode_{dt}", state_type, make_step, device)
+    input_types = [
+        TensorType(I64, ["batch"], device),  # ids
+        TensorType(I64, ["batch"], device),  # positions
+        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode
+    ]
+    with Graph(name or f"pha_decode_{dt}", input_types=input_types, custom_extensions=[kernel_library]) as g:
+        ids, pos, states_buf, temperature, top_k, top_p, seed, mode = g.inputs
+        ids, pos = ids.tensor, pos.tensor
+        states_buf = states_buf.buffer
+        logits, (gss, keys, values) = step(PHAWeights(c, wdtype, device), ids, pos, ops.buffer_load(states_buf), device)
+        nxt = sample(logits, temperature.tensor, top_k.tensor, top_p.tensor, seed.tensor, pos + 1, mode.tensor, device)
+        if lay.gss or lay.kv:
+            rows, index = row_updates(gss, keys, values, pos, c, device)
+            # logits: a value computed from every read of the state, so the write follows them
+            ops.inplace_custom(OP_WRITE_STATE_ROWS, device=device, values=[states_buf, rows, index, logits],
+                               out_types=[TensorType(F32, rows.shape, device)])
+        g.output(nxt, pos + 1)
+    return g

@@ -8,23 +8,26 @@ from max.graph import DeviceRef, Graph
 from ...graphs import pha
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
+from ...runtime.kernels import kernel_library
 from .config import PHAConfig
 
 # bumped when a compiled model must not be reused although its MLIR text is the same
-GRAPH_KEY = b"pha-graphs-v1"
+GRAPH_KEY = b"pha-graphs-v2"
 
 
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
-    """The graph ``kind`` ("prefill", "decode", "sample" or "regroup"; PHA has no Mojo ops:
-    ``kernels`` is ignored)."""
+    """The graph ``kind`` ("prefill", "decode", "sample" or "regroup"). The decode graph
+    always uses one Mojo op (its in-place state write), the rest none: ``kernels`` is
+    ignored."""
     if kind == "sample":
         return build_sample_graph("pha_sample", config.vocab_size, device)
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
-    builders = {"prefill": pha.build_pha_prefill_graph, "decode": pha.build_pha_decode_graph}
-    if kind not in builders:
-        raise ValueError(f"unknown PHA graph kind {kind!r}")
-    return builders[kind](config, wdtype, device)
+    if kind == "prefill":
+        return pha.build_pha_prefill_graph(config, wdtype, device)
+    if kind == "decode":
+        return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
+    raise ValueError(f"unknown PHA graph kind {kind!r}")
 
 
 __all__ = ["GRAPH_KEY", "build_graph"]

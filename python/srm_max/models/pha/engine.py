@@ -1,8 +1,9 @@
 """The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
 
 Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
-and ``pha_decode_*`` (``graphs/pha``), batch size, prompt length and steps per
-call symbolic; weights bound at load time by name; compiled models cached as
+and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic; the
+decode graph runs one step per ``execute`` and writes the state in place, so
+``decode`` copies the caller's states once per call and steps that copy; weights bound at load time by name; compiled models cached as
 ``.mef`` files (``compile_cache``).
 
 States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
@@ -20,7 +21,8 @@ from max.driver import Buffer
 
 from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
-from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, registry_of, right_padded
+from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, registry_of,
+                                 right_padded)
 from . import build
 from .config import PHAConfig
 from .schema import checkpoint_shapes
@@ -98,6 +100,30 @@ class PHAEngine(CompiledGraphs):
                 self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
                 *self.sampling_buffers(sampling))
         return PrefillResult(logits, self.host(nxt), states)
+
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+        """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
+        caller's stay as they were: the slot pool forks kept prefill states). The copy
+        is made once per call, then every step writes its rows into it in place."""
+        if not isinstance(ids, Buffer):
+            ids = self.to_device(np.asarray(ids, np.int64))
+        if not isinstance(positions, Buffer):
+            positions = self.to_device(np.asarray(positions, np.int64))
+        if isinstance(sampling, SamplingArrays):
+            sampling = self.sampling_buffers(sampling)
+        with self._lock:
+            # Buffer.copy is asynchronous and an execute does not wait for it
+            states = states.copy()
+            self.device.synchronize()
+            tokens = []
+            for _ in range(steps):
+                ids, positions = self.decode_model.execute(ids, positions, states, *sampling)
+                tokens.append(ids)
+            # execute returns when its outputs are ready; the in-place write of the
+            # states is not one of them: wait for it before anyone reads them
+            self.device.synchronize()
+        toks = np.stack([self.host(t) for t in tokens], axis=1) if tokens else np.zeros((len(self.host(ids)), 0), np.int64)
+        return DecodeResult(toks, states, ids, positions)
 
 
 __all__ = ["PHAEngine", "check_weights", "weights_registry"]
