@@ -1,4 +1,5 @@
-"""PHA hybrid graphs: prefill (whole prompts) and decode (S steps in one ``execute``).
+"""PHA hybrid graphs: prefill (whole prompts) and decode (one step per ``execute``, the
+state written in place).
 
 The math is ``reference/pha.py`` (GSS, GQA, FFN branches, RMSNorm per branch,
 softplus mixing, DeepNorm post-LN), written with plain MAX ops.
@@ -20,8 +21,8 @@ Modules: ``model`` (weights, state layout, the pieces both graphs share), ``gss`
 
 MAX 26.7 CPU workarounds (see graphs/srm/decode.py, docs/avx2_crash.md): nothing
 broadcasts a size-1 head axis against a reshaped matmul result, and no small
-one-hot or outer-product matmul runs inside the decode loop (they crash MAX's
-AVX2 code). Per-head quantities are spread per channel by a gather and summed per
+one-hot or outer-product matmul runs inside a loop (they crash MAX's AVX2 code;
+the decode graph has no loop, the rule keeps it safe to wrap in one). Per-head quantities are spread per channel by a gather and summed per
 head by a reshape and a sum, and the causal mask is applied by multiplication in a
 written-out softmax (``model._masked_softmax``).
 """
