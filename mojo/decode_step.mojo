@@ -431,7 +431,7 @@ def _argmax_unit[WD: DType](a: Step, u: Int):
 def _draw_unit[WD: DType](a: Step, u: Int):
     """Rows of one unit: each sample's token drawn from its logits (row_sampler.mojo),
     at the random counter of the new token's position."""
-    var scratch = RowScratch(a.V if a.filtered else 0)
+    var scratch = RowScratch(a.V)
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var token = choose_token(
             a.logits.unsafe_offset(r * a.V), a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),

@@ -51,3 +51,4 @@ struct SrmSampleRows:
                     rp, V, temperature[b], Int(top_k[b]), top_p[b], seed[b], counter[b], m == MODE_FILTERED,
                     scratch,
                 ))
+        _ = row^  # rp points into it

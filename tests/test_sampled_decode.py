@@ -22,7 +22,7 @@ from srm_max.serve.sampling import filtered_probs
 pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16")]
 
 # (temperature, top_k, top_p) per row: greedy, plain temperatures, top-k in a sorted buffer
-# (k <= V / 8) and by a sort of the row, top-p alone and after top-k
+# (k <= V / 8) and by bins, top-p alone and after top-k
 ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 0, 1.0), (1.0, 5, 1.0), (0.8, 1, 1.0),
         (1.0, 20, 1.0), (1.0, 0, 0.9), (1.2, 0, 0.5), (1.0, 5, 0.9), (0.9, 40, 0.8), (0.0, 3, 0.5)]
 
