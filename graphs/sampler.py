@@ -115,9 +115,15 @@ def _draw(logits, temperature, threshold, seed, counter, device):
 def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
     """[B] f32: the smallest scaled logit top-k then top-p keep (-3e38: no filter).
 
-    top-k keeps the k largest, top-p the smallest prefix (in descending order) of
-    those whose mass before it is < p; ties with the last kept value are kept too
-    (as in HF's top-k).
+    With w = exp(s - max s) on the scaled logits s: the top-k set is the k largest (k = V
+    when off; of the tokens tied with the k-th largest value, the first in token-id
+    order); total = the sum of w over the top-k set in token-id order; over the k largest
+    values in descending order, before = the sum of w before each one; top-p keeps those
+    with before < p * total (the first always). Ties with the last kept value are kept
+    too (as in HF's top-k). Sums are MAX's cumsum: float64 accumulation in index order,
+    rounded to float32, which the whole-step op (mojo/row_sampler.mojo) repeats bit for
+    bit; a float32 ops.sum adds in the kernel's own order (SIMD lanes, then a tree). The
+    total is summed in token-id order so that the op need not sort the row to find it.
     """
     scaled = _scaled(logits, temperature)
     V = int(scaled.shape[-1])
@@ -127,15 +133,26 @@ def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
     keep = ops.cast(rank < ops.unsqueeze(k_eff, -1), F32)
     w = ops.exp(vals - vals[:, :1]) * keep
     before = ops.cumsum(w, axis=-1, exclusive=True)
-    # The total as the inclusive sum's last value: MAX's cumsum accumulates in float64 in
-    # rank order, which the whole-step op (mojo/row_sampler.mojo) repeats bit for bit; a
-    # float32 ops.sum adds in the kernel's own order (SIMD lanes, then a tree).
-    total = ops.cumsum(w, axis=-1)[:, V - 1 :]
+    total = _top_k_total(scaled, vals, k_eff, device)
     keep = keep * ops.cast(before < ops.unsqueeze(top_p, -1) * total, F32)
     m = ops.cast(ops.sum(keep, axis=-1), I64)  # >= 1: the first has nothing before it
     threshold = ops.gather_nd(vals, m - 1, batch_dims=1)  # [B]
     off = ops.cast(ops.logical_and(top_k <= 0, top_p >= 1.0), F32)
     return threshold * (1.0 - off) + off * -3.0e38
+
+
+def _top_k_total(scaled, vals, k_eff, device) -> TensorValue:
+    """[B, 1]: the sum of w over the top-k set in token-id order (the inclusive cumsum's
+    last value): the tokens above the k-th value, and the first of those equal to it
+    that make k. Counts are float32 sums of ones: exact."""
+    V = int(scaled.shape[-1])
+    kth = ops.unsqueeze(ops.gather_nd(vals, ops.unsqueeze(k_eff - 1, -1), batch_dims=1), -1)  # [B, 1]
+    above = ops.cast(scaled > kth, F32)
+    tie = ops.cast(scaled == kth, F32)
+    ties_in = ops.unsqueeze(ops.cast(k_eff, F32), -1) - ops.sum(above, axis=-1)  # [B, 1]
+    member = above + tie * ops.cast(ops.cumsum(tie, axis=-1) <= ties_in, F32)
+    w = ops.exp(scaled - vals[:, :1]) * member
+    return ops.cumsum(w, axis=-1)[:, V - 1 :]
 
 
 def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:

@@ -5,6 +5,7 @@
     srm_mixer_scan             (mixer_scan.mojo)   prefill scan: y and final state
     srm_decode_step            (decode_step.mojo)  a whole decode step (every layer, logits), CPU
     srm_decode_steps           (decode_step.mojo)  S decode steps, tokens chosen inside, CPU
+    srm_sample_rows            (sample_rows.mojo)  row_sampler's draw on given logits, CPU (tests)
     srm_write_state_rows       (state_rows.mojo)   rows of a state written in place (PHA decode)
 
 row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses.

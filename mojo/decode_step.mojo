@@ -67,7 +67,7 @@ from max.algorithm import sync_parallelize
 from extensibility import InputTensor, OutputTensor, register
 from max.gpu.host import DeviceContext
 
-from .row_sampler import choose_token, first_argmax
+from .row_sampler import RowScratch, choose_token, first_argmax
 
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
@@ -431,16 +431,14 @@ def _argmax_unit[WD: DType](a: Step, u: Int):
 def _draw_unit[WD: DType](a: Step, u: Int):
     """Rows of one unit: each sample's token drawn from its logits (row_sampler.mojo),
     at the random counter of the new token's position."""
-    var buf = List[Float32](length=a.V if a.filtered else 0, fill=0)
-    var bp = F32P(unsafe_from_address=Int(buf.unsafe_ptr()))
+    var scratch = RowScratch(a.V)
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var token = choose_token(
             a.logits.unsafe_offset(r * a.V), a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),
             a.top_p[unsafe_offset=r], a.seed[unsafe_offset=r], a.pos_in[unsafe_offset=r] + Int64(a.s + 1),
-            a.filtered, bp,
+            a.filtered, scratch,
         )
         _take[WD](a, r, token)
-    _ = buf^
 
 
 # ------------------------------------------------------------------ scheduling

@@ -143,7 +143,9 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     """The distribution the sampler draws from: [V] logits -> [V] probabilities.
 
     Temperature, then top-k, then top-p on the renormalised rest, as a threshold
-    on the scaled logits: every token tied with the last kept one is kept too.
+    on the scaled logits: every token tied with the last kept one is kept too. The
+    top-p total is the weight of the top-k set summed in token-id order (of the tokens
+    tied with the k-th value, the first ones), as graphs/sampler.py sums it.
     """
     logits = np.asarray(logits, np.float64)
     V = logits.shape[-1]
@@ -155,9 +157,14 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int = 0, top_p
     weight = np.exp(z - z.max())
     if top_k > 0 or top_p < 1:
         vals = np.sort(z)[::-1]
-        w = np.exp(vals - vals[0]) * (np.arange(V) < (top_k if top_k > 0 else V))
+        k = top_k if 0 < top_k <= V else V
+        w = np.exp(vals - vals[0]) * (np.arange(V) < k)
         before = np.cumsum(w) - w
-        kept = int(((w > 0) & (before < top_p * w.sum())).sum())
+        kth = vals[k - 1]
+        tie = z == kth
+        member = (z > kth) | (tie & (np.cumsum(tie) <= k - (z > kth).sum()))
+        total = np.cumsum(weight * member)[-1]
+        kept = int(((w > 0) & (before < top_p * total)).sum())
         weight = weight * (z >= vals[kept - 1])
     return weight / weight.sum()
 
