@@ -221,15 +221,21 @@ class CompiledGraphs:
         return states
 
     # -- the decode call (every engine's decode graph has the same inputs and outputs)
-    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
-        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
-        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+    def decode_inputs(self, ids, positions, sampling) -> tuple[Buffer, Buffer, list[Buffer]]:
+        """ids and positions as device Buffers, sampling as ``sampling_buffers`` (each
+        taken as is when it already is one)."""
         if not isinstance(ids, Buffer):
             ids = self.to_device(np.asarray(ids, np.int64))
         if not isinstance(positions, Buffer):
             positions = self.to_device(np.asarray(positions, np.int64))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
+        return ids, positions, sampling
+
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+        """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+        ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             if self.steps_in_one_op:
                 toks, states, last, pos = self.decode_steps_model.execute(

@@ -105,12 +105,7 @@ class PHAEngine(CompiledGraphs):
         """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
         caller's stay as they were: the slot pool forks kept prefill states). The copy
         is made once per call, then every step writes its rows into it in place."""
-        if not isinstance(ids, Buffer):
-            ids = self.to_device(np.asarray(ids, np.int64))
-        if not isinstance(positions, Buffer):
-            positions = self.to_device(np.asarray(positions, np.int64))
-        if isinstance(sampling, SamplingArrays):
-            sampling = self.sampling_buffers(sampling)
+        ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             # Buffer.copy is asynchronous and an execute does not wait for it
             states = states.copy()
