@@ -50,7 +50,7 @@ def attn_step(x: TensorValue, pos: TensorValue, st: TensorValue, a: dict, c, K: 
     The cache holds positions < pos; the new key and value join the softmax as one more
     column, so the cache is read once (one [G, dh] x [dh, n] matmul per KV head for the
     logits, one [G, n] x [n, dh] for the values) and nothing is written here: the decode
-    step writes k, v as row pos afterwards (``decode.write_rows``).
+    step writes k, v as row pos afterwards (``decode.row_updates``).
     """
     Hq, Hkv, dh, n = c.n_q_heads, c.n_kv_heads, c.head_dim, c.context_length
     G = Hq // Hkv

@@ -28,7 +28,7 @@ OP_WRITE_STATE_ROWS = "srm_write_state_rows"
 
 
 def row_width(config) -> int:
-    """The width w the state is cut into for ``write_rows``: divides the GSS state and a head."""
+    """The width w the state is cut into for ``row_updates``: divides the GSS state and a head."""
     lay = StateLayout.of(config)
     sizes = ([lay.gss] if lay.gss else []) + ([config.head_dim] if lay.kv else [])
     return math.gcd(*sizes) if sizes else 1

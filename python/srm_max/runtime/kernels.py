@@ -4,9 +4,11 @@ kernel library they are precompiled into.
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
 package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
 step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
-in one op; ``srm_decode_steps``: S steps in one op, each token chosen greedily or drawn; CPU only, used by
-graphs/srm/decode.py) and ``srm_sample_rows`` (that op's draw on given logits, for the tests), see the ``.mojo`` files for
-the exact semantics; all tensors are float32 except positions/lengths (int64).
+in one op; ``srm_decode_steps``: S steps in one op, each token chosen greedily
+or drawn; CPU only, used by graphs/srm/decode.py), ``srm_sample_rows`` (that
+op's draw on given logits, for the tests) and ``srm_write_state_rows`` (the PHA
+decode's in-place state write, graphs/pha/decode.py); see the ``.mojo`` files
+for the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
 per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
 

@@ -1,10 +1,11 @@
 """The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
 
 Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
-and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic; the
-decode graph runs one step per ``execute`` and writes the state in place, so
-``decode`` copies the caller's states once per call and steps that copy; weights bound at load time by name; compiled models cached as
-``.mef`` files (``compile_cache``).
+and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
+weights bound at load time by name; compiled models cached as ``.mef`` files
+(``compile_cache``). The decode graph runs one step per ``execute`` and writes
+the state in place, so ``decode`` copies the caller's states once per call and
+steps that copy.
 
 States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
 per-sample state (the GSS state as real pairs, the preallocated KV caches); see
