@@ -297,8 +297,11 @@ def command_line() -> str:
 
 
 def write_json(path: Path, data: dict) -> Path:
+    """Writes ``data`` to ``path`` atomically: an interrupted run leaves the old results."""
+    from srm_max.files import atomic_write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    atomic_write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
     return path
 
 

@@ -428,10 +428,9 @@ def _argmax_unit[WD: DType](a: Step, u: Int):
         _take[WD](a, r, first_argmax(a.logits.unsafe_offset(r * a.V), a.V))
 
 
-def _draw_unit[WD: DType](a: Step, u: Int):
+def _draw_unit[WD: DType](a: Step, u: Int, mut scratch: RowScratch):
     """Rows of one unit: each sample's token drawn from its logits (row_sampler.mojo),
     at the random counter of the new token's position."""
-    var scratch = RowScratch(a.V)
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var token = choose_token(
             a.logits.unsafe_offset(r * a.V), a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),
@@ -472,9 +471,10 @@ def _units[kind: Int](a: Step) -> Int:
         return _panels(_width[kind](a)) * _chunks(a.B)
 
 
-def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
+def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P, mut scratch: RowScratch):
     """Claim and run units of one phase until none is left, then wait for the
-    units other workers claimed (counter: claimed; counter + 8: done)."""
+    units other workers claimed (counter: claimed; counter + 8: done). ``scratch``: the
+    worker's for drawing tokens."""
     var n = _units[kind](a)
     var done = counter.unsafe_offset(8)
     while True:
@@ -486,7 +486,7 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P):
         elif kind == ARGMAX:
             _argmax_unit[WD](a, u)
         elif kind == DRAW:
-            _draw_unit[WD](a, u)
+            _draw_unit[WD](a, u, scratch)
         else:
             _product_unit[kind, WD](a, l, u)
         _ = Atomic[Int64].fetch_add(done, 1)
@@ -503,16 +503,17 @@ def _worker[WD: DType, choose: Int](step: Step, counters: I64P, first: Int, last
     ``choose``: the phase that picks each step's tokens (ARGMAX or DRAW), HEAD for none."""
     var a = step
     var c = counters
+    var scratch = RowScratch(a.V if choose == DRAW else 0)
     for s in range(first, last):
         a.s = s
         for l in range(a.L):
             comptime for kind in range(HEAD):
-                _phase[kind, WD](a, l, c)
+                _phase[kind, WD](a, l, c, scratch)
                 c = c.unsafe_offset(STRIDE)
-        _phase[HEAD, WD](a, a.L - 1, c)
+        _phase[HEAD, WD](a, a.L - 1, c, scratch)
         c = c.unsafe_offset(STRIDE)
         comptime if choose != HEAD:
-            _phase[choose, WD](a, 0, c)
+            _phase[choose, WD](a, 0, c, scratch)
             c = c.unsafe_offset(STRIDE)
         a.s_in = a.s_out  # later steps update the new states in place
 

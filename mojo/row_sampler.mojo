@@ -19,21 +19,32 @@ threshold is the last kept value: every token at least that large is drawn from.
 Bit for bit the graph's arithmetic: float32 scaling and exp, sums accumulated in
 float64 and rounded to float32 (as MAX's cumsum), the same compares.
 
-The last kept value is found without sorting the row. A top-k of at most
-min(SMALL_K, V / 8) keeps its values in a sorted buffer, filled from the few tokens
-at least the k-th largest of some lane-wise maxima. Otherwise the tokens are binned by
-how far below the max they lie (``_bucket``); searches over the bins by count find the
-k-th value and by weight a bin where ``before`` is surely still under the limit; only
-that bin is sorted (and the next ones while the cut is not found). There ``before`` is the
-weight of the bins above, summed in vectors, carried on in descending order: rounded
-differently from the rule's sum in sorted order, so it decides a compare with the
-limit only where an error bound on both sums keeps them on the same side; otherwise
-(rarely) the row is sorted and the rule followed literally.
+Where few tokens can be drawn the rule runs on candidates alone: the tokens at or above
+a bound that no kept token lies below, their values, ids and weights gathered in token-id
+order (the other tokens only add zeros to the rule's sums). For a top-k of at most
+MAX_CANDIDATES the bound is bisected by counting until a few more than k tokens are at or
+above it; their values go into a sorted buffer (small k) or are sorted. For top-p alone
+it is the first of a few distances below the max with surely more weight than the limit
+above it and at most MAX_CANDIDATES tokens (a language model's peaked rows); the walk over
+their sorted values must end among them.
 
-The float64 sums in token-id order (the total, the draw's cumulative weights) run in
-vectors when every partial sum is exact (``_weigh``): then any order gives the same bits.
+Otherwise (a larger top-k, top-p over a flat row, NaN values) the last kept value is
+found without sorting the row: the tokens are binned by how far below the max they lie
+(``_bucket``); searches over the bins by count find the k-th value and by weight a bin
+where ``before`` is surely still under the limit; only that bin is sorted (and the next
+ones while the cut is not found). There ``before`` is the weight of the bins above, summed
+in vectors, carried on in descending order: rounded differently from the rule's sum in
+sorted order, so it decides a compare with the limit only where an error bound on both
+sums (``_slack``) keeps them on the same side; otherwise (rarely) the row is sorted and
+the rule followed literally.
+
+The float64 sums over the whole row in token-id order (the total, the draw's cumulative
+weights) run in vectors, in another order: where every partial sum is exact (``_weigh``)
+any order gives the same bits; otherwise the error bound decides each float32 rounding
+and compare, and only a sum too close to call (within about 1e-12 of a float32 rounding
+boundary) is taken again one add at a time.
 """
-from std.math import exp
+from std.math import exp, iota
 from std.sys import simd_width_of
 from std.sys.intrinsics import compressed_store
 
@@ -43,8 +54,8 @@ comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime F64 = DType.float64
 comptime I32P = Pointer[Int32, MutUntrackedOrigin]
 comptime NO_THRESHOLD: Float32 = -3.0e38  # graphs/sampler.py: no filter
-# A top-k of at most min(SMALL_K, V / 8) keeps its values in a sorted buffer (a few
-# insertions per row); a larger one, and top-p alone, bins the row.
+# A top-k of at most SMALL_K keeps its values in a sorted buffer (a few insertions per
+# candidate); a larger one sorts its candidates.
 comptime SMALL_K = 64
 # Bins 1/PER_UNIT of a scaled logit wide below the max; the last bin holds everything
 # from (NB - 1) / PER_UNIT below (weights under e^-31), where a row's mass rarely matters.
@@ -105,14 +116,20 @@ struct RowScratch(Movable):
     """What ``choose_token`` needs besides the row: one per worker, reused row after row."""
 
     # compressed_store writes a whole vector: a buffer it fills has W spare entries
-    var values: List[Float32]  # [V + 16 W] a sorted buffer, or a bin's values; group maxima
-    var weights: List[Float32]  # [V + W] each token's w, or candidates
+    var values: List[Float32]  # [V + 16 W] a sorted buffer, or a bin's values
+    var weights: List[Float32]  # [V + W] each token's w
     var bins: List[Int32]  # [V] each token's bin
+    var candidate_values: List[Float32]  # [V + W] (``_gather``)
+    var candidate_ids: List[Int32]  # [V + W]
+    var candidate_weights: List[Float32]  # [V + W]
 
     def __init__(out self, V: Int):
         self.values = List[Float32](length=V + 16 * W, fill=0)
         self.weights = List[Float32](length=V + W, fill=0)
         self.bins = List[Int32](length=V, fill=0)
+        self.candidate_values = List[Float32](length=V + W, fill=0)
+        self.candidate_ids = List[Int32](length=V + W, fill=0)
+        self.candidate_weights = List[Float32](length=V + W, fill=0)
 
 
 @always_inline
@@ -181,13 +198,8 @@ def _mask(s: F32P, V: Int, thr: Float32, w: F32P) -> Bool:
     return least >= Float32(V) * EXACT_PER_TOKEN
 
 
-def _sum(w: F32P, V: Int, exact: Bool) -> Float64:
-    """The float64 sum of w in token-id order (in vectors when that is exact)."""
-    if not exact:
-        var acc = Float64(0)
-        for j in range(V):
-            acc += Float64(w[unsafe_offset=j])
-        return acc
+def _vector_sum(w: F32P, V: Int) -> Float64:
+    """The float64 sum of w in vector lanes, then a tree: not token-id order."""
     var acc = SIMD[F64, W](0)
     var i = 0
     while i + W <= V:
@@ -197,6 +209,46 @@ def _sum(w: F32P, V: Int, exact: Bool) -> Float64:
     for j in range(i, V):
         total += Float64(w[unsafe_offset=j])
     return total
+
+
+def _serial_sum(w: F32P, V: Int) -> Float64:
+    """The float64 sum of w in token-id order, one add at a time (vectors of zeros passed
+    over: adding 0 leaves a sum of nonnegative terms as it is)."""
+    var acc = Float64(0)
+    var i = 0
+    while i + W <= V:
+        var wv = w.unsafe_load[width=W](i)
+        if wv.ne(0).reduce_or():
+            for l in range(W):
+                acc += Float64(wv[l])
+        i += W
+    for j in range(i, V):
+        acc += Float64(w[unsafe_offset=j])
+    return acc
+
+
+@always_inline
+def _slack(n: Int, total: Float64) -> Float64:
+    """How far apart two float64 sums of the same n nonnegative terms (or prefixes of
+    them) can lie, in any orders, with ``total`` one of their sums: each is within
+    (n - 1) * 2^-53 of the exact sum per unit of it, so 3n ulps of 2^-52 cover both and the
+    rounding of the bound itself (``_side``, ``_draw``)."""
+    return Float64(3 * n + 16) * Float64(2.220446049250313e-16) * total
+
+
+def _total32(w: F32P, V: Int, exact: Bool) -> Float32:
+    """Float32 of the float64 sum of w in token-id order, as the graph rounds its cumsum's
+    last entry: the vector sum where its error bound cannot change that rounding (always
+    when ``exact``), else the sum in token-id order (rarely: within 1e-12 of a rounding
+    boundary)."""
+    var approx = _vector_sum(w, V)
+    if exact:
+        return Float32(approx)
+    var slack = _slack(V, approx)
+    var low = Float32(approx - slack)
+    if low == Float32(approx + slack):  # NaN and infinity fail this too
+        return low
+    return Float32(_serial_sum(w, V))
 
 
 # ------------------------------------------------------------------ the threshold
@@ -211,33 +263,57 @@ def _kept(vals: F32P, n: Int, v0: Float32, limit: Float32) -> Int:
     return m
 
 
-def _top_k_total(s: F32P, w: F32P, V: Int, vk: Float32, ties: Int, exact: Bool) -> Float64:
-    """The sum of w over the top-k set in token-id order: every token above the k-th value
-    ``vk`` and the first ``ties`` tokens equal to it."""
-    var total = Float64(0)
-    var above = SIMD[F64, W](0)  # exact: the tokens above vk in vectors
+@always_inline
+def _in_top_k(x: Float32, vk: Float32, mut left: Int) -> Bool:
+    """Whether a token of scaled value x is in the top-k set, in token-id order: above the
+    k-th value ``vk``, or one of the first ``left`` tokens equal to it (counted down)."""
+    if x > vk:
+        return True
+    if x == vk and left > 0:
+        left -= 1
+        return True
+    return False
+
+
+def _top_k_total(s: F32P, w: F32P, V: Int, vk: Float32, ties: Int, exact: Bool) -> Float32:
+    """Float32 of the float64 sum of w over the top-k set in token-id order (every token
+    above the k-th value ``vk`` and the first ``ties`` tokens equal to it), rounded as
+    ``_total32``: from sums in vectors where the bound decides it, else in token-id order."""
+    var above = SIMD[F64, W](0)  # the tokens above vk, in vectors
+    var at = Float64(0)  # the tokens of vectors holding vk
     var left = ties
+    var n = 0  # terms
     var i = 0
     while i + W <= V:
         var sv = s.unsafe_load[width=W](i)
-        if sv.ge(vk).reduce_or():
+        var inside = sv.ge(vk)
+        if inside.reduce_or():
             var wv = w.unsafe_load[width=W](i)
-            if exact and not sv.eq(vk).reduce_or():
+            n += Int(inside.cast[DType.int32]().reduce_add())
+            if not sv.eq(vk).reduce_or():
                 above += sv.gt(vk).select(wv, SIMD[F32, W](0)).cast[F64]()
             else:
                 for l in range(W):
-                    if sv[l] > vk or (sv[l] == vk and left > 0):
-                        if sv[l] == vk:
-                            left -= 1
-                        total += Float64(wv[l])
+                    if _in_top_k(sv[l], vk, left):
+                        at += Float64(wv[l])
         i += W
     for j in range(i, V):
-        var x = s[unsafe_offset=j]
-        if x > vk or (x == vk and left > 0):
-            if x == vk:
-                left -= 1
+        if _in_top_k(s[unsafe_offset=j], vk, left):
+            at += Float64(w[unsafe_offset=j])
+            n += 1
+    var approx = above.reduce_add() + at
+    if exact:
+        return Float32(approx)
+    var slack = _slack(n, approx)
+    var low = Float32(approx - slack)
+    if low == Float32(approx + slack):
+        return low
+    var total = Float64(0)  # the rule's order
+    left = ties
+    for j in range(V):
+        if _in_top_k(s[unsafe_offset=j], vk, left):
             total += Float64(w[unsafe_offset=j])
-    return total + above.reduce_add()
+    return Float32(total)
 
 
 def _sort_descending(vals: F32P, n: Int):
@@ -277,59 +353,66 @@ def _top_values(s: F32P, V: Int, k: Int, buf: F32P):
         _insert(s[unsafe_offset=j], buf, k, n)
 
 
-def _lower_bound(s: F32P, V: Int, k: Int, buf: F32P) -> Float32:
-    """A value at most the k-th largest (k <= 16 * groups): the k-th largest of the lane-wise
-    maxima of up to 16 groups of vectors, each the value of a different token."""
-    var nv = V // W
-    var groups = min(16, nv)
-    var per = nv // groups
-    for g in range(groups):
-        var m = SIMD[F32, W](-Float32.MAX)
-        var last = nv if g == groups - 1 else (g + 1) * per
-        for v in range(g * per, last):
-            m = max(m, s.unsafe_load[width=W](v * W))
-        buf.unsafe_store(V + g * W, m)  # after the k values _top_values will fill
-    _top_values(buf.unsafe_offset(V), groups * W, k, buf)
-    return buf[unsafe_offset=k - 1]
-
-
-def _top_candidates(s: F32P, V: Int, k: Int, values: F32P, buf: F32P) -> Int:
-    """buf = every token at least ``_lower_bound`` (found in ``values``): a few more than k;
-    returns how many."""
-    var bound = _lower_bound(s, V, k, values)
-    var n = 0
+def _count_at_least(s: F32P, V: Int, x: Float32) -> Int:
+    """How many tokens have s >= x."""
+    var n = SIMD[DType.int32, W](0)
     var i = 0
     while i + W <= V:
-        var sv = s.unsafe_load[width=W](i)
-        var inside = sv.ge(bound)
-        if inside.reduce_or():
-            compressed_store(sv, buf.unsafe_offset(n), inside)
-            n += Int(inside.cast[DType.int32]().reduce_add())
+        n += s.unsafe_load[width=W](i).ge(x).select(SIMD[DType.int32, W](1), SIMD[DType.int32, W](0))
         i += W
+    var count = Int(n.reduce_add())
     for j in range(i, V):
-        if s[unsafe_offset=j] >= bound:
-            buf[unsafe_offset=n] = s[unsafe_offset=j]
-            n += 1
-    return n
+        if s[unsafe_offset=j] >= x:
+            count += 1
+    return count
+
+
+def _count_bound(s: F32P, V: Int, v0: Float32, k: Int) -> Float32:
+    """A bound at most the k-th largest value with few more than k tokens at or above it:
+    bisected by counting between the max ``v0`` and a value below the k-th. Where that
+    fails (many ties, huge or NaN values) a bound with more or fewer tokens above it
+    (``_gather`` tells)."""
+    var hi = v0
+    var lo = v0 - 16.0
+    var count = _count_at_least(s, V, lo)
+    var widenings = 0
+    while count < k and widenings < 3:
+        lo = v0 - (v0 - lo) * 8.0
+        count = _count_at_least(s, V, lo)
+        widenings += 1
+    if count < k:
+        return -Float32.MAX
+    var enough = k + k // 4 + 8
+    var rounds = 0
+    while count > enough and rounds < 24:
+        var mid = lo + (hi - lo) * 0.5
+        if not (mid > lo and mid < hi):
+            break
+        var c = _count_at_least(s, V, mid)
+        if c >= k:
+            lo = mid
+            count = c
+        else:
+            hi = mid
+        rounds += 1
+    return lo
 
 
 def _threshold_small_k(
     s: F32P, V: Int, v0: Float32, k: Int, top_p: Float32, mut scratch: RowScratch
 ) -> Float32:
-    """The threshold for a small top-k: its values in a sorted buffer."""
+    """The threshold for a small top-k: its values in a sorted buffer filled from the row
+    (where ``_choose_small_k`` finds no candidates: NaN values)."""
     var buf = F32P(unsafe_from_address=Int(scratch.values.unsafe_ptr()))
     var w = F32P(unsafe_from_address=Int(scratch.weights.unsafe_ptr()))
-    if k <= 16 * min(16, V // W):  # the k largest are among a few candidates
-        _top_values(w, _top_candidates(s, V, k, buf, w), k, buf)
-    else:
-        _top_values(s, V, k, buf)
+    _top_values(s, V, k, buf)
     var vk = buf[unsafe_offset=k - 1]
     var above = 0  # tokens above the k-th value: all in the buffer
     while buf[unsafe_offset=above] > vk:
         above += 1
     var exact = _weigh(s, V, v0, vk, w)
-    var limit = top_p * Float32(_top_k_total(s, w, V, vk, k - above, exact))
-    return buf[unsafe_offset=_kept(buf, k, v0, limit) - 1]
+    var limit = top_p * _top_k_total(s, w, V, vk, k - above, exact)
+    return buf[unsafe_offset=max(_kept(buf, k, v0, limit), 1) - 1]
 
 
 def _threshold_sorted(s: F32P, V: Int, v0: Float32, k: Int, limit: Float32, buf: F32P) -> Float32:
@@ -337,7 +420,7 @@ def _threshold_sorted(s: F32P, V: Int, v0: Float32, k: Int, limit: Float32, buf:
     for i in range(V):
         buf[unsafe_offset=i] = s[unsafe_offset=i]
     _sort_descending(buf, V)
-    return buf[unsafe_offset=_kept(buf, k, v0, limit) - 1]
+    return buf[unsafe_offset=max(_kept(buf, k, v0, limit), 1) - 1]
 
 
 @always_inline
@@ -458,8 +541,8 @@ def _threshold_by_bins(
     var bins = I32P(unsafe_from_address=Int(scratch.bins.unsafe_ptr()))
     var exact = _weigh(s, V, v0, NO_THRESHOLD, w)
     _bin(s, V, v0, bins)
-    var every = _sum(w, V, exact)
-    var total = every
+    var every = _vector_sum(w, V)  # the bound's scale; the rule's total rounds it in order
+    var total = _total32(w, V, exact) if k == V else Float32(0)
     var last_bin = NB - 1  # no kept token lies below it
     if k < V:
         last_bin = _kth_bin(bins, w, V, k)
@@ -471,11 +554,10 @@ def _threshold_by_bins(
         while buf[unsafe_offset=above - seen] > vk:
             above += 1
         total = _top_k_total(s, w, V, vk, k - above, exact)
-    var limit = top_p * Float32(total)
-    # A float64 sum of n nonnegative terms is within n * 2^-53 of the exact one per unit of
-    # it: the rule's (up to V terms) and ours (up to V in vectors, then up to V in a bin)
-    # differ by less than 3V * 2^-53 * every; twice that covers the adds of the slack itself.
-    var slack = Float64(3 * V + 16) * Float64(2.220446049250313e-16) * every
+    var limit = top_p * total
+    # ``before`` below is a float64 sum of the weights above a token, in another order than
+    # the rule's: ``_slack`` bounds how far the two can differ.
+    var slack = _slack(V, every)
     # A bin whose first token is surely kept (bin 0's: nothing is before it), as late as a
     # float32 search and then float64 sums find: the cut lies in it or after it.
     var lo = 0
@@ -523,6 +605,150 @@ def _threshold(s: F32P, V: Int, v0: Float32, top_k: Int, top_p: Float32, mut scr
     return _threshold_by_bins(s, V, v0, k, top_p, scratch)
 
 
+# ------------------------------------------------------------------ a few candidates
+# Where few tokens can be drawn (a small top-k; top-p over a peaked row, as a language
+# model's usually is) the rule runs on the candidates alone: the tokens at or above a
+# bound that no kept token lies below, with their values, ids and weights in token-id
+# order. Their sums in token-id order are the rule's own (the other tokens add zeros).
+
+# most candidates top-p sorts, and the largest top-k on candidates; past it the row is binned
+comptime MAX_CANDIDATES = 256
+# top-p's bounds below the max, tried in turn: the first with enough weight above it
+comptime MASS_BOUNDS = (2.0, 6.0, 16.0)
+
+
+def _gather(s: F32P, V: Int, bound: Float32, vals: F32P, ids: I32P) -> Int:
+    """vals, ids = the values and ids of the tokens with s >= bound, in token-id order;
+    returns how many."""
+    var n = 0
+    var i = 0
+    while i + W <= V:
+        var sv = s.unsafe_load[width=W](i)
+        var inside = sv.ge(bound)
+        if inside.reduce_or():
+            compressed_store(sv, vals.unsafe_offset(n), inside)
+            compressed_store(iota[DType.int32, W](Int32(i)), ids.unsafe_offset(n), inside)
+            n += Int(inside.cast[DType.int32]().reduce_add())
+        i += W
+    for j in range(i, V):
+        if s[unsafe_offset=j] >= bound:
+            vals[unsafe_offset=n] = s[unsafe_offset=j]
+            ids[unsafe_offset=n] = Int32(j)
+            n += 1
+    return n
+
+
+def _draw_candidates(vals: F32P, ids: I32P, cw: F32P, n: Int, thr: Float32, u: Float32) -> Int:
+    """``_draw_serial`` over the candidates with value >= thr (every token the draw can
+    take): the same float64 sums in token-id order, the same first token above the target,
+    at most the last weighted one."""
+    var total = Float64(0)
+    var last = 0
+    for i in range(n):
+        if vals[unsafe_offset=i] >= thr:
+            total += Float64(cw[unsafe_offset=i])
+            if cw[unsafe_offset=i] > 0:
+                last = Int(ids[unsafe_offset=i])
+    var target = u * Float32(total)
+    var acc = Float64(0)
+    for i in range(n):
+        if vals[unsafe_offset=i] >= thr:
+            acc += Float64(cw[unsafe_offset=i])
+            if Float32(acc) > target:
+                return min(Int(ids[unsafe_offset=i]), last)
+    return last
+
+
+def _choose_top_k(
+    s: F32P, V: Int, v0: Float32, k: Int, top_p: Float32, u: Float32, mut scratch: RowScratch
+) -> Int:
+    """``choose_token`` for a top-k of at most MAX_CANDIDATES on its candidates
+    (``_count_bound``), their values sorted (into a sorted buffer of k where k is small);
+    -1 where fewer than k are found (NaN values)."""
+    var vals = F32P(unsafe_from_address=Int(scratch.candidate_values.unsafe_ptr()))
+    var ids = I32P(unsafe_from_address=Int(scratch.candidate_ids.unsafe_ptr()))
+    var cw = F32P(unsafe_from_address=Int(scratch.candidate_weights.unsafe_ptr()))
+    var buf = F32P(unsafe_from_address=Int(scratch.values.unsafe_ptr()))
+    var n = _gather(s, V, _count_bound(s, V, v0, k), vals, ids)
+    if n < k:
+        return -1
+    if k <= SMALL_K:  # a few insertions per candidate
+        _top_values(vals, n, k, buf)
+    else:
+        for i in range(n):
+            buf[unsafe_offset=i] = vals[unsafe_offset=i]
+        _sort_descending(buf, n)
+    var vk = buf[unsafe_offset=k - 1]
+    var above = 0  # tokens above the k-th value: all in the buffer
+    while buf[unsafe_offset=above] > vk:
+        above += 1
+    _ = _weigh(vals, n, v0, vk, cw)
+    var total = Float64(0)  # over the top-k set in token-id order
+    var left = k - above
+    for i in range(n):
+        if _in_top_k(vals[unsafe_offset=i], vk, left):
+            total += Float64(cw[unsafe_offset=i])
+    var limit = top_p * Float32(total)
+    var thr = buf[unsafe_offset=max(_kept(buf, k, v0, limit), 1) - 1]
+    return _draw_candidates(vals, ids, cw, n, thr, u)
+
+
+def _mass_bound(s: F32P, w: F32P, V: Int, v0: Float32, limit: Float32) -> Float32:
+    """The first of ``MASS_BOUNDS`` below the max with at most MAX_CANDIDATES tokens at or
+    above it and, by a float32 sum, surely more weight than ``limit`` (top-p's cut lies
+    above it); NO_THRESHOLD where none has."""
+    comptime for b in range(len(MASS_BOUNDS)):
+        var bound = v0 - Float32(MASS_BOUNDS[b])
+        var mass = SIMD[F32, W](0)
+        var count = SIMD[DType.int32, W](0)
+        var i = 0
+        while i + W <= V:
+            var inside = s.unsafe_load[width=W](i).ge(bound)
+            mass += inside.select(w.unsafe_load[width=W](i), SIMD[F32, W](0))
+            count += inside.select(SIMD[DType.int32, W](1), SIMD[DType.int32, W](0))
+            i += W
+        var total = mass.reduce_add()
+        var n = Int(count.reduce_add())
+        for j in range(i, V):
+            if s[unsafe_offset=j] >= bound:
+                total += w[unsafe_offset=j]
+                n += 1
+        if n > MAX_CANDIDATES:
+            return NO_THRESHOLD
+        if total > limit * 1.001:  # a float32 sum of V terms is off by far less
+            return bound
+    return NO_THRESHOLD
+
+
+def _choose_top_p(s: F32P, V: Int, v0: Float32, top_p: Float32, u: Float32, mut scratch: RowScratch) -> Int:
+    """``choose_token`` for top-p alone on its candidates (``_mass_bound``): the rule's walk
+    over their values in descending order; -1 where there are too many or the walk does
+    not end among them."""
+    var w = F32P(unsafe_from_address=Int(scratch.weights.unsafe_ptr()))
+    var exact = _weigh(s, V, v0, NO_THRESHOLD, w)
+    var limit = top_p * _total32(w, V, exact)
+    var bound = _mass_bound(s, w, V, v0, limit)
+    if bound == NO_THRESHOLD:
+        return -1
+    var vals = F32P(unsafe_from_address=Int(scratch.candidate_values.unsafe_ptr()))
+    var ids = I32P(unsafe_from_address=Int(scratch.candidate_ids.unsafe_ptr()))
+    var cw = F32P(unsafe_from_address=Int(scratch.candidate_weights.unsafe_ptr()))
+    var buf = F32P(unsafe_from_address=Int(scratch.values.unsafe_ptr()))
+    var n = _gather(s, V, bound, vals, ids)
+    for i in range(n):
+        buf[unsafe_offset=i] = vals[unsafe_offset=i]
+        cw[unsafe_offset=i] = w[unsafe_offset=Int(ids[unsafe_offset=i])]
+    _sort_descending(buf, n)
+    var before = Float64(0)  # _kept's walk, its sum kept to check where it ended
+    var m = 0
+    while m < n and Float32(before) < limit:
+        before += Float64(exp(buf[unsafe_offset=m] - v0))
+        m += 1
+    if m == n and Float32(before) < limit:  # the next token, below the bound, is kept too
+        return -1
+    return _draw_candidates(vals, ids, cw, n, buf[unsafe_offset=max(m, 1) - 1], u)
+
+
 # ------------------------------------------------------------------ the draw
 def _last_weighted(w: F32P, V: Int) -> Int:
     """The last token with weight (where rounding may put the draw), else 0."""
@@ -553,23 +779,33 @@ def _draw_serial(w: F32P, V: Int, u: Float32) -> Int:
     return min(lo, last)
 
 
-def _draw_exact(w: F32P, V: Int, u: Float32) -> Int:
-    """``_draw_serial``'s token when every sum of w is exact: the total and the sums up to
-    each vector in vectors, then one vector's tokens one by one."""
+def _draw(w: F32P, V: Int, u: Float32, exact: Bool) -> Int:
+    """``_draw_serial``'s token from sums in vectors: the total, then the sums up to each
+    vector until one may cross the target, then that vector's tokens one by one. Each sum
+    is within ``_slack`` of the rule's (equal when ``exact``), so where the slack cannot
+    change a float32 rounding or compare, the token is the rule's; elsewhere (rarely)
+    ``_draw_serial`` decides."""
+    var approx = _vector_sum(w, V)
+    var slack = Float64(0) if exact else _slack(V, approx)
+    var total = Float32(approx - slack)
+    if total != Float32(approx + slack):  # NaN and infinity too
+        return _draw_serial(w, V, u)
+    var target = u * total
     var last = _last_weighted(w, V)
-    var target = u * Float32(_sum(w, V, True))
     var acc = Float64(0)
     var i = 0
     while i + W <= V:
         var block = w.unsafe_load[width=W](i).cast[F64]().reduce_add()
-        if Float32(acc + block) > target:
+        if not Float32(acc + block + slack) <= target:  # the draw may be in this vector
             break
         acc += block
         i += W
     for j in range(i, V):
         acc += Float64(w[unsafe_offset=j])
-        if Float32(acc) > target:
+        if Float32(acc - slack) > target:
             return min(j, last)
+        if not Float32(acc + slack) <= target:  # too close to call
+            return _draw_serial(w, V, u)
     return last
 
 
@@ -581,9 +817,18 @@ def choose_token(
     if temperature <= 0:
         return first_argmax(row, V)
     var mx = _scale(row, V, _divisor(temperature))
+    var u = uniform(seed, counter)
+    if filtered and not (top_k <= 0 and top_p >= 1):
+        var k = V if top_k <= 0 or top_k > V else top_k
+        var token = -1
+        if k <= min(MAX_CANDIDATES, V // 4):
+            token = _choose_top_k(row, V, mx, k, top_p, u, scratch)
+        elif k == V:
+            token = _choose_top_p(row, V, mx, top_p, u, scratch)
+        if token >= 0:
+            return token
     var w = F32P(unsafe_from_address=Int(scratch.weights.unsafe_ptr()))
     var thr = _threshold(row, V, mx, top_k, top_p, scratch) if filtered else NO_THRESHOLD
     # the threshold's weights (when it found one) are the draw's where s >= thr
     var exact = _weigh(row, V, mx, thr, w) if thr == NO_THRESHOLD else _mask(row, V, thr, w)
-    var u = uniform(seed, counter)
-    return _draw_exact(w, V, u) if exact else _draw_serial(w, V, u)
+    return _draw(w, V, u, exact)

@@ -40,10 +40,11 @@ struct SrmSampleRows:
         var m = Int(mode[0])
         var row = List[Float32](length=V, fill=0)  # choose_token overwrites its row
         var rp = F32P(unsafe_from_address=Int(row.unsafe_ptr()))
+        var lp = F32P(unsafe_from_address=Int(logits.unsafe_ptr()))  # [B, V] row-major
         var scratch = RowScratch(V)
         for b in range(B):
             for i in range(V):
-                row[i] = logits[b, i]
+                rp[unsafe_offset=i] = lp[unsafe_offset=b * V + i]
             if m == MODE_GREEDY:
                 tokens[b] = Int64(first_argmax(rp, V))
             else:

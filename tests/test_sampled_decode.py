@@ -89,7 +89,8 @@ def test_a_sampled_sample_draws_the_same_in_one_call_or_several(engine):
 
 
 # rows the decode op's draw must get right beyond a model's logits (V = 4096, the
-# benchmark's vocabulary): the nucleus is found by bins and a sort of one bin there
+# benchmark's vocabulary): the nucleus is found among a few candidates (small top-k, top-p
+# over peaked rows) or by bins and a sort of one bin (flat rows, large top-k)
 CRAFTED_V = 4096
 
 
@@ -108,14 +109,19 @@ def crafted_rows(V: int) -> dict[str, np.ndarray]:
         "peaked": peaked,
         "zipf": zipf,
         "far": far,
+        # a random model's spread (bench/common.py's SRM: std about 9): weights from 1 down
+        # to e^-60, so the whole-row sums are not exact and their error bound decides
+        "model-like": rng.normal(0, 9, V),
     }
 
 
-# (temperature, top_k, top_p): top-p alone from keeping one token to nearly all, top-k
-# in the sorted buffer (<= 64) and by bins (> 64, up to V), with and without top-p
+# (temperature, top_k, top_p): top-p alone from keeping one token to nearly all, top-k on
+# candidates in the sorted buffer (<= 64) or sorted (65 .. 256) and by bins (> 256, up to
+# V), with and without top-p
 CRAFTED_PARAMS = [(1.0, 0, 0.9), (1.0, 0, 1e-6), (0.7, 0, 0.5), (1.0, 0, 0.9999999), (1.3, 0, 0.98),
-                  (1.0, 5, 0.9), (1.0, 64, 0.8), (1.0, 65, 0.8), (1.0, 100, 1.0), (1.0, 1000, 0.95),
-                  (1.0, 3000, 0.999), (1.0, CRAFTED_V, 0.95), (1.0, CRAFTED_V, 1.0), (1.0, 0, 1.0)]
+                  (1.0, 5, 0.9), (1.0, 64, 0.8), (1.0, 65, 0.8), (1.0, 100, 1.0), (1.0, 256, 0.9),
+                  (1.0, 257, 0.9), (1.0, 1000, 0.95), (1.0, 3000, 0.999), (1.0, CRAFTED_V, 0.95),
+                  (1.0, CRAFTED_V, 1.0), (1.0, 0, 1.0)]
 
 
 def sample_rows_graph(V: int) -> Graph:
