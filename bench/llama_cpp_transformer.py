@@ -16,13 +16,18 @@ that GELU (``ggml_gelu``), which llama.cpp matches to float32 rounding; the diff
 the exact reference is measured and reported, not hidden (``tests/test_accuracy_per_compute.py``).
 
 **Sampling** (``sample``, the contract of ``bench.kv_decode.sample``): sequences of one prompt
-length share a ``llama_batch``, one llama.cpp sequence (its own KV-cache stream,
-``kv_unified = false``) per row, up to ``n_seq_max`` rows (llama.cpp allows 256). The prompts
-run as one prefill; each step then decodes one token per row, and the next token is drawn in
-numpy from ``softmax(logits / temperature)``, the rule of the other engines. Rows that have
-stopped keep decoding until every row has, as in the other engines: with per-sequence streams
-llama.cpp splits a batch into one compute per run of consecutive sequence ids, so dropping
-finished rows would fragment it. The KV cache is float32, like the weights.
+length share a ``llama_batch``, one llama.cpp sequence per row, up to ``n_seq_max`` rows
+(llama.cpp allows 256). The prompts run as one prefill; each step then decodes one token per
+row still running (a row that produced the stop token leaves the batch), and the next token
+is drawn in numpy from ``softmax(logits / temperature)``, the rule of the other engines. The
+KV cache is float32, like the weights.
+
+Which settings are fastest was measured on this task's model, one thread: a unified KV cache
+(one cache for all sequences, each token masked to its own) with flash attention and batches
+of 16-32 rows. Per-sequence caches (``kv_unified = false``) pad every sequence to 256 cells
+and attend over all of them, and llama.cpp computes a batch in one piece per run of
+consecutive sequence ids; with a unified cache the attention covers every sequence's cells, so
+its cost grows with the square of the batch: past a few dozen rows it outweighs the weights.
 """
 
 from __future__ import annotations
@@ -127,21 +132,21 @@ def _import_llama_cpp():
     return llama_cpp
 
 
-_ERROR_LEVEL = 4  # GGML_LOG_LEVEL_ERROR
+_ERROR_LEVEL = 4  # GGML_LOG_LEVEL_ERROR (CONT, 5, continues any level: the loading dots)
 
 
 class LlamaCppEngine:
-    """A GGUF model and one llama.cpp context of ``n_seq_max`` sequences (one KV-cache stream
-    each), ``threads`` CPU threads. ``close()`` frees both."""
+    """A GGUF model and one llama.cpp context of ``n_seq_max`` sequences of up to
+    ``context_length`` tokens, ``threads`` CPU threads. ``close()`` frees both."""
 
-    def __init__(self, gguf_path: str | Path, context_length: int, n_seq_max: int = MAX_SEQUENCES,
-                 threads: int = 1, flash_attn: bool = False):
+    def __init__(self, gguf_path: str | Path, context_length: int, n_seq_max: int = 16, threads: int = 1,
+                 flash_attn: bool = True, kv_unified: bool = True):
         lc = self.lc = _import_llama_cpp()
         if not 1 <= n_seq_max <= MAX_SEQUENCES:
             raise ValueError(f"n_seq_max must be 1..{MAX_SEQUENCES}, got {n_seq_max}")
         # llama.cpp logs every load to stderr; keep its errors only
         self._log = lc.llama_log_callback(
-            lambda level, text, _: sys.stderr.write(text.decode(errors="replace")) if level >= _ERROR_LEVEL else None)
+            lambda level, text, _: sys.stderr.write(text.decode(errors="replace")) if level == _ERROR_LEVEL else None)
         lc.llama_log_set(self._log, ctypes.c_void_p(0))
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), lc.llama_model_default_params())
@@ -152,16 +157,16 @@ class LlamaCppEngine:
         self.n_seq_max = n_seq_max
         p = lc.llama_context_default_params()
         p.n_seq_max = n_seq_max
-        p.n_ctx = n_seq_max * context_length  # each stream holds a whole sequence
+        p.n_ctx = n_seq_max * context_length  # room for every sequence's whole context
         # a prefill of every row in one call, each row at most a context long
         p.n_batch = p.n_ubatch = n_seq_max * context_length
         p.n_threads = p.n_threads_batch = threads
-        p.kv_unified = False  # one stream per sequence: attention over its own cells only
+        p.kv_unified = kv_unified
         p.type_k = p.type_v = lc.GGML_TYPE_F32
         p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         p.no_perf = True
         self.params = {"n_seq_max": n_seq_max, "n_ctx": p.n_ctx, "n_batch": p.n_batch, "n_ubatch": p.n_ubatch,
-                       "threads": threads, "kv_unified": False, "kv_type": "f32", "flash_attn": flash_attn}
+                       "threads": threads, "kv_unified": kv_unified, "kv_type": "f32", "flash_attn": flash_attn}
         self.ctx = lc.llama_init_from_model(self.model, p)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -228,21 +233,21 @@ class LlamaCppEngine:
         if steps < 1:
             raise ValueError(f"prompt of {T0} tokens leaves no room in context {self.context_length}")
         self.clear()
-        rows = np.arange(B, dtype=np.int32)
+        rows = np.arange(B, dtype=np.int32)  # the running rows, which are also their sequence ids
         last = np.zeros(B * T0, np.int8)
         last[T0 - 1::T0] = 1
         logits = self.decode(prompt.reshape(-1).astype(np.int32), np.tile(np.arange(T0, dtype=np.int32), B),
                              np.repeat(rows, T0), last)
-        out = np.empty((B, steps), np.int64)
-        done = np.zeros(B, bool)
-        every = np.ones(B, np.int8)
+        out = np.full((B, steps), stop_id, np.int64)  # after its stop token a row is cut anyway
         for j in range(steps):
             nxt = draw(logits, temperature, rng)
-            out[:, j] = nxt
-            done |= nxt == stop_id
-            if done.all() or j + 1 == steps:
+            out[rows, j] = nxt
+            going = nxt != stop_id
+            rows, nxt = rows[going], nxt[going]
+            if len(rows) == 0 or j + 1 == steps:
                 return out[:, : j + 1]
-            logits = self.decode(nxt.astype(np.int32), np.full(B, T0 + j, np.int32), rows, every)
+            logits = self.decode(nxt.astype(np.int32), np.full(len(rows), T0 + j, np.int32), rows,
+                                 np.ones(len(rows), np.int8))
         return out
 
     def close(self) -> None:
