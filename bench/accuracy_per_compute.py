@@ -23,7 +23,8 @@ Transformer of the same parameter count, trained with the same recipe and steps.
    (SRM k, the Transformer's engines k, next k) so all see the same machine load; the
    wall-clock seconds of each such run is its compute. pass@k is the unbiased estimator over
    the samples of the largest run (``srm_max.rl.groups.pass_at_k``): n = max(ks) per problem
-   for the SRM, 2n for the Transformer (its PyTorch and HF engines compute the same model).
+   for the SRM, 2n for the Transformer (its PyTorch and HF engines compute the same model;
+   each engine has its own seeds, so the 2n samples are independent).
    llama.cpp computes it with ggml's approximate GELU (see its module), so its samples are
    kept apart: its own pass@k is reported beside the pooled one, not mixed into it.
 5. Compute-matched gain: at each of the Transformer's measured seconds, the SRM's pass@k
@@ -294,8 +295,11 @@ def measure(args, log) -> dict:
     counts = {}
     for k in args.ks:
         for name in engines:  # interleaved, so every engine sees the same machine load
+            # a seed per engine and k: the PyTorch and HF engines draw identical tokens from one
+            # seed (same logits, same torch sampler), which would pool one set of samples twice
+            seed = 1000 * (1 + list(ENGINES).index(name)) + k
             t = time.perf_counter()
-            c = samplers[name](k, 1000 + k)
+            c = samplers[name](k, seed)
             sec = time.perf_counter() - t
             runs[name].append({"k": k, "engine": name, "seconds": sec, "samples": k * len(test),
                                "samples_per_s": k * len(test) / sec, "observed_pass": float(np.mean(c > 0)),

@@ -270,7 +270,8 @@ def test_best_transformer_engine_per_k_takes_every_engine():
 
     kv = [{"k": 1, "engine": "transformer-kv", "seconds": 1.0}, {"k": 2, "engine": "transformer-kv", "seconds": 5.0}]
     hf = [{"k": 1, "engine": "transformer-hf", "seconds": 2.0}, {"k": 2, "engine": "transformer-hf", "seconds": 3.0}]
-    ll = [{"k": 1, "engine": "transformer-llama", "seconds": 0.5}, {"k": 2, "engine": "transformer-llama", "seconds": 4.0}]
+    ll = [{"k": 1, "engine": "transformer-llama", "seconds": 0.5},
+          {"k": 2, "engine": "transformer-llama", "seconds": 4.0}]
     assert [r["engine"] for r in best_transformer(kv, hf, ll)] == ["transformer-llama", "transformer-hf"]
     assert [r["engine"] for r in best_transformer(kv, hf)] == ["transformer-kv", "transformer-hf"]
     best = best_transformer(kv, hf, ll)
