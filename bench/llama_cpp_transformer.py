@@ -12,8 +12,10 @@ order. The vocabulary is declared as ``tokenizer.ggml.model = "none"`` with
 read from a float16 table (the input rounded to float16, the output stored in float16), not
 the exact erf GELU the reference was trained with, and no GGUF key selects another. So
 llama.cpp serves a slightly different function: ``with_ggml_gelu`` is the reference with
-that GELU (``ggml_gelu``), which llama.cpp matches to float32 rounding; the difference from
-the exact reference is measured and reported, not hidden (``tests/test_accuracy_per_compute.py``).
+that GELU (``ggml_gelu``), which llama.cpp matches to float32 rounding on a small model (on a
+trained one, rounding can move a GELU input across a float16 step, and flash attention rounds
+differently); the difference from the exact reference is measured and reported, not hidden
+(``tests/test_accuracy_per_compute.py``, ``bench.accuracy_per_compute``).
 
 **Sampling** (``sample``, the contract of ``bench.kv_decode.sample``): sequences of one prompt
 length share a ``llama_batch``, one llama.cpp sequence per row, up to ``n_seq_max`` rows
@@ -27,7 +29,7 @@ Which settings are fastest was measured on this task's model, one thread: a unif
 of 16-32 rows. Per-sequence caches (``kv_unified = false``) pad every sequence to 256 cells
 and attend over all of them, and llama.cpp computes a batch in one piece per run of
 consecutive sequence ids; with a unified cache the attention covers every sequence's cells, so
-its cost grows with the square of the batch: past a few dozen rows it outweighs the weights.
+its cost grows with the square of the batch, and past a few dozen rows batches got slower.
 """
 
 from __future__ import annotations
