@@ -74,7 +74,7 @@ def sample_rows_model(V: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=64, help="rows of each kind")
+    ap.add_argument("--rows", type=int, default=256, help="rows of each kind")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
     from max.driver import Buffer
