@@ -16,6 +16,7 @@ import platform
 import shlex
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -303,6 +304,26 @@ def write_json(path: Path, data: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(data, indent=2, default=_json_default) + "\n")
     return path
+
+
+def sample_by_prompt_length(prompts: list[list[int]], n: int, max_batch: int, stop_id: int,
+                            sample_batch) -> list[list[list[int]]]:
+    """``n`` completions of every prompt, result[prompt][sample], each cut after its stop
+    token: the rows grouped by prompt length (a batch needs no padding) in batches of at most
+    ``max_batch``; ``sample_batch(rows)`` gets a batch's prompts (equal-length id lists) and
+    returns each row's new ids (a list per row)."""
+    by_length: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for p in range(len(prompts)):
+        for s in range(n):
+            by_length[len(prompts[p])].append((p, s))
+    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
+    for _, group in sorted(by_length.items()):
+        for start in range(0, len(group), max_batch):
+            chunk = group[start:start + max_batch]
+            new = sample_batch([prompts[p] for p, _ in chunk])
+            for (p, s), row in zip(chunk, new):
+                out[p][s] = row[: row.index(stop_id) + 1] if stop_id in row else row
+    return out
 
 
 def _json_default(o):

@@ -14,10 +14,9 @@ cache length, not from an attention mask); a batch runs until its last row has s
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
+from bench.common import sample_by_prompt_length
 from srm_max.reference.transformer import Transformer
 
 
@@ -79,21 +78,14 @@ def sample(hf, prompts: list[list[int]], n: int, max_new_tokens: int, temperatur
     """``n`` sampled completions of every prompt (ids up to and including ``stop_id``, or
     ``max_new_tokens`` ids): result[prompt][sample]. Rows of one batch share a prompt length."""
     torch.manual_seed(seed)
-    rows = [(p, s) for p in range(len(prompts)) for s in range(n)]
-    by_length: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for p, s in rows:
-        by_length[len(prompts[p])].append((p, s))
-    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
-    for length, group in sorted(by_length.items()):
-        for start in range(0, len(group), max_batch):
-            chunk = group[start:start + max_batch]
-            ids = torch.tensor([prompts[p] for p, _ in chunk], dtype=torch.long)
-            gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                              temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                              eos_token_id=stop_id, pad_token_id=stop_id, cache_implementation="static")
-            for (p, s), row in zip(chunk, gen[:, length:].tolist()):
-                out[p][s] = row[: row.index(stop_id) + 1] if stop_id in row else row
-    return out
 
+    def generate(rows: list[list[int]]) -> list[list[int]]:
+        ids = torch.tensor(rows, dtype=torch.long)
+        gen = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                          temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                          eos_token_id=stop_id, pad_token_id=stop_id, cache_implementation="static")
+        return gen[:, ids.shape[1]:].tolist()
+
+    return sample_by_prompt_length(prompts, n, max_batch, stop_id, generate)
 
 __all__ = ["gpt2_config", "gpt2_state_dict", "to_gpt2", "max_logit_error", "sample"]

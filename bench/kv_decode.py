@@ -12,11 +12,10 @@ The arithmetic is the reference's (``srm_max.reference.transformer``), layer for
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.nn.functional as F
 
+from bench.common import sample_by_prompt_length
 from srm_max.reference.transformer import Transformer
 
 
@@ -81,19 +80,8 @@ def sample(model: Transformer, prompts: list[list[int]], n: int, max_new_tokens:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dec = KVDecoder(model)
     g = torch.Generator().manual_seed(seed)
-    by_length: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for p in range(len(prompts)):
-        for s in range(n):
-            by_length[len(prompts[p])].append((p, s))
-    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
-    for _, group in sorted(by_length.items()):
-        for start in range(0, len(group), max_batch):
-            chunk = group[start:start + max_batch]
-            ids = torch.tensor([prompts[p] for p, _ in chunk], dtype=torch.long)
-            new = dec.sample_batch(ids, max_new_tokens, temperature, stop_id, g).tolist()
-            for (p, s), row in zip(chunk, new):
-                out[p][s] = row[: row.index(stop_id) + 1] if stop_id in row else row
-    return out
+    return sample_by_prompt_length(prompts, n, max_batch, stop_id, lambda rows: dec.sample_batch(
+        torch.tensor(rows, dtype=torch.long), max_new_tokens, temperature, stop_id, g).tolist())
 
 
 @torch.no_grad()

@@ -39,12 +39,12 @@ import math
 import os
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.common import sample_by_prompt_length
 from srm_max.reference.transformer import Transformer
 
 ARCH = "gpt2"
@@ -280,20 +280,10 @@ def sample(engine: LlamaCppEngine, prompts: list[list[int]], n: int, max_new_tok
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     rng = np.random.default_rng(seed)
-    batch = min(max_batch, engine.n_seq_max)
-    by_length: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for p in range(len(prompts)):
-        for s in range(n):
-            by_length[len(prompts[p])].append((p, s))
-    out: list[list[list[int]]] = [[[] for _ in range(n)] for _ in prompts]
-    for _, group in sorted(by_length.items()):
-        for start in range(0, len(group), batch):
-            chunk = group[start:start + batch]
-            ids = np.array([prompts[p] for p, _ in chunk], dtype=np.int32)
-            new = engine.sample_batch(ids, max_new_tokens, temperature, stop_id, rng).tolist()
-            for (p, s), row in zip(chunk, new):
-                out[p][s] = row[: row.index(stop_id) + 1] if stop_id in row else row
-    return out
+    return sample_by_prompt_length(
+        prompts, n, min(max_batch, engine.n_seq_max), stop_id,
+        lambda rows: engine.sample_batch(np.array(rows, dtype=np.int32), max_new_tokens, temperature, stop_id,
+                                         rng).tolist())
 
 
 __all__ = ["ARCH", "MAX_SEQUENCES", "gguf_tensors", "write_gguf", "ggml_gelu", "with_ggml_gelu",
