@@ -236,6 +236,15 @@ def _slack(n: Int, total: Float64) -> Float64:
     return Float64(3 * n + 16) * Float64(2.220446049250313e-16) * total
 
 
+@always_inline
+def _decided(approx: Float64, slack: Float64, mut rounded: Float32) -> Bool:
+    """Whether every float64 within ``slack`` of ``approx`` rounds to the same float32
+    (rounding is monotone: the two ends decide), then ``rounded``. NaN and infinity never
+    are."""
+    rounded = Float32(approx - slack)
+    return rounded == Float32(approx + slack)
+
+
 def _total32(w: F32P, V: Int, exact: Bool) -> Float32:
     """Float32 of the float64 sum of w in token-id order, as the graph rounds its cumsum's
     last entry: the vector sum where its error bound cannot change that rounding (always
@@ -244,10 +253,9 @@ def _total32(w: F32P, V: Int, exact: Bool) -> Float32:
     var approx = _vector_sum(w, V)
     if exact:
         return Float32(approx)
-    var slack = _slack(V, approx)
-    var low = Float32(approx - slack)
-    if low == Float32(approx + slack):  # NaN and infinity fail this too
-        return low
+    var total = Float32(0)
+    if _decided(approx, _slack(V, approx), total):
+        return total
     return Float32(_serial_sum(w, V))
 
 
@@ -255,7 +263,13 @@ def _total32(w: F32P, V: Int, exact: Bool) -> Float32:
 def _kept(vals: F32P, n: Int, v0: Float32, limit: Float32) -> Int:
     """How many of ``vals`` (descending, the first ones of the row) top-p keeps: those whose
     float64 sum of w before them, rounded to float32, is < limit."""
-    var before = Float64(0)
+    var walked = Float64(0)
+    return _kept(vals, n, v0, limit, walked)
+
+
+def _kept(vals: F32P, n: Int, v0: Float32, limit: Float32, mut before: Float64) -> Int:
+    """``_kept``, and ``before`` = the sum of w over the kept values (where the walk stopped)."""
+    before = 0
     var m = 0
     while m < n and Float32(before) < limit:
         before += Float64(exp(vals[unsafe_offset=m] - v0))
@@ -304,10 +318,9 @@ def _top_k_total(s: F32P, w: F32P, V: Int, vk: Float32, ties: Int, exact: Bool) 
     var approx = above.reduce_add() + at
     if exact:
         return Float32(approx)
-    var slack = _slack(n, approx)
-    var low = Float32(approx - slack)
-    if low == Float32(approx + slack):
-        return low
+    var rounded = Float32(0)
+    if _decided(approx, _slack(n, approx), rounded):
+        return rounded
     var total = Float64(0)  # the rule's order
     left = ties
     for j in range(V):
@@ -402,7 +415,7 @@ def _threshold_small_k(
     s: F32P, V: Int, v0: Float32, k: Int, top_p: Float32, mut scratch: RowScratch
 ) -> Float32:
     """The threshold for a small top-k: its values in a sorted buffer filled from the row
-    (where ``_choose_small_k`` finds no candidates: NaN values)."""
+    (where ``_choose_top_k`` finds too few candidates: NaN values)."""
     var buf = F32P(unsafe_from_address=Int(scratch.values.unsafe_ptr()))
     var w = F32P(unsafe_from_address=Int(scratch.weights.unsafe_ptr()))
     _top_values(s, V, k, buf)
@@ -739,11 +752,8 @@ def _choose_top_p(s: F32P, V: Int, v0: Float32, top_p: Float32, u: Float32, mut 
         buf[unsafe_offset=i] = vals[unsafe_offset=i]
         cw[unsafe_offset=i] = w[unsafe_offset=Int(ids[unsafe_offset=i])]
     _sort_descending(buf, n)
-    var before = Float64(0)  # _kept's walk, its sum kept to check where it ended
-    var m = 0
-    while m < n and Float32(before) < limit:
-        before += Float64(exp(buf[unsafe_offset=m] - v0))
-        m += 1
+    var before = Float64(0)
+    var m = _kept(buf, n, v0, limit, before)
     if m == n and Float32(before) < limit:  # the next token, below the bound, is kept too
         return -1
     return _draw_candidates(vals, ids, cw, n, buf[unsafe_offset=max(m, 1) - 1], u)
@@ -787,8 +797,8 @@ def _draw(w: F32P, V: Int, u: Float32, exact: Bool) -> Int:
     ``_draw_serial`` decides."""
     var approx = _vector_sum(w, V)
     var slack = Float64(0) if exact else _slack(V, approx)
-    var total = Float32(approx - slack)
-    if total != Float32(approx + slack):  # NaN and infinity too
+    var total = Float32(0)
+    if not _decided(approx, slack, total):
         return _draw_serial(w, V, u)
     var target = u * total
     var last = _last_weighted(w, V)
