@@ -12,8 +12,9 @@ the same state, the rows interleaved in every repeat (best of ``--repeats``):
     top-k 50 + top-p 0.9
                      temperature 1.0 with both filters (a sorted buffer of 50 values
                      per row, filled from the few tokens above a bound)
-    top-p 0.9        temperature 1.0, top-p alone (the row binned below its max, one
-                     bin sorted: no sort of the vocabulary)
+    top-p 0.9        temperature 1.0, top-p alone (the few tokens near the max on a
+                     peaked row, else the row binned below its max and one bin sorted:
+                     no sort of the vocabulary)
     plain (loop)     plain sampling through the decode graph's loop: one whole-step op
                      and MAX's sampler ops per step (``--no-loop`` leaves it out)
 
