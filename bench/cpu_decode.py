@@ -3,6 +3,7 @@ PyTorch step), and against the machine's limits.
 
     python -m bench.cpu_decode [--quick] [--profile] [--dtype float32|bfloat16]
                                [--batches 1 2 4 16 64 256] [--steps 32]
+                               [--cpu-target x86-64-v3]
 
 One SRM (d 256, 8 layers, 4 heads, n 1024, vocab 4096: 6.3M matmul parameters,
 12.6 MFLOP per token), random weights, greedy decode from the same state, timed
@@ -48,6 +49,13 @@ the mixer, sampling and per-op overhead); and srm-max's step on a model too smal
 for its arithmetic to count (d 16, 2 layers): the fixed cost of a step (the op's
 phases and its share of the call) against srm-max's step.
 
+``--cpu-target x86-64-v3`` runs the whole comparison at the AVX2 level on a host with
+AVX-512: MAX compiles its CPU kernels for that target (``SRM_MAX_CPU_TARGET``) and torch,
+inductor, MKL, oneDNN and numpy's OpenBLAS are held to AVX2 (``AVX2_ONLY``), so every
+engine and both limits run AVX2 code; the process restarts itself with that environment,
+since the libraries read it when they load. It measures the instruction set on this
+host's cores, caches and memory, not an AVX2 machine's.
+
 Each timed run starts after a short pause (SETTLE_S), so no engine runs while the
 previous one's worker threads still spin. The greedy tokens of all engines, every
 torch variant included, must agree (with ``--dtype bfloat16``, where torch stays
@@ -58,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,6 +82,11 @@ START_POSITION = 100  # decode from a mid-context position (the mixer reads w[t]
 # A pause before each timed run: MAX's and torch's worker threads keep spinning for a
 # while after a call, and must not eat into the next engine's time.
 SETTLE_S = 0.25
+# What holds torch (its kernels, inductor's generated code, MKL, oneDNN) and numpy's OpenBLAS
+# to AVX2 and FMA; each library reads its variable when it loads.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "OPENBLAS_CORETYPE": "Haswell"}
+CPU_TARGET_LIMITS = {"x86-64-v3": AVX2_ONLY}
 # The torch variants by the engine names' prefixes; each is reported at its best thread count.
 TORCH_KINDS = {"reference": "torch-eager-", "fused": "torch-fused-", "compile": "torch-compile-"}
 
@@ -234,6 +248,17 @@ def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
 
 
 # ------------------------------------------------------------------ main
+def _restart_for_cpu_target(target: str, argv: list[str]) -> None:
+    """Run this benchmark again in a process whose libraries load held to ``target``
+    (returns when this process already is that one)."""
+    from srm_max.runtime import cpu_target
+
+    env = {cpu_target.ENV: target, **CPU_TARGET_LIMITS[target]}
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    os.execve(sys.executable, [sys.executable, "-m", "bench.cpu_decode", *argv], os.environ | env)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batches 1 4 64, 3 repeats")
@@ -246,10 +271,15 @@ def main(argv=None) -> int:
                          "not required to agree)")
     ap.add_argument("--out", type=Path, default=None,
                     help="default bench/results/cpu_decode.json (cpu_decode_bf16.json for bfloat16)")
+    ap.add_argument("--cpu-target", choices=sorted(CPU_TARGET_LIMITS), default=None,
+                    help="run every engine and limit at this x86-64 level (see above)")
     a = ap.parse_args(argv)
+    if a.cpu_target:
+        _restart_for_cpu_target(a.cpu_target, sys.argv[1:] if argv is None else argv)
     if a.quick:
         a.batches, a.repeats = [1, 4, 64], 3
-    a.out = a.out or RESULTS / ("cpu_decode.json" if a.dtype == "float32" else "cpu_decode_bf16.json")
+    name = "cpu_decode" + ("" if a.dtype == "float32" else "_bf16") + (f"_{a.cpu_target}" if a.cpu_target else "")
+    a.out = a.out or RESULTS / f"{name}.json"
 
     import torch
 
@@ -365,6 +395,8 @@ def main(argv=None) -> int:
                 "(the readable reference step, the fused eager step, the fused step compiled), one run",
         "dtype": a.dtype, "weight_bytes_per_step": weight_bytes, "settle_seconds": SETTLE_S,
         "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
+        "cpu_target": a.cpu_target or "the host's own", "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "instruction_set_limits": {k: os.environ[k] for k in AVX2_ONLY if k in os.environ},
         "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
         "start_position": START_POSITION, "repeats": a.repeats,
         "limits_measured": {"before": limits[0], "after": limits[1]},

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY, graphs
+from srm_max.runtime import cpu_target
 
 pytestmark = graphs(TINY)
 
@@ -208,3 +209,21 @@ def test_cpu_decode_limits_probe_and_fixed_step_cost():
     assert limits["matmul_flops"] > 1e8 and limits["read_bytes_per_s"] > 1e8
     fixed = cd.fixed_step_seconds([1, 3], steps=2, repeats=1)
     assert set(fixed) == {1, 3} and all(0 < s < 1 for s in fixed.values())
+
+
+@pytest.mark.skipif(cpu_target.host_x86_level() not in ("x86-64-v3", "x86-64-v4"), reason="needs an AVX2 x86-64 CPU")
+def test_cpu_decode_at_x86_64_v3_holds_torch_and_numpy_to_avx2(monkeypatch):
+    """``--cpu-target x86-64-v3`` restarts bench/cpu_decode.py with MAX's target and
+    AVX2_ONLY: in such a process torch and inductor report AVX2 and numpy's matmul still
+    agrees; once the environment is in place the benchmark goes on without restarting."""
+    cd = importlib.import_module("bench.cpu_decode")
+    env = os.environ | cd.CPU_TARGET_LIMITS["x86-64-v3"]
+    probe = ("import numpy as np, torch\nfrom torch._inductor import cpu_vec_isa\n"
+             "a = np.arange(64, dtype=np.float32).reshape(8, 8)\n"
+             "assert np.allclose(a @ a, torch.from_numpy(a) @ torch.from_numpy(a))\n"
+             "print(torch.backends.cpu.get_cpu_capability(), cpu_vec_isa.pick_vec_isa())")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["AVX2", "avx2"]
+    for key, value in (cd.CPU_TARGET_LIMITS["x86-64-v3"] | {cpu_target.ENV: "x86-64-v3"}).items():
+        monkeypatch.setenv(key, value)
+    cd._restart_for_cpu_target("x86-64-v3", ["--quick"])  # returns: nothing to change
