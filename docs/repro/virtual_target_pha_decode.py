@@ -5,7 +5,9 @@
 For each variant (a PHA config: ``all`` = every branch, ``attn`` / ``gss`` / ``ffn`` =
 that branch alone, no FFN unless named; ``gss,ffn`` etc. combine them) a child process
 builds the tiny PHA engine (d 16, 1 block, context 32, random weights), then runs the
-same one-step decode call ``--calls`` times from zero states, and this process reports
+same one-step decode call ``--calls`` times from zero states (``--prefill``: a prefill of a
+random prompt and a 3-step decode from its states per call; ``--engines 2``: two engines
+on the same weights, called in turn), and this process reports
 whether the child finished or which signal ended it (and after how many calls). The
 children inherit ``SRM_MAX_CPU_TARGET``, so without it they compile for the host.
 Each variant is a cold compile of minutes the first time (then cached as a .mef file).
@@ -20,7 +22,7 @@ import subprocess
 import sys
 
 
-def child(branches: tuple[str, ...], calls: int, layers: int) -> None:
+def child(branches: tuple[str, ...], calls: int, layers: int, context: int, engines: int, prefill: bool) -> None:
     import numpy as np
 
     from srm_max.models.pha.config import PHAConfig
@@ -29,14 +31,22 @@ def child(branches: tuple[str, ...], calls: int, layers: int) -> None:
     from srm_max.runtime.compiled import SamplingArrays
 
     extra = {} if "ffn" in branches else {"ffn_dims": ()}
-    config = PHAConfig(vocab_size=40, d_model=16, n_layers=layers, context_length=32, n_q_heads=4, n_kv_heads=2,
-                       dss_state_size=8, branches=branches, **extra)
+    config = PHAConfig(vocab_size=40, d_model=16, n_layers=layers, context_length=context, n_q_heads=4,
+                       n_kv_heads=2, dss_state_size=8, branches=branches, **extra)
     rng = np.random.default_rng(0)
     weights = {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in checkpoint_shapes(config).items()}
-    engine = PHAEngine(config, weights, dtype="float32", device="cpu")
-    states = engine.empty_states(1)
+    # several engines on the same weights: each its own InferenceSession, as separate
+    # engines in one process are
+    all_engines = [PHAEngine(config, weights, dtype="float32", device="cpu") for _ in range(engines)]
     for i in range(calls):
-        engine.decode(np.ones(1, np.int64), np.zeros(1, np.int64), states, SamplingArrays.greedy(1), 1)
+        engine = all_engines[i % engines]
+        if prefill:  # a prompt of 1-19 tokens, then a 3-step decode from its states
+            prompt = list(rng.integers(0, config.vocab_size, size=int(rng.integers(1, 20))))
+            pre = engine.prefill([prompt])
+            engine.decode(pre.next_ids, np.array([len(prompt)], np.int64), pre.states, SamplingArrays.greedy(1), 3)
+        else:
+            engine.decode(np.ones(1, np.int64), np.zeros(1, np.int64), engine.empty_states(1),
+                          SamplingArrays.greedy(1), 1)
         print(f"call {i + 1} done", flush=True)
 
 
@@ -45,16 +55,21 @@ def main() -> None:
     ap.add_argument("variants", nargs="*", default=["all"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--engines", type=int, default=1, help="engines in the process, called in turn")
+    ap.add_argument("--prefill", action="store_true", help="each call: a prefill, then a 3-step decode")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         branches = ("gss", "attn", "ffn") if args.child == "all" else tuple(args.child.split(","))
-        child(branches, args.calls, args.layers)
+        child(branches, args.calls, args.layers, args.context, args.engines, args.prefill)
         return
     target = os.environ.get("SRM_MAX_CPU_TARGET") or "the host CPU"
     for variant in args.variants:
         proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
-                               "--layers", str(args.layers)], capture_output=True, text=True)
+                               "--layers", str(args.layers), "--context", str(args.context),
+                               "--engines", str(args.engines)] + (["--prefill"] if args.prefill else []),
+                              capture_output=True, text=True)
         done = proc.stdout.count("done")
         result = "ran" if proc.returncode == 0 else (
             f"signal {-proc.returncode} after {done} calls" if proc.returncode < 0 else f"exit {proc.returncode}")
