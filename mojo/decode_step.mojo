@@ -78,10 +78,11 @@ comptime PANEL = 64  # output columns per packed panel (srm_max/models/srm/packi
 comptime PAD = 16  # output rows of a packed matrix are padded to a multiple of this
 # A register tile is MR batch rows x NV SIMD vectors of columns: MR * NV accumulators,
 # NV weight vectors and one broadcast must fit in the vector registers. AVX and AVX2
-# (8 floats a vector) have 16 registers: 6 x 2 (15 in use); AVX-512 and NEON have 32:
-# 6 x 4 (29 in use).
+# (8 floats a vector) have 16 registers: 5 x 2 (13 in use; at 6 x 2, 15 in use, the
+# compiler kept one accumulator on the stack inside the loop, a store and a load on
+# its chain of FMAs every step); AVX-512 and NEON have 32: 6 x 4 (29 in use).
 comptime NV = 2 if W == 8 else 4
-comptime MR = 6
+comptime MR = 5 if W == 8 else 6
 # A unit of few batch rows (small batches) streams its panel from memory and needs
 # few accumulators: it takes wider tiles (``_tile_vectors``), up to the whole panel.
 comptime NV1 = PANEL // W
@@ -185,14 +186,15 @@ struct Step(ImplicitlyCopyable, Movable):
 
 # ------------------------------------------------------------------ products
 @always_inline
-def _tile[R: Int, NVT: Int, WD: DType](
+def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
-    ahead: Pointer[Scalar[WD], MutUntrackedOrigin], fetch: Bool,
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
 ):
     """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
     columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
     array with constant indices after unrolling); t's rows are PANEL apart. With
-    fetch, step k also prefetches the k-th cache line from ``ahead``."""
+    fetch, step k also prefetches the k-th cache line from ``ahead``: a parameter, so
+    that no branch splits the loop's body (which costs registers)."""
     comptime LINE = 64 // size_of[WD]()
     # allocated here, not in the loops: a stack array there would grow the stack at
     # every iteration
@@ -204,7 +206,7 @@ def _tile[R: Int, NVT: Int, WD: DType](
     while k + KU <= K:
         comptime for kk in range(KU):
             var wp = p.unsafe_offset((k + kk) * ps)
-            if fetch:
+            comptime if fetch:
                 prefetch[PrefetchOptions().for_read().low_locality().to_data_cache()](
                     ahead.unsafe_offset((k + kk) * LINE)
                 )
@@ -342,11 +344,16 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
             # the first sub-panel's tiles prefetch the whole next panel
             var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
-            comptime for R in range(1, MR + 1):
-                comptime for NVT in range(1, NV1 + 1):
-                    comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
-                        if rows == R and nv == NVT:
-                            _tile[R, NVT, WD](t, xr, K, pc, width, K, ahead, fetch)
+            if fetch and nv == NV:  # a later tile of a unit of several: the standard width
+                comptime for R in range(1, MR + 1):
+                    if rows == R:
+                        _tile[R, NV, WD, True](t, xr, K, pc, width, K, ahead)
+            else:
+                comptime for R in range(1, MR + 1):
+                    comptime for NVT in range(1, NV1 + 1):
+                        comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
+                            if rows == R and nv == NVT:
+                                _tile[R, NVT, WD, False](t, xr, K, pc, width, K, ahead)
             for i in range(rows):
                 for v in range(nv):
                     var c = q * PANEL + c0 + v * W
