@@ -270,7 +270,7 @@ def main(argv=None) -> int:
                     help="srm-max's weights (torch stays float32: then tokens are compared, "
                          "not required to agree)")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default bench/results/cpu_decode.json (cpu_decode_bf16.json for bfloat16)")
+                    help="default bench/results/cpu_decode[_bf16][_<cpu target>].json")
     ap.add_argument("--cpu-target", choices=sorted(CPU_TARGET_LIMITS), default=None,
                     help="run every engine and limit at this x86-64 level (see above)")
     a = ap.parse_args(argv)
