@@ -248,12 +248,17 @@ def matmul_chain_seconds(config, weights, batches, steps, repeats) -> dict:
 
 
 # ------------------------------------------------------------------ main
+def cpu_target_environment(target: str) -> dict[str, str]:
+    """The variables that hold MAX's kernels and every library here to ``target``."""
+    from srm_max.runtime import cpu_target
+
+    return {cpu_target.ENV: target, **CPU_TARGET_LIMITS[target]}
+
+
 def _restart_for_cpu_target(target: str, argv: list[str]) -> None:
     """Run this benchmark again in a process whose libraries load held to ``target``
     (returns when this process already is that one)."""
-    from srm_max.runtime import cpu_target
-
-    env = {cpu_target.ENV: target, **CPU_TARGET_LIMITS[target]}
+    env = cpu_target_environment(target)
     if all(os.environ.get(k) == v for k, v in env.items()):
         return
     os.execve(sys.executable, [sys.executable, "-m", "bench.cpu_decode", *argv], os.environ | env)
@@ -396,7 +401,7 @@ def main(argv=None) -> int:
         "dtype": a.dtype, "weight_bytes_per_step": weight_bytes, "settle_seconds": SETTLE_S,
         "command": command_line(), "machine": machine_info(), "torch_version": torch.__version__,
         "cpu_target": a.cpu_target or "the host's own", "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "instruction_set_limits": {k: os.environ[k] for k in AVX2_ONLY if k in os.environ},
+        "instruction_set_limits": {k: os.environ[k] for k in CPU_TARGET_LIMITS.get(a.cpu_target, {})},
         "config": config.to_dict(), "matmul_params": params, "flops_per_token": flops_per_token,
         "start_position": START_POSITION, "repeats": a.repeats,
         "limits_measured": {"before": limits[0], "after": limits[1]},

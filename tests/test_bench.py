@@ -217,13 +217,14 @@ def test_cpu_decode_at_x86_64_v3_holds_torch_and_numpy_to_avx2(monkeypatch):
     AVX2_ONLY: in such a process torch and inductor report AVX2 and numpy's matmul still
     agrees; once the environment is in place the benchmark goes on without restarting."""
     cd = importlib.import_module("bench.cpu_decode")
-    env = os.environ | cd.CPU_TARGET_LIMITS["x86-64-v3"]
+    target_env = cd.cpu_target_environment("x86-64-v3")
+    env = os.environ | target_env
     probe = ("import numpy as np, torch\nfrom torch._inductor import cpu_vec_isa\n"
              "a = np.arange(64, dtype=np.float32).reshape(8, 8)\n"
              "assert np.allclose(a @ a, torch.from_numpy(a) @ torch.from_numpy(a))\n"
              "print(torch.backends.cpu.get_cpu_capability(), cpu_vec_isa.pick_vec_isa())")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["AVX2", "avx2"]
-    for key, value in (cd.CPU_TARGET_LIMITS["x86-64-v3"] | {cpu_target.ENV: "x86-64-v3"}).items():
+    for key, value in target_env.items():
         monkeypatch.setenv(key, value)
     cd._restart_for_cpu_target("x86-64-v3", ["--quick"])  # returns: nothing to change
