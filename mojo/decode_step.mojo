@@ -233,6 +233,30 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
             t.unsafe_store(r * PANEL + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
 
 
+@no_inline
+def _tile_apart[R: Int, NVT: Int, WD: DType, fetch: Bool](
+    t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
+):
+    """``_tile`` as a function of its own."""
+    _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+
+
+@always_inline
+def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
+    t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
+):
+    """A tile of a unit. With 32 vector registers it is called, not inlined: inlined into
+    the unit's loop beside the other tile shapes, the 6 x 4 tile kept an accumulator on
+    the stack through the k loop; called, every batch of bench/cpu_decode.py's model ran
+    faster. AVX2's tiles ran no faster called, and slower at batch 16: inlined there."""
+    comptime if W > 8:
+        _tile_apart[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+    else:
+        _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+
+
 @always_inline
 def _silu[n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
     return v / (1 + exp(-v))
@@ -347,13 +371,13 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             if fetch and nv == NV:  # a later tile of a unit of several: the standard width
                 comptime for R in range(1, MR + 1):
                     if rows == R:
-                        _tile[R, NV, WD, True](t, xr, K, pc, width, K, ahead)
+                        _tile_here[R, NV, WD, True](t, xr, K, pc, width, K, ahead)
             else:
                 comptime for R in range(1, MR + 1):
                     comptime for NVT in range(1, NV1 + 1):
                         comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
                             if rows == R and nv == NVT:
-                                _tile[R, NVT, WD, False](t, xr, K, pc, width, K, ahead)
+                                _tile_here[R, NVT, WD, False](t, xr, K, pc, width, K, ahead)
             for i in range(rows):
                 for v in range(nv):
                     var c = q * PANEL + c0 + v * W
