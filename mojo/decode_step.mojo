@@ -287,6 +287,17 @@ def _epilogue[kind: Int, WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, acc
 @always_inline
 def _mixer[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
     """The mixer update of channels c .. c+n of row r, given the projection u."""
+    comptime if n > W:
+        if (c + n - 1) // a.hd != c // a.hd:  # several heads: a vector at a time
+            comptime for i in range(n // W):
+                _mixer_vector[WD, W](a, l, r, c + i * W, u.slice[W, offset=i * W]())
+            return
+    _mixer_vector[WD, n](a, l, r, c, u)
+
+
+@always_inline
+def _mixer_vector[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
+    """The mixer update of channels c .. c+n of row r, given the projection u."""
     var h0 = c // a.hd
     if (c + n - 1) // a.hd == h0:  # one head: its scalars broadcast
         _mixer_head[WD, n](a, l, r, c, h0, u)
@@ -368,6 +379,16 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
             # the first sub-panel's tiles prefetch the whole next panel
             var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
+            comptime if kind == PROJ:
+                # The mixer's epilogue reads these rows' states, which a whole step has
+                # pushed out of the caches: asked for now, they arrive while the tile runs.
+                for i in range(rows):
+                    var sp = a.s_in.unsafe_offset((l * a.B + r + i) * a.d + q * PANEL + c0)
+                    for j in range(0, nv * W, 16):
+                        prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](sp.unsafe_offset(j))
+                    prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
+                        sp.unsafe_offset(nv * W - 1)
+                    )
             if fetch and nv == NV:  # a later tile of a unit of several: the standard width
                 comptime for R in range(1, MR + 1):
                     if rows == R:
@@ -378,6 +399,14 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                         comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
                             if rows == R and nv == NVT:
                                 _tile_here[R, NVT, WD, False](t, xr, K, pc, width, K, ahead)
+            var cs = q * PANEL + c0
+            if nv == NV and cs + NV * W <= N:
+                # The usual tile: a row's columns in one wide epilogue, whose independent
+                # vectors overlap (the SiLU's exp and division are long chains).
+                for i in range(rows):
+                    _epilogue[kind, WD, NV * W](a, l, r + i, cs, t.unsafe_load[width=NV * W](i * PANEL))
+                r += rows
+                continue
             for i in range(rows):
                 for v in range(nv):
                     var c = q * PANEL + c0 + v * W
