@@ -228,3 +228,35 @@ def test_cpu_decode_at_x86_64_v3_holds_torch_and_numpy_to_avx2(monkeypatch):
     for key, value in target_env.items():
         monkeypatch.setenv(key, value)
     cd._restart_for_cpu_target("x86-64-v3", ["--quick"])  # returns: nothing to change
+
+
+def test_decode_op_ab_parses_runs_and_summarizes_rounds():
+    from bench import decode_op_ab
+
+    assert decode_op_ab.parse_run("noise\nbatch 64 median_tok_s 8123.5 best_tok_s 9000.0\n") == 8123.5
+    with pytest.raises(ValueError, match="median_tok_s"):
+        decode_op_ab.parse_run("Segmentation fault\n")
+    s = decode_op_ab.summarize([(100.0, 110.0), (100.0, 90.0), (200.0, 240.0)])
+    assert s["ratio_median"] == pytest.approx(1.1)
+    assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.2))
+    assert (s["b_faster_rounds"], s["rounds"]) == (2, 3)
+    assert (s["a_median_tok_s"], s["b_median_tok_s"]) == (100.0, 110.0)
+
+
+def test_decode_op_ab_exports_the_op_package_and_the_driver_imports_exist(tmp_path):
+    """The A side is mojo/ at a revision, as a package the driver imports by the name it uses;
+    the names the driver imports exist in the op (a rename fails here, not after a build)."""
+    import re
+
+    from bench import decode_op_ab
+
+    package = decode_op_ab.export_ops("HEAD", tmp_path) / decode_op_ab.PACKAGE
+    assert (package / "__init__.mojo").is_file() and (package / "decode_step.mojo").is_file()
+    driver = decode_op_ab.DRIVER.read_text()
+    imported = re.search(rf"from {decode_op_ab.PACKAGE}\.decode_step import (.+)", driver)
+    assert imported, "the driver no longer imports the op's package by its name"
+    op = (ROOT / "mojo" / "decode_step.mojo").read_text()
+    for name in (n.strip() for n in imported.group(1).split(",")):
+        assert re.search(rf"^(comptime|def|struct) {name}\b", op, re.M), f"decode_step.mojo has no {name}"
+    with pytest.raises(SystemExit, match="cannot read mojo/"):
+        decode_op_ab.export_ops("no-such-revision", tmp_path / "x")

@@ -1,0 +1,158 @@
+"""A change to the CPU decode op, timed by itself: the op of a git revision (A) against the
+working tree's (B), in interleaved rounds.
+
+    python -m bench.decode_op_ab [--base HEAD] [--cpu-target x86-64-v3] [--batches 1 16 64 256]
+                                 [--workers 2] [--rounds 8] [--calls 5] [--out PATH]
+
+Builds bench/decode_op.mojo (the op alone on bench/cpu_decode.py's model, greedy calls of 32
+steps) against ``mojo/`` at ``--base`` and against the working tree's ``mojo/``, for this
+host's CPU or for ``--cpu-target`` (an LLVM CPU name: ``x86-64-v3`` builds the AVX2 code on
+an AVX-512 host). Then, per batch, ``--rounds`` rounds of one run of each binary (the order
+alternating), each run the median tokens/s of ``--calls`` calls. A round's ratio B/A compares
+two runs a few seconds apart, so the machine's drift over minutes (tens of percent on a shared
+machine) largely cancels; the median of the rounds' ratios is the change's effect, and how many
+rounds B won says how consistent it is. Comparing two runs of bench/cpu_decode.py cannot show a
+change of a few percent on such a machine.
+
+Prints a line per batch; ``--out`` also writes the rounds as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+from bench.common import command_line, machine_info, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).with_name("decode_op.mojo")
+PACKAGE = "ops"  # the name bench/decode_op.mojo imports the op's package by
+
+
+def mojo_compiler() -> str:
+    """The ``mojo`` of this Python's environment, else the one on PATH."""
+    beside = Path(sys.executable).with_name("mojo")
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("mojo")
+    if not found:
+        raise SystemExit("decode_op_ab: no `mojo` beside this Python or on PATH (install the max package)")
+    return found
+
+
+def export_ops(revision: str, into: Path) -> Path:
+    """``mojo/`` as of ``revision``, written as the package directory ``into/ops``."""
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "mojo"],
+                                 check=True, capture_output=True).stdout
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"decode_op_ab: cannot read mojo/ at {revision!r}: {e.stderr.decode().strip()}")
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (into / "mojo").rename(into / PACKAGE)
+    return into
+
+
+def link_ops(source: Path, into: Path) -> Path:
+    """The working tree's ``mojo/`` as the package directory ``into/ops``."""
+    into.mkdir(parents=True, exist_ok=True)
+    (into / PACKAGE).symlink_to(source, target_is_directory=True)
+    return into
+
+
+def build(include: Path, output: Path, cpu_target: str | None) -> Path:
+    command = [mojo_compiler(), "build", "-I", str(include)]
+    if cpu_target:
+        command += ["--target-cpu", cpu_target]
+    command += [str(DRIVER), "-o", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not output.is_file():
+        raise SystemExit(f"decode_op_ab: building {include / PACKAGE} failed:\n{done.stdout}{done.stderr}")
+    return output
+
+
+def parse_run(output: str) -> float:
+    """The median tokens/s that a run of bench/decode_op.mojo printed."""
+    for line in output.splitlines():
+        words = line.split()
+        if words[:1] == ["batch"] and "median_tok_s" in words:
+            return float(words[words.index("median_tok_s") + 1])
+    raise ValueError(f"no 'batch ... median_tok_s' line in the driver's output: {output[-500:]!r}")
+
+
+def run_binary(binary: Path, batch: int, calls: int, workers: int) -> float:
+    done = subprocess.run([str(binary), str(batch), str(calls), str(workers)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"decode_op_ab: {binary.name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_run(done.stdout)
+
+
+def summarize(rounds: list[tuple[float, float]]) -> dict:
+    """Per-round ratios B/A of (A, B) tokens/s pairs: their median, range and B's wins."""
+    if not rounds:
+        raise ValueError("no rounds to summarize")
+    ratios = [b / a for a, b in rounds]
+    return {
+        "a_median_tok_s": statistics.median(a for a, _ in rounds),
+        "b_median_tok_s": statistics.median(b for _, b in rounds),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "b_faster_rounds": sum(r > 1 for r in ratios),
+        "rounds": len(ratios),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="HEAD", help="git revision of A's mojo/ (default HEAD)")
+    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--calls", type=int, default=5, help="calls per run; a run reports their median")
+    p.add_argument("--out", type=Path, default=None, help="also write the rounds here as JSON")
+    args = p.parse_args(argv)
+    if min(args.batches) < 1 or args.rounds < 1 or args.calls < 1 or args.workers < 1:
+        p.error("--batches, --rounds, --calls and --workers must be positive")
+
+    with tempfile.TemporaryDirectory(prefix="decode_op_ab-") as tmp:
+        tmp = Path(tmp)
+        a = build(export_ops(args.base, tmp / "a"), tmp / "decode_op_a", args.cpu_target)
+        b = build(link_ops(ROOT / "mojo", tmp / "b"), tmp / "decode_op_b", args.cpu_target)
+        rows = []
+        for batch in args.batches:
+            rounds = []
+            for i in range(args.rounds):
+                if i % 2 == 0:
+                    ta = run_binary(a, batch, args.calls, args.workers)
+                    tb = run_binary(b, batch, args.calls, args.workers)
+                else:
+                    tb = run_binary(b, batch, args.calls, args.workers)
+                    ta = run_binary(a, batch, args.calls, args.workers)
+                rounds.append((ta, tb))
+            row = {"batch": batch, **summarize(rounds), "pairs_tok_s": rounds}
+            rows.append(row)
+            print(f"batch {batch:4d}: A {row['a_median_tok_s']:,.0f}  B {row['b_median_tok_s']:,.0f} tok/s (medians)"
+                  f"   B/A per round: median {row['ratio_median']:.3f}, {row['ratio_min']:.3f}-{row['ratio_max']:.3f},"
+                  f" B faster in {row['b_faster_rounds']}/{row['rounds']}", flush=True)
+    if args.out:
+        write_json(args.out, {
+            "what": "the CPU decode op alone (bench/decode_op.mojo): mojo/ at a revision (A) against the "
+                    "working tree (B), interleaved rounds",
+            "base": args.base, "cpu_target": args.cpu_target or "host", "workers": args.workers,
+            "calls_per_run": args.calls, "command": command_line(), "machine": machine_info(), "rows": rows,
+        })
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
