@@ -297,7 +297,7 @@ def _mixer[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
 
 @always_inline
 def _mixer_vector[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
-    """The mixer update of channels c .. c+n of row r, given the projection u."""
+    """``_mixer`` on at most a vector: at once within one head, else a channel at a time."""
     var h0 = c // a.hd
     if (c + n - 1) // a.hd == h0:  # one head: its scalars broadcast
         _mixer_head[WD, n](a, l, r, c, h0, u)
@@ -382,9 +382,10 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             comptime if kind == PROJ:
                 # The mixer's epilogue reads these rows' states, which a whole step has
                 # pushed out of the caches: asked for now, they arrive while the tile runs.
+                comptime FLOATS_PER_LINE = 64 // size_of[F32]()
                 for i in range(rows):
                     var sp = a.s_in.unsafe_offset((l * a.B + r + i) * a.d + q * PANEL + c0)
-                    for j in range(0, nv * W, 16):
+                    for j in range(0, nv * W, FLOATS_PER_LINE):
                         prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](sp.unsafe_offset(j))
                     prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
                         sp.unsafe_offset(nv * W - 1)
