@@ -286,21 +286,15 @@ def _epilogue[kind: Int, WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, acc
 
 @always_inline
 def _mixer[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
-    """The mixer update of channels c .. c+n of row r, given the projection u."""
-    comptime if n > W:
-        if (c + n - 1) // a.hd != c // a.hd:  # several heads: a vector at a time
-            comptime for i in range(n // W):
-                _mixer_vector[WD, W](a, l, r, c + i * W, u.slice[W, offset=i * W]())
-            return
-    _mixer_vector[WD, n](a, l, r, c, u)
-
-
-@always_inline
-def _mixer_vector[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, u: SIMD[F32, n]):
-    """``_mixer`` on at most a vector: at once within one head, else a channel at a time."""
+    """The mixer update of channels c .. c+n of row r, given the projection u: at once
+    when they lie in one head; across heads a vector, then a channel, at a time."""
     var h0 = c // a.hd
     if (c + n - 1) // a.hd == h0:  # one head: its scalars broadcast
         _mixer_head[WD, n](a, l, r, c, h0, u)
+        return
+    comptime if n > W:
+        comptime for i in range(n // W):
+            _mixer[WD, W](a, l, r, c + i * W, u.slice[W, offset=i * W]())
     else:
         comptime for i in range(n):
             _mixer_head[WD, 1](a, l, r, c + i, (c + i) // a.hd, SIMD[F32, 1](u[i]))
@@ -410,7 +404,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                 continue
             for i in range(rows):
                 for v in range(nv):
-                    var c = q * PANEL + c0 + v * W
+                    var c = cs + v * W
                     if c + W <= N:
                         _epilogue[kind, WD, W](a, l, r + i, c, t.unsafe_load[width=W](i * PANEL + v * W))
                     else:
