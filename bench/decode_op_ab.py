@@ -20,7 +20,6 @@ Prints a line per batch; ``--out`` also writes the rounds as JSON.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
@@ -34,17 +33,6 @@ from bench.common import command_line, machine_info, write_json
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).with_name("decode_op.mojo")
 PACKAGE = "ops"  # the name bench/decode_op.mojo imports the op's package by
-
-
-def mojo_compiler() -> str:
-    """The ``mojo`` of this Python's environment, else the one on PATH."""
-    beside = Path(sys.executable).with_name("mojo")
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("mojo")
-    if not found:
-        raise SystemExit("decode_op_ab: no `mojo` beside this Python or on PATH (install the max package)")
-    return found
 
 
 def export_ops(revision: str, into: Path) -> Path:
@@ -68,11 +56,12 @@ def link_ops(source: Path, into: Path) -> Path:
 
 
 def build(include: Path, output: Path, cpu_target: str | None) -> Path:
-    command = [mojo_compiler(), "build", "-I", str(include)]
+    from srm_max.runtime.kernels import run_mojo
+
+    command = ["build", "-I", str(include)]
     if cpu_target:
         command += ["--target-cpu", cpu_target]
-    command += [str(DRIVER), "-o", str(output)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = run_mojo([*command, str(DRIVER), "-o", str(output)])
     if done.returncode != 0 or not output.is_file():
         raise SystemExit(f"decode_op_ab: building {include / PACKAGE} failed:\n{done.stdout}{done.stderr}")
     return output

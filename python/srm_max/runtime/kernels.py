@@ -117,18 +117,22 @@ def _sources_digest(src: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _run_mojo_precompile(src: Path, out: Path) -> None:
-    args = ["precompile", str(src), "-o", str(out)]
+def run_mojo(args: list[str]) -> subprocess.CompletedProcess:
+    """Runs the ``mojo`` command line shipped with max (else one beside this Python or
+    on PATH) with ``args``, capturing its output as text."""
     try:
         from mojo.run import subprocess_run_mojo  # the mojo shipped with max
     except ImportError:  # pragma: no cover - fall back to a mojo on PATH
         exe = Path(sys.executable).parent / "mojo"
         exe_s = str(exe) if exe.exists() else shutil.which("mojo")
         if exe_s is None:
-            raise RuntimeError("cannot find the `mojo` executable to precompile kernels")
-        proc = subprocess.run([exe_s, *args], capture_output=True, text=True)
-    else:
-        proc = subprocess_run_mojo(args, capture_output=True, text=True)
+            raise RuntimeError("cannot find the `mojo` executable")
+        return subprocess.run([exe_s, *args], capture_output=True, text=True)
+    return subprocess_run_mojo(args, capture_output=True, text=True)
+
+
+def _run_mojo_precompile(src: Path, out: Path) -> None:
+    proc = run_mojo(["precompile", str(src), "-o", str(out)])
     if proc.returncode != 0:
         raise RuntimeError(
             f"mojo precompile {src} failed (exit {proc.returncode}):\n"
