@@ -25,9 +25,10 @@ from srm_max.runtime import cpu_target
 GUARD_TARGET = "x86-64-v3"
 PHA = "tests/test_pha_engine.py::"
 # Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
-# faults at random calls in processes that run PHA graphs, the more often the more engines
-# and calls a process has run (docs/avx2_crash.md; the same graphs run natively on AVX2
-# CPUs), so each PHA engine's tests run in a child of their own: the engine's, then the
+# faults at random calls once a model has been loaded into a process after another has run
+# (docs/avx2_crash.md; the same graphs run natively on AVX2 CPUs). A PHAEngine loads all
+# its graphs at its first use there, but a second engine would load after the first has
+# run, so each PHA engine's tests run in a child of their own: the engine's, then the
 # Generator's.
 ENGINE_TESTS = (
     ("tests/test_engine.py",),

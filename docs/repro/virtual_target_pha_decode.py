@@ -7,7 +7,8 @@ that branch alone, no FFN unless named; ``gss,ffn`` etc. combine them) a child p
 builds the tiny PHA engine (d 16, 1 block, context 32, random weights), then runs the
 same one-step decode call ``--calls`` times from zero states (``--prefill``: a prefill of a
 random prompt and a 3-step decode from its states per call; ``--engines 2``: two engines
-on the same weights, called in turn), and this process reports
+on the same weights, called in turn; ``--preload``: every graph loaded before the first
+call, which avoids the fault), and this process reports
 whether the child finished or which signal ended it (and after how many calls). The
 children inherit ``SRM_MAX_CPU_TARGET``, so without it they compile for the host.
 Each variant is a cold compile of minutes the first time (then cached as a .mef file).
@@ -22,7 +23,8 @@ import subprocess
 import sys
 
 
-def child(branches: tuple[str, ...], calls: int, layers: int, context: int, engines: int, prefill: bool) -> None:
+def child(branches: tuple[str, ...], calls: int, layers: int, context: int, engines: int, prefill: bool,
+          preload: bool) -> None:
     import numpy as np
 
     from srm_max.models.pha.config import PHAConfig
@@ -38,6 +40,8 @@ def child(branches: tuple[str, ...], calls: int, layers: int, context: int, engi
     # several engines on the same weights: each its own InferenceSession, as separate
     # engines in one process are
     all_engines = [PHAEngine(config, weights, dtype="float32", device="cpu") for _ in range(engines)]
+    for engine in all_engines:  # without --preload, each graph loads at its first call, as MAX allows
+        engine.preload_under_virtual_target = preload
     for i in range(calls):
         engine = all_engines[i % engines]
         if prefill:  # a prompt of 1-19 tokens, then a 3-step decode from its states
@@ -58,17 +62,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--engines", type=int, default=1, help="engines in the process, called in turn")
     ap.add_argument("--prefill", action="store_true", help="each call: a prefill, then a 3-step decode")
+    ap.add_argument("--preload", action="store_true",
+                    help="load every graph before the first call (what PHAEngine does under a virtual target)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         branches = ("gss", "attn", "ffn") if args.child == "all" else tuple(args.child.split(","))
-        child(branches, args.calls, args.layers, args.context, args.engines, args.prefill)
+        child(branches, args.calls, args.layers, args.context, args.engines, args.prefill, args.preload)
         return
     target = os.environ.get("SRM_MAX_CPU_TARGET") or "the host CPU"
     for variant in args.variants:
         proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
                                "--layers", str(args.layers), "--context", str(args.context),
-                               "--engines", str(args.engines)] + (["--prefill"] if args.prefill else []),
+                               "--engines", str(args.engines)] + (["--prefill"] if args.prefill else [])
+                              + (["--preload"] if args.preload else []),
                               capture_output=True, text=True)
         done = proc.stdout.count("done")
         result = "ran" if proc.returncode == 0 else (

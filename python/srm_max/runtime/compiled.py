@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from max.driver import CPU, Buffer
+from max.driver import CPU, Buffer, get_virtual_cpu_target
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 
@@ -141,11 +141,19 @@ class CompiledGraphs:
         self.compile_seconds[kind] = time.perf_counter() - t0
         return model
 
+    # Under a virtual CPU target, MAX 26.7's runtime faults now and then when a model is
+    # loaded into a process after another model has run (docs/avx2_crash.md): an engine
+    # class that sets this loads every graph at its first use there instead.
+    preload_under_virtual_target = False
+
     def model(self, kind: str) -> Model:
         """The compiled graph ``kind`` (one of ``graph_kinds()``), loaded on first use."""
         with self._lock:
             if kind not in self._models:
-                self._models[kind] = self._load(kind)
+                if not self._models and self.preload_under_virtual_target and get_virtual_cpu_target():
+                    self.warmup()
+                else:
+                    self._models[kind] = self._load(kind)
             return self._models[kind]
 
     @property
@@ -177,7 +185,8 @@ class CompiledGraphs:
             if compiled:
                 self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
             for kind in self.graph_kinds():
-                self.model(kind)
+                if kind not in self._models:
+                    self._models[kind] = self._load(kind)
         return self
 
     # -- helpers

@@ -50,6 +50,7 @@ class PHAEngine(CompiledGraphs):
     """Compiled PHA graphs for one config, weight dtype and device."""
 
     kernels = False  # the Mojo ops are the SRM mixer's
+    preload_under_virtual_target = True
     build_graph = staticmethod(build.build_graph)
     graph_salt = build.GRAPH_KEY
 
