@@ -14,7 +14,10 @@ block has parallel branches (causal attention, a SiLU MLP). Two graphs:
   are graph inputs and outputs and the host writes the new rows.
 
 The next token comes from a sampler with a host-side mode, as two ``ops.cond`` one after
-the other (``--no-cond``: argmax alone). The parent compiles both graphs (under
+the other (``--no-cond``: argmax alone). As in srm-max's PHA graphs, the matrices are
+stored transposed, q, k and v are each added to their product by a constant swap matrix
+(RoPE's rotation written as a matmul; ``--no-const-matmul``: without) and the norms are
+MAX's ``rms_norm`` and ``layer_norm`` ops (``--norms ops``: written out). The parent compiles both graphs (under
 ``max.driver.set_virtual_cpu_target(target)`` when ``--target`` is given) and exports
 them as ``.mef`` files; each of ``--runs`` child processes sets the same target, loads
 the files into one ``InferenceSession`` and runs ``--calls`` rounds (a prefill of a
@@ -26,8 +29,9 @@ the pattern that makes srm-max's PHA graphs fault; ``--load eager`` loads both f
 
 Not yet a reproducer: on an AVX-512 Xeon under ``x86-64-v3`` these graphs have run 30 of
 30 children in every mode tried, where srm-max's PHA graphs fault in about one child in
-six (docs/avx2_crash.md has both tables). It is kept as the standalone base to grow
-toward srm-max's graphs until it faults.
+six, and need, in the graph loaded second, the product by the constant matrix
+(docs/avx2_crash.md has the tables). It is kept as the standalone base to grow toward
+srm-max's graphs until it faults.
 """
 
 from __future__ import annotations
@@ -54,6 +58,22 @@ def weights(layers: int) -> dict[str, np.ndarray]:
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
+def stored(w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The weights as the graphs take them: every matrix but the embedding transposed."""
+    return {k: v if k == "embed" else np.ascontiguousarray(v.T) for k, v in w.items()}
+
+
+def swap_matrix() -> np.ndarray:
+    """[HEADS DH, HEADS DH]: x @ it swaps the halves of each head and negates one (the
+    matrix RoPE's rotation is written with)."""
+    half = DH // 2
+    m = np.zeros((HEADS * DH, HEADS * DH), np.float32)
+    for h in range(HEADS):
+        for i in range(half):
+            m[h * DH + half + i, h * DH + i], m[h * DH + i, h * DH + half + i] = -1.0, 1.0
+    return m
+
+
 def build_graphs(args, branches: tuple[str, ...]):
     from max.dtype import DType
     from max.graph import BufferType, DeviceRef, Graph, TensorType, Weight, ops
@@ -62,10 +82,14 @@ def build_graphs(args, branches: tuple[str, ...]):
     F32, I64 = DType.float32, DType.int64
     L, n = args.layers, args.context
     X = 2 * HEADS * n * DH  # per layer: keys [HEADS, n, DH], then values
-    shapes = {k: list(v.shape) for k, v in weights(L).items()}
+    shapes = {k: list(v.shape) for k, v in stored(weights(L)).items()}
     W = {}  # the current graph's weights (a Weight belongs to the graph it is made in)
 
     def norm(x):
+        if args.norms == "max":
+            ones = ops.constant(np.ones(E, np.float32), F32, device=cpu)
+            zeros = ops.constant(np.zeros(E, np.float32), F32, device=cpu)
+            return ops.layer_norm(ops.rms_norm(x, ones, epsilon=1e-5), ones, zeros, epsilon=1e-5)
         c = x - ops.mean(x, axis=-1)
         return c / ops.sqrt(ops.mean(c * c, axis=-1) + 1e-5)
 
@@ -74,8 +98,16 @@ def build_graphs(args, branches: tuple[str, ...]):
         e = ops.exp(x - ops.max(x, axis=-1))
         return e / ops.sum(e, axis=-1)
 
+    def lin(t, name):
+        """t @ the matrix ``name``, stored transposed ([out, in], as PyTorch's Linear)."""
+        return ops.matmul(t, ops.transpose(W[name], 0, 1))
+
+    def rotate(t):
+        """t + t @ swap_matrix() with --const-matmul (the matrix a graph constant), else t."""
+        return t + ops.matmul(t, ops.constant(swap_matrix(), F32, device=cpu)) if args.const_matmul else t
+
     def mlp(h, l):
-        return ops.silu(h @ W[f"{l}.up"]) @ W[f"{l}.down"]
+        return lin(ops.silu(lin(h, f"{l}.up")), f"{l}.down")
 
     def pick(logits, mode, u):
         """The next token [B]: 0 greedy, 1 an inverse-CDF draw at uniform u [B], 2 that
@@ -125,15 +157,15 @@ def build_graphs(args, branches: tuple[str, ...]):
             def attention(h, l=l):
                 def heads(t):
                     return ops.permute(ops.reshape(t, [B, T, HEADS, DH]), [0, 2, 1, 3])  # [B, H, T, DH]
-                q, k, v = (heads(h @ W[f"{l}.{c}"]) for c in "qkv")
+                q, k, v = (heads(rotate(lin(h, f"{l}.{c}"))) for c in "qkv")
                 p = softmax(ops.matmul(q, ops.transpose(k, 2, 3)) * (DH ** -0.5), causal)  # [B, H, T, T]
                 a = ops.reshape(ops.permute(ops.matmul(p, v), [0, 2, 1, 3]), [B, T, HEADS * DH])
                 layers.append(ops.concat([ops.reshape(ops.gather(t, rows, axis=2) * keep, [B, HEADS * n * DH])
                                           for t in (k, v)], axis=1))  # [B, X]
-                return a @ W[f"{l}.o"]
+                return lin(a, f"{l}.o")
 
             x = block(x, l, attention)
-        logits = norm(x[:, -1, :]) @ W["out"]
+        logits = lin(norm(x[:, -1, :]), "out")
         prefill.output(logits, pick(logits, mode, u), ops.stack(layers, axis=0))
 
     # decode: the token [B] at position pos [B] against the state of positions < pos
@@ -155,7 +187,7 @@ def build_graphs(args, branches: tuple[str, ...]):
         fresh = []
         for l in range(L):
             def attention(h, l=l):
-                q, k, v = (ops.reshape(h @ W[f"{l}.{c}"], [B, HEADS, 1, DH]) for c in "qkv")
+                q, k, v = (ops.reshape(rotate(lin(h, f"{l}.{c}")), [B, HEADS, 1, DH]) for c in "qkv")
                 keys = ops.reshape(st[l][:, : X // 2], [B, HEADS, n, DH])
                 values = ops.reshape(st[l][:, X // 2 :], [B, HEADS, n, DH])
                 logits = ops.concat([ops.matmul(q, ops.transpose(keys, 2, 3)),  # [B, H, 1, n]
@@ -163,10 +195,10 @@ def build_graphs(args, branches: tuple[str, ...]):
                 p = softmax(logits, seen)
                 a = ops.matmul(p[:, :, :, :n], values) + p[:, :, :, n:] * v  # [B, H, 1, DH]
                 fresh.append(ops.concat([ops.reshape(k, [B, HEADS, DH]), ops.reshape(v, [B, HEADS, DH])], axis=1))
-                return ops.reshape(a, [B, HEADS * DH]) @ W[f"{l}.o"]
+                return lin(ops.reshape(a, [B, HEADS * DH]), f"{l}.o")
 
             x = block(x, l, attention)
-        logits = norm(x) @ W["out"]
+        logits = lin(norm(x), "out")
         outputs = [pick(logits, mode, u), pos + 1]
         if fresh and in_place:
             # row r of (l, b): key head r (r < HEADS) or value head r - HEADS, at position pos
@@ -181,7 +213,7 @@ def build_graphs(args, branches: tuple[str, ...]):
     return prefill, decode
 
 
-def reference(w, layers, branches, prompt, context):
+def reference(w, layers, branches, prompt, context, const_matmul):
     """numpy: the prefill's last logits and state [L, X] for one prompt."""
     def norm(x):
         c = x - x.mean(-1, keepdims=True)
@@ -194,7 +226,8 @@ def reference(w, layers, branches, prompt, context):
         h = norm(x)
         outs = []
         if "attn" in branches:
-            q, k, v = ((h @ w[f"{l}.{c}"]).reshape(T, HEADS, DH).transpose(1, 0, 2) for c in "qkv")
+            rotate = (lambda t: t + t @ swap_matrix()) if const_matmul else (lambda t: t)
+            q, k, v = (rotate(h @ w[f"{l}.{c}"]).reshape(T, HEADS, DH).transpose(1, 0, 2) for c in "qkv")
             s = q @ k.transpose(0, 2, 1) * DH ** -0.5 + np.triu(np.full((T, T), -1e9), 1)
             p = np.exp(s - s.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
@@ -237,7 +270,7 @@ def child(args, branches: tuple[str, ...]) -> None:
     cpu = CPU()
     session = InferenceSession(devices=[cpu])
     def load(name):
-        return session.init(engine.read(str(args.mef_dir / f"{name}.mef")), weights_registry=w)
+        return session.init(engine.read(str(args.mef_dir / f"{name}.mef")), weights_registry=stored(w))
 
     prefill = load("prefill")
     decode = load("decode") if args.load == "eager" else None
@@ -249,7 +282,7 @@ def child(args, branches: tuple[str, ...]) -> None:
         u = Buffer.from_numpy(rng.random(1).astype(np.float32))
         logits, token, state = prefill.execute(Buffer.from_numpy(prompt.reshape(1, -1)), mode, u)
         if call == 0:
-            want_logits, want_state = reference(w, args.layers, branches, prompt, n)
+            want_logits, want_state = reference(w, args.layers, branches, prompt, n, args.const_matmul)
             for name, got, want in (("logits", logits.to_numpy()[0], want_logits),
                                     ("state", state.to_numpy()[:, 0], want_state)):
                 err = np.abs(got - want).max()
@@ -286,6 +319,10 @@ def main() -> None:
                     help="pick the next token by argmax alone, without the sampler's ops.cond")
     ap.add_argument("--load", choices=["lazy", "eager"], default="lazy",
                     help="load the decode graph after the first prefill has run, or both before any call")
+    ap.add_argument("--norms", choices=["max", "ops"], default="max",
+                    help="norms by MAX's rms_norm + layer_norm ops, or written out in elementwise ops")
+    ap.add_argument("--no-const-matmul", dest="const_matmul", action="store_false",
+                    help="q, k and v without the product by a constant matrix")
     ap.add_argument("--runs", type=int, default=10, help="child processes")
     ap.add_argument("--calls", type=int, default=30, help="rounds per child: a prefill, then --steps decodes")
     ap.add_argument("--steps", type=int, default=3)
@@ -301,11 +338,12 @@ def main() -> None:
         return
     folder = (args.mef_dir or Path(tempfile.mkdtemp(prefix="max_repro_"))) / (
         f"{args.target or 'host'}-{'-'.join(branches)}-l{args.layers}-n{args.context}-{args.state}"
-        f"{'-cond' if args.cond else '-argmax'}")
+        f"{'-cond' if args.cond else '-argmax'}-{args.norms}norms{'-constmm' if args.const_matmul else ''}-t")
     folder.mkdir(parents=True, exist_ok=True)
     common = [sys.executable, __file__, "--mef-dir", str(folder), "--branches", args.branches,
               "--layers", str(args.layers), "--context", str(args.context), "--state", args.state,
-              "--calls", str(args.calls), "--steps", str(args.steps), "--load", args.load]
+              "--calls", str(args.calls), "--steps", str(args.steps), "--load", args.load, "--norms", args.norms]
+    common += [] if args.const_matmul else ["--no-const-matmul"]
     common += (["--target", args.target] if args.target else []) + ([] if args.cond else ["--no-cond"])
     subprocess.run(common + ["--child", "compile"], check=True)  # the parent process never touches MAX
     target = args.target or "the host CPU"
