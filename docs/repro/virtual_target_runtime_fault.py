@@ -17,9 +17,10 @@ The next token comes from a sampler with a host-side mode, as two ``ops.cond`` o
 the other (``--no-cond``: argmax alone). As in srm-max's PHA graphs, the matrices are
 stored transposed, q, k and v are each added to their product by a constant swap matrix
 (RoPE's rotation written as a matmul; ``--no-const-matmul``: without) and the norms are
-MAX's ``rms_norm`` and ``layer_norm`` ops (``--norms ops``: written out). The parent compiles both graphs (under
-``max.driver.set_virtual_cpu_target(target)`` when ``--target`` is given) and exports
-them as ``.mef`` files; each of ``--runs`` child processes sets the same target, loads
+MAX's ``rms_norm`` and ``layer_norm`` ops (``--norms ops``: written out).
+
+The parent compiles both graphs (under ``max.driver.set_virtual_cpu_target(target)``
+when ``--target`` is given) and exports them as ``.mef`` files; each of ``--runs`` child processes sets the same target, loads
 the files into one ``InferenceSession`` and runs ``--calls`` rounds (a prefill of a
 random 1-19 token prompt, then ``--steps`` decode calls on a copy of its state), checking
 the first round's logits and state against numpy. The parent prints, per run, whether
@@ -222,11 +223,11 @@ def reference(w, layers, branches, prompt, context, const_matmul):
     x = w["embed"][prompt]
     T = len(prompt)
     state = np.zeros((layers, 2, HEADS, context, DH), np.float32)
+    rotate = (lambda t: t + t @ swap_matrix()) if const_matmul else (lambda t: t)
     for l in range(layers):
         h = norm(x)
         outs = []
         if "attn" in branches:
-            rotate = (lambda t: t + t @ swap_matrix()) if const_matmul else (lambda t: t)
             q, k, v = (rotate(h @ w[f"{l}.{c}"]).reshape(T, HEADS, DH).transpose(1, 0, 2) for c in "qkv")
             s = q @ k.transpose(0, 2, 1) * DH ** -0.5 + np.triu(np.full((T, T), -1e9), 1)
             p = np.exp(s - s.max(-1, keepdims=True))
@@ -269,6 +270,7 @@ def child(args, branches: tuple[str, ...]) -> None:
     w = weights(args.layers)
     cpu = CPU()
     session = InferenceSession(devices=[cpu])
+
     def load(name):
         return session.init(engine.read(str(args.mef_dir / f"{name}.mef")), weights_registry=stored(w))
 
@@ -336,15 +338,14 @@ def main() -> None:
     if args.child == "run":
         child(args, branches)
         return
-    folder = (args.mef_dir or Path(tempfile.mkdtemp(prefix="max_repro_"))) / (
-        f"{args.target or 'host'}-{'-'.join(branches)}-l{args.layers}-n{args.context}-{args.state}"
-        f"{'-cond' if args.cond else '-argmax'}-{args.norms}norms{'-constmm' if args.const_matmul else ''}-t")
+    # a folder per set of the options that shape the compiled graphs, so a reused
+    # --mef-dir never hands one variant's graphs to another
+    shaping = ("target", "branches", "layers", "context", "state", "cond", "norms", "const_matmul")
+    folder = (args.mef_dir or Path(tempfile.mkdtemp(prefix="max_repro_"))) / "-".join(
+        f"{name}={getattr(args, name)}" for name in shaping)
     folder.mkdir(parents=True, exist_ok=True)
-    common = [sys.executable, __file__, "--mef-dir", str(folder), "--branches", args.branches,
-              "--layers", str(args.layers), "--context", str(args.context), "--state", args.state,
-              "--calls", str(args.calls), "--steps", str(args.steps), "--load", args.load, "--norms", args.norms]
-    common += [] if args.const_matmul else ["--no-const-matmul"]
-    common += (["--target", args.target] if args.target else []) + ([] if args.cond else ["--no-cond"])
+    # the children get this command line (argparse keeps the last --mef-dir)
+    common = [sys.executable, __file__, *sys.argv[1:], "--mef-dir", str(folder)]
     subprocess.run(common + ["--child", "compile"], check=True)  # the parent process never touches MAX
     target = args.target or "the host CPU"
     ran = 0

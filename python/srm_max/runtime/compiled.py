@@ -143,7 +143,9 @@ class CompiledGraphs:
 
     # Under a virtual CPU target, MAX 26.7's runtime faults now and then when a model is
     # loaded into a process after another model has run (docs/avx2_crash.md): an engine
-    # class that sets this loads every graph at its first use there instead.
+    # class that sets this loads every graph at its first use there instead. Only the
+    # PHA's graphs have faulted so; the SRM engine tests load a few of many graph kinds
+    # per config, and loading them all would compile the rest for nothing.
     preload_under_virtual_target = False
 
     def model(self, kind: str) -> Model:
