@@ -353,3 +353,29 @@ def test_bfloat16_logits_close_and_greedy_equal(engine, engine_bf16):
     r16 = engine_bf16.decode(bf.next_ids, [len(p) for p in prompts], bf.states, greedy, steps)
     assert (f32.next_ids == bf.next_ids).all()
     assert (r32.tokens == r16.tokens).all()
+
+
+def test_weights_reach_max_on_cache_lines(tiny_weights):
+    """MAX reads the weights it is given in place: every float32 array of the registry,
+    the decode op's packed panels included, starts on a cache line and holds the same
+    values as the tensor it came from (a panel row straddling two lines cost the op a
+    sixth of its speed at batch 64)."""
+    from srm_max.models.srm import packing, schema
+    from srm_max.models.srm.engine import weights_registry
+    from srm_max.runtime.device import CACHE_LINE, cache_aligned
+
+    full = schema.graph_weights(TINY, tiny_weights)
+    full |= packing.decode_step_weights(TINY, full)
+    registry = weights_registry(TINY, tiny_weights, "float32", packed=True)
+    assert set(registry) == set(full) and packing.matrix_names() <= set(registry)
+    for name, arr in registry.items():
+        assert arr.ctypes.data % CACHE_LINE == 0, name
+        np.testing.assert_array_equal(arr, full[name], err_msg=name)
+
+    raw = np.arange(40, dtype=np.float32)
+    off = raw[1:].reshape(3, 13) if raw[1:].ctypes.data % CACHE_LINE else raw[2:].reshape(2, 19)
+    moved = cache_aligned(off)
+    assert moved.ctypes.data % CACHE_LINE == 0 and moved.flags.c_contiguous
+    assert moved.dtype == off.dtype and moved.shape == off.shape
+    np.testing.assert_array_equal(moved, off)
+    assert cache_aligned(moved) is moved  # already on a line: no copy

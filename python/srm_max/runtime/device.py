@@ -45,9 +45,28 @@ def to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
     return out
 
 
+# Bytes of a cache line. MAX reads the weights it is given in place, from wherever numpy put
+# them; a large numpy array usually starts 16 bytes past a page, so every 64-byte row of a
+# packed panel (mojo/decode_step.mojo) would straddle two cache lines.
+CACHE_LINE = 64
+
+
+def cache_aligned(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-contiguous array that starts on a cache line: ``a`` itself when it
+    already does, else a copy."""
+    a = np.ascontiguousarray(a)
+    if a.ctypes.data % CACHE_LINE == 0:
+        return a
+    raw = np.empty(a.nbytes + CACHE_LINE, np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def bfloat16_round(a: np.ndarray) -> np.ndarray:
     """What a float32 array looks like after a trip through bfloat16."""
     return (to_bfloat16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
-__all__ = ["DEVICES", "DTYPES", "bfloat16_round", "resolve_device", "resolve_dtype", "to_bfloat16_bits"]
+__all__ = ["CACHE_LINE", "DEVICES", "DTYPES", "bfloat16_round", "cache_aligned", "resolve_device", "resolve_dtype", "to_bfloat16_bits"]
