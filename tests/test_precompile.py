@@ -47,3 +47,21 @@ def test_an_unguarded_script_runs_once_and_gets_the_workers_error(tmp_path, how)
     assert "worker error: compiling the no_such_kind graph failed" in out, out
     assert "unknown SRM graph kind 'no_such_kind'" in out, out
     assert "BrokenProcessPool" not in out
+
+
+def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
+    """The sampler ignores the weight dtype and the Mojo ops: the suite's and an engine's
+    jobs for it name one graph, so precompile hands the workers one job for it."""
+    from conftest import TINY
+    from srm_max.models import registry
+    from srm_max.runtime import precompile as pc
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    arch = registry.of(TINY)
+    jobs = [arch.graph_job("sample", TINY, dtype, "cpu", kernels) for dtype in ("float32", "bfloat16")
+            for kernels in (True, False)]
+    jobs.append(arch.graph_job("regroup", TINY, "bfloat16", "cpu", False))
+    handed: list = []
+    monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
+    pc.precompile(jobs)
+    assert [(j.kind, j.dtype, j.kernels) for j in handed] == [("sample", "float32", True), ("regroup", "bfloat16", False)]

@@ -138,7 +138,7 @@ def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJo
     """Compile the jobs not yet in the cache, ``workers`` at a time (default: one per
     core), each in its own process; -> seconds per compiled job. Says what it compiles
     and why through ``logging`` (the ``srm-max`` commands show it on stderr)."""
-    missing = [j for j in dict.fromkeys(jobs) if not j.cached()]
+    missing = [j for path, j in _one_job_per_graph(jobs).items() if not path.exists()]
     if not missing:
         return {}
     workers = min(workers or os.cpu_count() or 1, len(missing))
@@ -148,6 +148,16 @@ def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJo
     seconds = compile_in_workers(missing, workers)
     log.info("compiled %d graph%s in %.0f s", len(missing), "s" if len(missing) > 1 else "", time.perf_counter() - t)
     return seconds
+
+
+def _one_job_per_graph(jobs: list[GraphJob]) -> dict[Path, GraphJob]:
+    """The first job of each distinct graph, by its cache path: jobs that differ only in
+    what their graph ignores (the sampler's and the regrouping's weight dtype and Mojo ops)
+    build the same graph, which must not compile once per job."""
+    by_graph: dict[Path, GraphJob] = {}
+    for job in jobs:
+        by_graph.setdefault(job.mef_path(), job)
+    return by_graph
 
 
 def _cache_dir() -> Path:
