@@ -260,3 +260,16 @@ def test_decode_op_ab_exports_the_op_package_and_the_driver_imports_exist(tmp_pa
         assert re.search(rf"^(comptime|def|struct) {name}\b", op, re.M), f"decode_step.mojo has no {name}"
     with pytest.raises(SystemExit, match="cannot read mojo/"):
         decode_op_ab.export_ops("no-such-revision", tmp_path / "x")
+
+
+def test_op_in_engine_misaligns_by_sixteen_bytes():
+    """--misalign hands MAX what numpy gives by itself: arrays 16 bytes past a cache line."""
+    import numpy as np
+
+    from bench.op_in_engine import misaligned
+    from srm_max.runtime.device import CACHE_LINE
+
+    a = np.arange(300, dtype=np.float32).reshape(3, 100)
+    moved = misaligned(a)
+    assert moved.ctypes.data % CACHE_LINE == 16 and moved.flags.c_contiguous
+    np.testing.assert_array_equal(moved, a)
