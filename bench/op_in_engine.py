@@ -31,11 +31,10 @@ STEPS = 32  # bench/decode_op.mojo's steps per call
 
 def misaligned(a: np.ndarray, offset: int = 16) -> np.ndarray:
     """A copy of ``a`` that starts ``offset`` bytes past a cache line."""
-    from srm_max.runtime.device import CACHE_LINE
+    from srm_max.runtime.device import cache_aligned
 
-    raw = np.empty(a.nbytes + 2 * CACHE_LINE, np.uint8)
-    start = -raw.ctypes.data % CACHE_LINE + offset
-    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    raw = cache_aligned(np.empty(a.nbytes + offset, np.uint8))
+    out = raw[offset:].view(a.dtype).reshape(a.shape)
     out[...] = a
     return out
 
