@@ -48,7 +48,8 @@ from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import resolve_device, resolve_dtype
 from .sample_many import sample_many
-from .sampling import SamplingParams, check_max_new_tokens, check_steps_per_call, resolve_seed
+from .sampling import SamplingParams, check_max_new_tokens, check_prompts, check_steps_per_call, check_stop, \
+    check_text, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
 
@@ -172,75 +173,10 @@ class Generator:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise GenerationError("a text prompt needs a tokenizer (pass token ids, or load one)")
-        return list(self.tokenizer.encode(text).ids)
+        return list(self.tokenizer.encode(check_text(text, "text")).ids)
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
-
-    def _normalize_prompts(self, prompts) -> tuple[list[list[int]], bool]:
-        """-> (list of id lists, single?)"""
-        def is_int(v):
-            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-        single = False
-        if isinstance(prompts, str):
-            items, single = [prompts], True
-        elif isinstance(prompts, np.ndarray):
-            if prompts.ndim == 1:
-                items, single = [prompts.tolist()], True
-            elif prompts.ndim == 2:
-                items = [row.tolist() for row in prompts]
-            else:
-                raise GenerationError(f"prompts: expected a 1-D or 2-D id array, got {prompts.ndim}-D")
-        elif isinstance(prompts, Sequence):
-            if len(prompts) == 0:
-                raise GenerationError("prompt 0 is empty")
-            if all(is_int(v) for v in prompts):
-                items, single = [list(prompts)], True
-            else:
-                items = list(prompts)
-        else:
-            raise GenerationError(f"prompts: expected text, token ids or a list of them, got {type(prompts).__name__}")
-        out = []
-        V, n = self.config.vocab_size, self.config.context_length
-        for i, p in enumerate(items):
-            if isinstance(p, str):
-                ids = self.encode(p)
-            elif isinstance(p, np.ndarray) and p.ndim == 1:
-                ids = p.tolist()
-            elif isinstance(p, Sequence) and all(is_int(v) for v in p):
-                ids = list(p)
-            else:
-                raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {type(p).__name__}")
-            if len(ids) == 0:
-                raise GenerationError(f"prompt {i} is empty")
-            bad = [t for t in ids if not (0 <= int(t) < V)]
-            if bad:
-                raise GenerationError(f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, {V})")
-            if len(ids) > n:
-                raise GenerationError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
-            out.append([int(t) for t in ids])
-        return out, single
-
-    def _normalize_stop(self, stop) -> tuple[np.ndarray, list[str]]:
-        if stop is None:
-            return np.zeros(0, np.int64), []
-        items = [stop] if isinstance(stop, (str, int, np.integer)) else list(stop)
-        ids, strings = [], []
-        for s in items:
-            if isinstance(s, str):
-                if not s:
-                    raise GenerationError("stop: empty stop string")
-                if self.tokenizer is None:
-                    raise GenerationError(f"stop string {s!r} needs a tokenizer")
-                strings.append(s)
-            elif isinstance(s, (int, np.integer)) and not isinstance(s, bool):
-                if not 0 <= int(s) < self.config.vocab_size:
-                    raise GenerationError(f"stop token id {int(s)} is outside the vocabulary [0, {self.config.vocab_size})")
-                ids.append(int(s))
-            else:
-                raise GenerationError(f"stop: expected token ids or strings, got {s!r}")
-        return np.array(ids, np.int64), strings
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
@@ -271,13 +207,6 @@ class Generator:
         Sampling parameters are one value for all prompts.
         """
         seed = resolve_seed(seed)
-        for name in ("temperature", "top_k", "top_p"):
-            value = options.get(name)
-            if isinstance(value, (list, tuple, np.ndarray)):
-                raise GenerationError(
-                    f"{name}: sample_many takes one value for all prompts, got a list of {np.size(value)}")
-        if isinstance(options.get("top_k"), (int, np.integer)) and options["top_k"] == -1:
-            options["top_k"] = 0  # -1 means off, as 0 does; the engine gets the one spelling
         samples = sample_many(self, prompts, n, verifier=verifier, max_batch=max_batch, seed=seed, **options)
         return SampleRun(samples, seed)
 
@@ -294,10 +223,10 @@ class Generator:
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
               stream_text: bool = False):
         """The checked arguments as sequences (in prompt order), in a pool that holds them all."""
-        ids, single = self._normalize_prompts(prompts)
+        ids, single = check_prompts(prompts, self.config, self.encode)
         max_new = check_max_new_tokens(max_new_tokens)
         params = SamplingParams.build(len(ids), temperature, top_k, top_p, seed)
-        stop_ids, stop_strings = self._normalize_stop(stop)
+        stop_ids, stop_strings = check_stop(stop, self.config.vocab_size, self.tokenizer is not None)
         check_steps_per_call(steps_per_call)
         stop_ids = frozenset(int(t) for t in stop_ids)
         sequences = [scheduler.Sequence(p, float(params.temperature[b]), int(params.top_k[b]), float(params.top_p[b]),

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..models import registry
-from .sampling import SamplingParams, check_max_new_tokens, check_steps_per_call, resolve_seed
+from .sampling import brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, check_steps_per_call, \
+    check_stop, is_int, resolve_seed
 from .scheduler import PoolStats, Sequence, SlotPool
 
 # Per-sample memory the decode step needs besides its state: logits, sorted
@@ -81,17 +82,17 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
          top_p=1.0, seed: int | None = None, stop=None, memory_budget_bytes: int = 4 << 30) -> SampleJob:
     """Check a ``sample_many`` call (its errors, its defaults) without running anything."""
     seed = resolve_seed(seed)
-    ids, _ = generator._normalize_prompts(prompts if isinstance(prompts, list) else [prompts])
-    if not isinstance(n, int) or n < 1:
-        raise GenerationError(f"n must be an integer >= 1, got {n!r}")
+    ids, _ = check_prompts(prompts if isinstance(prompts, list) else [prompts], generator.config, generator.encode)
+    if not is_int(n) or n < 1:
+        raise GenerationError(f"n must be an integer >= 1, got {brief_repr(n)}")
     max_new = check_max_new_tokens(max_new_tokens)
-    stop_ids, stop_strings = generator._normalize_stop(stop)
-    SamplingParams.build(1, temperature, top_k, top_p, 0)  # validates the scalars
-    if max_batch == "auto":
+    stop_ids, stop_strings = check_stop(stop, generator.config.vocab_size, generator.tokenizer is not None)
+    temperature, top_k, top_p = check_scalar_sampling(temperature, top_k, top_p)
+    if isinstance(max_batch, str) and max_batch == "auto":
         max_batch = plan_max_batch(generator.config, memory_budget_bytes)
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise GenerationError(f"max_batch must be 'auto' or an integer >= 1, got {max_batch!r}")
-    return SampleJob(ids, max_batch, max_new, float(temperature), int(top_k), float(top_p), seed,
+    if not is_int(max_batch) or max_batch < 1:
+        raise GenerationError(f"max_batch must be 'auto' or an integer >= 1, got {brief_repr(max_batch)}")
+    return SampleJob(ids, int(max_batch), max_new, temperature, top_k, top_p, seed,
                      tuple(int(t) for t in stop_ids), tuple(stop_strings))
 
 

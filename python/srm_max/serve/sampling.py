@@ -1,18 +1,28 @@
-"""Sampling parameters: validation, per-sample arrays, and a numpy mirror of
+"""Generation arguments, checked: the one place ``Generator``, ``sample_many`` and
+the HTTP server check prompts, stop conditions and sampling parameters (each
+caller turns a ``GenerationError`` into its own error), and a numpy mirror of
 the in-graph sampler (for tests and for anyone checking a distribution).
 
-Every parameter may be a scalar (same for all prompts) or a sequence with one
-value per prompt. ``temperature=0`` is greedy; ``top_k=0`` (or -1) and
+Every sampling parameter may be a scalar (same for all prompts) or a sequence
+with one value per prompt. ``temperature=0`` is greedy; ``top_k=0`` (or -1) and
 ``top_p=1`` switch those filters off. ``seed=None`` draws a fresh random seed;
 a scalar seed s gives prompt i the seed s + i (mod 2**64); a list gives each
 prompt its own seed. A sample's tokens depend only on its prompt, its
 parameters and its seed, never on the rest of the batch.
+
+Text (a prompt, a stop string) must be valid Unicode: a lone surrogate (the
+JSON escape ``"\\ud800"``) has no UTF-8 form, so no tokenizer can read it. A
+real-valued parameter must be finite and keep its meaning in the engine's
+float32: a value that overflows to inf, or a nonzero one that rounds to 0, is
+refused.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,19 +30,32 @@ import numpy as np
 from ..errors import GenerationError
 
 _U64_MAX = (1 << 64) - 1
+_I64_MAX = (1 << 63) - 1
+
+_brief = reprlib.Repr()
+_brief.maxstring = _brief.maxother = _brief.maxlong = 60
+_brief.maxlevel, _brief.maxlist, _brief.maxdict = 2, 4, 4
 
 
-def _per_sample(name: str, value, batch: int) -> list:
+def brief_repr(value) -> str:
+    """``repr(value)`` cut short: an error message never echoes a megabyte of input,
+    and a deeply nested value is not walked to its bottom."""
+    return _brief.repr(value)
+
+
+def _per_sample(name: str, value, batch: int) -> list[tuple[str, object]]:
+    """(name, value) per sample: ``name[i]`` for the items of a per-prompt list."""
     if isinstance(value, (list, tuple, np.ndarray)):
         values = list(np.asarray(value).tolist()) if isinstance(value, np.ndarray) else list(value)
         if len(values) != batch:
             raise GenerationError(
                 f"{name}: expected one value or a list of {batch} (one per prompt), got a list of {len(values)}")
-        return values
-    return [value] * batch
+        return [(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    return [(name, value)] * batch
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An integer, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
@@ -40,10 +63,49 @@ def _is_real(v) -> bool:
     return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
+def _fits_float32(x: float) -> bool:
+    with np.errstate(over="ignore", under="ignore"):
+        y = np.float32(x)
+    return bool(np.isfinite(y)) and (y != 0 or x == 0)
+
+
+def check_real(value, name: str, rule: str, accept: Callable[[float], bool]) -> float:
+    """``value`` as a float: a real number (not a bool), finite, that the engine's float32
+    holds (no overflow to inf, no nonzero value rounded to 0) and that ``accept`` takes;
+    else a GenerationError "``name`` must be ``rule``"."""
+    if _is_real(value):
+        try:
+            x = float(value)
+        except OverflowError:  # an int beyond every float
+            x = math.inf
+        if math.isfinite(x) and _fits_float32(x) and accept(x):
+            return x
+    raise GenerationError(f"{name} must be {rule}, got {brief_repr(value)}")
+
+
+def check_temperature(value, name: str = "temperature", maximum: float = math.inf) -> float:
+    """A temperature >= 0 (0 = greedy), at most ``maximum`` (the server takes OpenAI's 2)."""
+    rule = ("a number >= 0 that a float32 holds" if maximum == math.inf else f"a number in [0, {maximum:g}]")
+    return check_real(value, name, rule + " (0 = greedy)", lambda t: 0 <= t <= maximum)
+
+
+def check_top_p(value, name: str = "top_p") -> float:
+    """A nucleus mass in (0, 1] (1 = off); 0 keeps no token, so it is refused."""
+    return check_real(value, name, "a number in (0, 1] (1 = off)", lambda p: 0 < p <= 1)
+
+
+def check_top_k(value, name: str = "top_k") -> int:
+    """A top-k as the engine takes it: 0 for off (-1 means off too), else k."""
+    if not is_int(value) or not -1 <= int(value) <= _I64_MAX:
+        raise GenerationError(
+            f"{name} must be an integer >= 0, or -1 (0 and -1 = off), below 2**63, got {brief_repr(value)}")
+    return max(int(value), 0)
+
+
 def check_seed(seed, name: str = "seed") -> int:
     """A seed as an int, or a GenerationError naming ``name``."""
-    if not _is_int(seed) or not 0 <= int(seed) <= _U64_MAX:
-        raise GenerationError(f"{name} must be an integer in [0, 2**64), got {seed!r}")
+    if not is_int(seed) or not 0 <= int(seed) <= _U64_MAX:
+        raise GenerationError(f"{name} must be an integer in [0, 2**64), got {brief_repr(seed)}")
     return int(seed)
 
 
@@ -68,25 +130,15 @@ class SamplingParams:
 
     @classmethod
     def build(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=None) -> "SamplingParams":
-        temps = _per_sample("temperature", temperature, batch)
-        for t in temps:
-            if not _is_real(t) or not math.isfinite(float(t)) or float(t) < 0:
-                raise GenerationError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        ks = _per_sample("top_k", top_k, batch)
-        for k in ks:
-            if not _is_int(k) or int(k) < -1:
-                raise GenerationError(f"top_k must be an integer >= 0, or -1 (0 and -1 = off), got {k!r}")
-        ks = [max(int(k), 0) for k in ks]
-        ps = _per_sample("top_p", top_p, batch)
-        for p in ps:
-            if not _is_real(p) or not math.isfinite(float(p)) or not (0 < float(p) <= 1):
-                raise GenerationError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        temps = [check_temperature(t, name) for name, t in _per_sample("temperature", temperature, batch)]
+        ks = [check_top_k(k, name) for name, k in _per_sample("top_k", top_k, batch)]
+        ps = [check_top_p(p, name) for name, p in _per_sample("top_p", top_p, batch)]
         if isinstance(seed, (list, tuple, np.ndarray)):
-            seeds = [check_seed(s, f"seed[{i}]") for i, s in enumerate(_per_sample("seed", seed, batch))]
+            seeds = [check_seed(s, name) for name, s in _per_sample("seed", seed, batch)]
         else:
             base = resolve_seed(seed)
             seeds = [(base + i) & _U64_MAX for i in range(batch)]
-        return cls([float(t) for t in temps], ks, [float(p) for p in ps], seeds)
+        return cls(temps, ks, ps, seeds)
 
     def arrays(self):
         from ..runtime.compiled import SamplingArrays
@@ -95,16 +147,113 @@ class SamplingParams:
                               np.array(self.top_p, np.float32), np.array(self.seed, np.uint64))
 
 
+def check_scalar_sampling(temperature, top_k, top_p) -> tuple[float, int, float]:
+    """One temperature, top-k and top-p for every sample (``sample_many``'s)."""
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if isinstance(value, (list, tuple, np.ndarray)):
+            raise GenerationError(
+                f"{name}: sample_many takes one value for all prompts, got a list of {np.size(value)}")
+    return check_temperature(temperature), check_top_k(top_k), check_top_p(top_p)
+
+
 def check_max_new_tokens(max_new_tokens) -> int:
-    if not _is_int(max_new_tokens) or int(max_new_tokens) < 0:
-        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not is_int(max_new_tokens) or int(max_new_tokens) < 0:
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {brief_repr(max_new_tokens)}")
     return int(max_new_tokens)
 
 
 def check_steps_per_call(steps_per_call) -> int:
-    if not isinstance(steps_per_call, int) or steps_per_call < 1:
-        raise GenerationError(f"steps_per_call must be an integer >= 1, got {steps_per_call!r}")
-    return steps_per_call
+    if not is_int(steps_per_call) or steps_per_call < 1:
+        raise GenerationError(f"steps_per_call must be an integer >= 1, got {brief_repr(steps_per_call)}")
+    return int(steps_per_call)
+
+
+# ------------------------------------------------------------ text, prompts, stop
+def check_text(text: str, name: str) -> str:
+    """``text`` if it is valid Unicode, else a GenerationError naming ``name`` and where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(
+            f"{name}: character {e.start} is a lone surrogate (U+{ord(text[e.start]):04X}), which is not "
+            "valid Unicode text (a JSON \\ud800-\\udfff escape that is not half of a pair)") from None
+    return text
+
+
+def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], bool]:
+    """Prompts (text, token ids, or a list of either) -> (one id list per prompt, single?).
+
+    A single prompt is a str or a flat sequence of ints; ``encode`` turns text into
+    ids (and raises a GenerationError without a tokenizer). Every prompt is non-empty,
+    in the vocabulary and within the context length of ``config``.
+    """
+    single = False
+    if isinstance(prompts, str):
+        items, single = [prompts], True
+    elif isinstance(prompts, np.ndarray):
+        if prompts.ndim == 1:
+            items, single = [prompts.tolist()], True
+        elif prompts.ndim == 2:
+            items = [row.tolist() for row in prompts]
+        else:
+            raise GenerationError(f"prompts: expected a 1-D or 2-D id array, got {prompts.ndim}-D")
+    elif isinstance(prompts, Sequence):
+        if len(prompts) == 0:
+            raise GenerationError("prompt 0 is empty")
+        if all(is_int(v) for v in prompts):
+            items, single = [list(prompts)], True
+        else:
+            items = list(prompts)
+    else:
+        raise GenerationError(f"prompts: expected text, token ids or a list of them, got {type(prompts).__name__}")
+    out = []
+    V, n = config.vocab_size, config.context_length
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            ids = encode(check_text(p, f"prompt {i}"))
+        elif isinstance(p, np.ndarray) and p.ndim == 1:
+            ids = p.tolist()
+        elif isinstance(p, Sequence) and all(is_int(v) for v in p):
+            ids = list(p)
+        else:
+            raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {type(p).__name__}")
+        if len(ids) == 0:
+            raise GenerationError(f"prompt {i} is empty")
+        bad = [t for t in ids if not (0 <= int(t) < V)]
+        if bad:
+            raise GenerationError(f"prompt {i}: token id {brief_repr(int(bad[0]))} is outside the vocabulary [0, {V})")
+        if len(ids) > n:
+            raise GenerationError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
+        out.append([int(t) for t in ids])
+    return out, single
+
+
+def check_stop(stop, vocab_size: int, has_tokenizer: bool) -> tuple[np.ndarray, list[str]]:
+    """Stop conditions (a token id, a string, or a list of them) -> (ids, strings)."""
+    if stop is None:
+        return np.zeros(0, np.int64), []
+    if isinstance(stop, (str, int, np.integer)):
+        items, names = [stop], ["stop"]
+    elif isinstance(stop, Iterable) and not isinstance(stop, (bytes, Mapping)):
+        items = list(stop)
+        names = [f"stop[{j}]" for j in range(len(items))]
+    else:
+        raise GenerationError(f"stop: expected token ids and/or strings, got {brief_repr(stop)}")
+    ids, strings = [], []
+    for name, s in zip(names, items):
+        if isinstance(s, str):
+            if not s:
+                raise GenerationError(f"{name}: empty stop string")
+            if not has_tokenizer:
+                raise GenerationError(f"stop string {brief_repr(s)} needs a tokenizer")
+            strings.append(check_text(s, name))
+        elif is_int(s):
+            if not 0 <= int(s) < vocab_size:
+                raise GenerationError(f"stop token id {brief_repr(int(s))} is outside the vocabulary [0, {vocab_size})")
+            ids.append(int(s))
+        else:
+            raise GenerationError(f"stop: expected token ids or strings, got {brief_repr(s)}")
+    return np.array(ids, np.int64), strings
 
 
 # ------------------------------------------------------------ numpy mirror
@@ -177,5 +326,6 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
 
 
-__all__ = ["SamplingParams", "check_max_new_tokens", "check_steps_per_call", "check_seed", "fresh_seed", "resolve_seed", "uniform_np",
-           "filtered_probs", "draw_np"]
+__all__ = ["SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real", "check_scalar_sampling",
+           "check_seed", "check_steps_per_call", "check_stop", "check_temperature", "check_text", "check_top_k",
+           "check_top_p", "draw_np", "filtered_probs", "fresh_seed", "is_int", "resolve_seed", "uniform_np"]

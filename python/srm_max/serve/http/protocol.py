@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...errors import GenerationError
-from ..sampling import SamplingParams, check_seed, resolve_seed
+from ..sampling import SamplingParams, check_prompts, check_seed, check_stop, resolve_seed
 from .errors import APIError, bad_request
 from .sequence import Delta
 
@@ -109,7 +109,7 @@ def parse_job(body: dict, generator, prompts, max_samples: int, *, chat: bool = 
               max_tokens_field: str = "max_tokens") -> Job:
     """Check the sampling fields of ``body`` for ``prompts`` (text or ids, as the request gave them)."""
     try:
-        ids, _ = generator._normalize_prompts(prompts)
+        ids, _ = check_prompts(prompts, generator.config, generator.encode)
     except GenerationError as e:
         raise bad_request(str(e), "messages" if chat else "prompt") from None
     n = body.get("n", 1)
@@ -175,7 +175,7 @@ def _stop(stop, generator) -> list[str]:
     if len(items) > MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
     try:
-        return generator._normalize_stop(items)[1]
+        return check_stop(items, generator.config.vocab_size, generator.tokenizer is not None)[1]
     except GenerationError as e:
         raise bad_request(str(e), "stop") from None
 
