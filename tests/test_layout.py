@@ -117,28 +117,81 @@ def test_modules_are_small(name):
     assert lines <= MAX_LINES, f"{name} has {lines} lines: split it by concept"
 
 
-ARCH_COMPARISON = re.compile(r"""(==|!=)\s*["'](srm|pha)["']|["'](srm|pha)["']\s*(==|!=)|architecture\s*(==|!=|in\b)""")
+def architecture_literals(source: str, names) -> list[int]:
+    """Lines of ``source`` holding a string constant that is an architecture's name
+    (``== "pha"``, ``in ("srm", "pha")``, ``{"srm": ...}``): a decision that belongs to
+    the registry."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names})
 
 
-def test_architectures_are_looked_up_in_the_registry():
-    """No ``== "pha"`` dispatch outside models/: every choice that depends on the
-    architecture is a registry lookup."""
-    offenders = []
-    for name, path in modules().items():
-        if name.startswith("srm_max.models"):
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if ARCH_COMPARISON.search(line):
-                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+def test_the_architecture_check_sees_a_name():
+    assert architecture_literals('if c.architecture in ("srm", "x"):\n    pass\n', {"srm", "pha"}) == [1]
+    assert architecture_literals('d = {}\nd["pha"] = 1\n', {"srm", "pha"}) == [2]
+    assert architecture_literals('x = "pha-like srm"\n', {"srm", "pha"}) == []
+
+
+def test_architectures_are_named_only_in_models():
+    """Nothing outside models/ names an architecture: every choice that depends on it is
+    a registry lookup."""
+    from srm_max.models import registry
+
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules().items()
+                 if not name.startswith("srm_max.models")
+                 for line in architecture_literals(path.read_text(), set(registry.names()))]
     assert offenders == []
+
+
+# Wings that must not import another: (importer, imported, why). graphs/ has its own rule
+# above (it imports nothing of the package outside itself).
+FORBIDDEN_IMPORTS = [
+    ("srm_max.checkpoints", "srm_max.serve", "checkpoints are read, written and verified without the serving wing"),
+    ("srm_max.models", "srm_max.serve", "an architecture knows nothing of scheduling or HTTP"),
+    ("srm_max.models", "srm_max.checkpoints", "checkpoints ask the registry, not the other way"),
+    ("srm_max.runtime", "srm_max.models", "the runtime runs any architecture's graphs it is handed"),
+    ("srm_max.runtime", "srm_max.serve", "the runtime knows nothing of scheduling"),
+    ("srm_max.runtime", "srm_max.checkpoints", "the runtime is handed weights, it does not read files"),
+    ("srm_max.reference", "srm_max.serve", "the ground truth depends on no engine"),
+    ("srm_max.reference", "srm_max.runtime", "the ground truth depends on no engine"),
+]
+
+
+def wing_violations(graph: dict[str, set[str]], rules=FORBIDDEN_IMPORTS) -> list[str]:
+    def inside(module: str, wing: str) -> bool:
+        return module == wing or module.startswith(wing + ".")
+
+    return sorted(f"{m} imports {t}: {why}" for m, targets in graph.items() for t in targets
+                  for importer, imported, why in rules if inside(m, importer) and inside(t, imported))
+
+
+@pytest.mark.parametrize("importer, imported, why", FORBIDDEN_IMPORTS)
+def test_each_wing_rule_fails_on_a_synthetic_violation(importer, imported, why):
+    graph = {f"{importer}.a": {f"{imported}.b"}, f"{importer}.c": {"srm_max.errors"}}
+    assert wing_violations(graph) == [f"{importer}.a imports {imported}.b: {why}"]
+
+
+def test_wings_import_only_what_they_may():
+    assert wing_violations(import_graph()) == []
 
 
 def test_the_srm_weight_names_are_written_once():
     """The SRM checkpoint's key names appear in its schema and nowhere else in the
-    package (the converter's patterns for the paper code's files aside)."""
+    package (the weight adapter's patterns for the paper code's files aside)."""
     key = re.compile(r"channel_mixing_layer|token_mixing_layer|mixer_heads|proj_head|input_layer\.weight")
-    allowed = {"srm_max.models.srm.schema", "srm_max.checkpoints.convert", "srm_max.reference.srm",
+    allowed = {"srm_max.models.srm.schema", "srm_max.models.srm.weight_adapter", "srm_max.reference.srm",
                "srm_max.reference.mixer"}
     spelled = {name for name, path in modules().items() if key.search(path.read_text())}
     assert spelled <= allowed, spelled - allowed
     assert "srm_max.models.srm.schema" in spelled
+
+
+@pytest.mark.parametrize("arch_dir", sorted(p.parent.name for p in (ROOT / "python/srm_max/models").glob("*/arch.py")))
+def test_each_model_lists_its_files_and_they_exist(arch_dir):
+    """models/<arch>/README.md names the model's files across the tree; each one named exists
+    (paths are from the repository root, or from python/srm_max/ for the package's own)."""
+    readme = ROOT / "python/srm_max/models" / arch_dir / "README.md"
+    named = re.findall(r"`([\w./-]+\.(?:py|mojo|md))`", readme.read_text())
+    assert len(named) >= 10
+    missing = [p for p in named if not (ROOT / p).exists() and not (ROOT / "python/srm_max" / p).exists()
+               and not (ROOT / "python/srm_max/models" / arch_dir / p).exists()]
+    assert missing == []

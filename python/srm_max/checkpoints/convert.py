@@ -1,4 +1,5 @@
-"""``srm-max convert SRC DST``: any SRM checkpoint -> the project's format, verified.
+"""``srm-max convert SRC DST``: a checkpoint of any registered architecture -> the project's
+format, verified.
 
 Accepted sources:
   * a torch state-dict file (``.pt``, ``.pth``, ``.bin``), loaded with ``weights_only=True``;
@@ -8,22 +9,15 @@ Accepted sources:
     (the highest N is taken), or a checkpoint in this project's format.
 
 The config comes from ``--config`` if given, else from a ``config.json`` of this
-project's format beside the weights, else (SRM only) it is inferred from the
-shapes. PHA checkpoints (keys ``embed.weight``, ``blocks.*``) need a config.
+project's format beside the weights, else the architecture's weight adapter infers it
+from the shapes where it can (the SRM's can; the PHA's needs a config).
 
-Key mapping (the paper code's ``MLPMixer``, all in ``normalize_keys``):
-  * ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes are removed, in any
-    nesting and order (``_orig_mod.module.`` is torch.compile over DDP);
-  * a dropout layer in the channel MLP moves ``channel_mixing_layer.2`` to ``.3``: mapped back;
-  * no ``decay_value`` keys means a model without decay (lam = 1).
-Everything else must match ``checkpoint.expected_shapes`` exactly, or the key is named.
-
-Only the paper code's mixed heads with per-head projections can be served. Its other
-token mixers (``parallel_heads``, ``use_projections=False``, ``combined_heads``,
-``heads=None``, ``kernel>1``) are recognised by their keys and refused by name
-(``check_supported_layout``). Its default ``RepeatHeads`` (every head column-repeat,
-no decay) has exactly the keys and shapes of mixed heads without decay, so nothing
-tells them apart: a checkpoint without decay is taken to be mixed heads.
+Key mapping (``normalize_keys``): ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
+prefixes are removed, in any nesting and order (``_orig_mod.module.`` is torch.compile
+over DDP); the rest is the architecture's own weight adapter
+(``models/<arch>/weight_adapter.py``: the paper code's keys, the layouts it refuses, the
+config read off the shapes). Everything else must match the architecture's schema
+exactly, or the key is named.
 
 The parity certificate compares the converted model with the source's own forward
 where ``source_forward`` can rebuild it (see ``parity``).
@@ -41,7 +35,7 @@ import numpy as np
 
 from .. import __version__
 from .format import PARITY_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights, write_checkpoint_files
-from ..models.srm.config import SRMConfig
+from ..models import registry
 from ..models.registry import config_from_dict, load_config
 from ..errors import CheckpointError, ConvertError
 from .parity import SourceForward, compute_parity, reference_class
@@ -50,9 +44,6 @@ from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _PREFIXES = ("module.", "_orig_mod.")
-_BLOCK = re.compile(r"^mixer_blocks\.(\d+)\.")
-_TOKEN_MIXER = re.compile(r"^mixer_blocks\.(\d+)\.token_mixing_layer\.(.+)$")
-_HEAD = re.compile(r"^mixer_blocks\.0\.token_mixing_layer\.proj_head\.(\d+)\.weight$")
 
 
 def resolve_source(src: Path) -> Path:
@@ -137,89 +128,22 @@ def split_prefixes(key: str) -> tuple[tuple[str, ...], str]:
 
 
 def normalize_keys(tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
+    """Wrapper prefixes removed; then the keys of the architecture they belong to mapped to
+    ours by its weight adapter (``models/<arch>/weight_adapter.py``)."""
     out, origin = {}, {}
     for key, value in tensors.items():
         new = split_prefixes(key)[1]
         if new in out:
             raise ConvertError(f"{source}: keys {origin[new]!r} and {key!r} both map to {new!r}")
         out[new], origin[new] = value, key
-    has_dropout = any(".channel_mixing_layer.3." in k for k in out)
-    if has_dropout:
-        if any(".channel_mixing_layer.2." in k for k in out):
-            raise ConvertError(f"{source}: both channel_mixing_layer.2 and .3 present; cannot map the channel MLP")
-        out = {k.replace(".channel_mixing_layer.3.", ".channel_mixing_layer.2."): v for k, v in out.items()}
-    return out
+    arch = registry.recognize(out)
+    return arch.weight_adapter.normalize(out, source) if arch else out
 
 
 def check_supported_layout(tensors: dict[str, np.ndarray], source: str) -> None:
-    """Refuse, by name, the paper code's token mixers that are not mixed heads with projections.
-
-    Their keys (``mixer_blocks.{l}.token_mixing_layer.*``, after ``normalize_keys``):
-      parallel_heads          in_proj.*, mixer_heads.weight [H, n] (one module for all heads)
-      combined_heads          mixer_heads.{h}.weight [2, n] (a row and a column vector per head)
-      use_projections=False   mixer_heads.{h}.* without proj_head.* (heads are channel slices)
-      heads=None              weight [1, n], bias [n] (one row-repeat mixer over all channels)
-      kernel>1 (heads=None)   weight [k, n], k > 1 (KernelRepeatLinear)
-    """
-    found: dict[str, str] = {}  # variant -> the first key that shows it
-    with_projections = {  # layers that have per-head input projections
-        m.group(1) for k in tensors if (m := _TOKEN_MIXER.match(k)) and m.group(2).startswith("proj_head.")
-    }
-    for key, value in tensors.items():
-        if not (m := _TOKEN_MIXER.match(key)):
-            continue
-        layer, rest = m.groups()
-        if rest.startswith("in_proj.") or rest in ("mixer_heads.weight", "mixer_heads.bias", "mixer_heads.decay_value"):
-            found.setdefault("parallel_heads", key)
-        elif re.fullmatch(r"mixer_heads\.\d+\.weight", rest):
-            if value.ndim == 2 and value.shape[0] == 2:
-                found.setdefault("combined_heads", key)
-            if layer not in with_projections:
-                found.setdefault("use_projections=False", key)
-        elif rest == "weight":
-            found.setdefault("kernel>1" if value.ndim == 2 and value.shape[0] > 1 else "heads=None", key)
-    if found:
-        named = ", ".join(f"{variant} (key {key!r})" for variant, key in found.items())
-        verb = "variants are" if len(found) > 1 else "variant is"
-        raise ConvertError(
-            f"{source}: the paper code's {named} {verb} not supported: only mixed heads with per-head "
-            "projections (proj_head.{h}, mixer_heads.{h}, out_proj) can be converted"
-        )
-
-
-def infer_config(tensors: dict[str, np.ndarray], source: str, overrides: dict | None = None) -> SRMConfig:
-    """V, d, L, H, n, FFN expansion and decay from the shapes; ``overrides`` win."""
-
-    def shape(key: str, rank: int) -> tuple[int, ...]:
-        if key not in tensors:
-            raise ConvertError(f"{source}: missing key {key!r}; cannot infer the model's size")
-        if tensors[key].ndim != rank or 0 in tensors[key].shape:
-            raise ConvertError(f"{source}: {key!r} has shape {list(tensors[key].shape)}; expected {rank} non-empty dims")
-        return tensors[key].shape
-
-    vocab, d = shape("input_layer.weight", 2)
-    layers = {int(m.group(1)) for k in tensors if (m := _BLOCK.match(k))}
-    heads = {int(m.group(1)) for k in tensors if (m := _HEAD.match(k))}
-    if not layers:
-        raise ConvertError(f"{source}: no mixer_blocks.* keys; not an SRM checkpoint")
-    if not heads:
-        raise ConvertError(f"{source}: missing key 'mixer_blocks.0.token_mixing_layer.proj_head.0.weight'")
-    ffn = shape("mixer_blocks.0.channel_mixing_layer.0.weight", 2)[0]
-    n = shape("mixer_blocks.0.token_mixing_layer.mixer_heads.0.weight", 2)[-1]
-    values = {
-        "vocab_size": vocab,
-        "d_model": d,
-        "n_layers": max(layers) + 1,
-        "n_heads": max(heads) + 1,
-        "context_length": n,
-        "ffn_expansion": max(1, ffn // d),
-        "decay": any(k.endswith(".decay_value") for k in tensors),
-    }
-    values |= overrides or {}
-    try:
-        return SRMConfig(**values)
-    except (CheckpointError, TypeError) as e:
-        raise ConvertError(f"{source}: {e}") from None
+    """Refuse, by name, a source layout its architecture's adapter cannot serve."""
+    if arch := registry.recognize(tensors):
+        arch.weight_adapter.check_supported(tensors, source)
 
 
 def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_path: Path | None,
@@ -229,9 +153,8 @@ def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_pat
     if config_path is None and beside.is_file() and _is_ours(beside):
         config_path = beside
     if config_path is None:
-        if "embed.weight" in tensors or any(k.startswith("blocks.") for k in tensors):
-            raise ConvertError(f"{weights_path}: a PHA checkpoint; pass its config.json with --config")
-        return infer_config(tensors, str(weights_path), overrides)
+        arch = registry.recognize(tensors) or registry.get(registry.DEFAULT)
+        return arch.weight_adapter.infer_config(tensors, str(weights_path), overrides)
     try:
         base = load_config(config_path).to_dict()
         return config_from_dict(base | (overrides or {}), source=str(config_path))
@@ -242,7 +165,7 @@ def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_pat
 def _is_ours(path: Path) -> bool:
     """A config.json of this project (not, say, a Trainer's own)."""
     try:
-        return json.loads(path.read_text()).get("architecture") in ("srm", "pha")
+        return json.loads(path.read_text()).get("architecture") in registry.names()
     except (ValueError, AttributeError, OSError, RecursionError):
         return False
 
@@ -306,10 +229,9 @@ def convert(
 def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForward:
     """The source checkpoint's own model, built without ``normalize_keys``.
 
-    The reference class is rebuilt in the source's module layout: the paper code's
-    dropout channel MLP (Linear, SiLU, Dropout, Linear) where the keys have
-    ``channel_mixing_layer.3``, inside containers named by the DDP / torch.compile
-    prefixes. torch then binds each parameter to the key as stored, so a mapping
+    The reference class is rebuilt in the source's module layout (the weight adapter's
+    ``source_layout``, e.g. the paper code's dropout channel MLP), inside containers
+    named by the DDP / torch.compile prefixes. torch then binds each parameter to the key as stored, so a mapping
     error in the converter shows up as different logits. The tensors are rounded to
     the written dtype (rounding is per element, so it commutes with any renaming),
     which makes the two models' float64 logits equal when the mapping is right.
@@ -323,17 +245,12 @@ def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForw
         return SourceForward(None, f"the keys carry different wrapper prefixes ({listed}); no single "
                                    "module layout holds them all")
     (chain,) = chains
-    dropout = isinstance(config, SRMConfig) and any(".channel_mixing_layer.3." in key for key in raw)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     state = {k: torch.from_numpy(np.asarray(v)).to(torch_dtype).to(torch.float64) for k, v in raw.items()}
 
     with torch.device("meta"):
         model = reference_class(config)(config)
-        if dropout:
-            for block in model.mixer_blocks:
-                block.channel_mixing_layer = nn.Sequential(
-                    nn.Linear(config.d_model, config.ffn_dim), nn.SiLU(), nn.Dropout(0.0),
-                    nn.Linear(config.ffn_dim, config.d_model))
+        relaid = registry.of(config).weight_adapter.source_layout(model, config, raw)
         root = model
         for name in reversed(chain):
             wrapper = nn.Module()
@@ -343,9 +260,7 @@ def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForw
         root.load_state_dict(state, assign=True)
     except RuntimeError as e:
         return SourceForward(None, f"the source's keys do not load into the rebuilt model: {str(e).splitlines()[0]}")
-    layout = f"srm_max.reference {type(model).__name__}"
-    if dropout:
-        layout += " with the dropout channel MLP (Linear, SiLU, Dropout, Linear)"
+    layout = f"srm_max.reference {type(model).__name__}{relaid}"
     if chain:
         layout += " inside " + ".".join(chain)
     return SourceForward(model.eval(), layout)

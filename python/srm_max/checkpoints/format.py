@@ -16,7 +16,7 @@ import numpy as np
 
 from ..models import registry
 from ..models.registry import load_config
-from ..models.srm.config import SRMConfig
+from ..models.architecture import ModelConfig
 from ..errors import CheckpointError
 from ..files import atomic_directory
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, write_safetensors
@@ -33,7 +33,7 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return registry.of(config).checkpoint_shapes(config)
 
 
-def check_weights(config: SRMConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Keys and shapes against the config: missing, unexpected, or disagreeing."""
     expected = expected_shapes(config)
     missing = [k for k in expected if k not in shapes]
@@ -61,7 +61,7 @@ def check_finite(name: str, array: np.ndarray, source: str) -> None:
 @dataclass
 class Checkpoint:
     path: Path
-    config: SRMConfig  # or PHAConfig, by its architecture field
+    config: ModelConfig  # the architecture's own config class
     weights: dict[str, np.ndarray]  # float32, the paper's key names
     dtype: str  # as stored: float32, bfloat16 or float16
     tokenizer_path: Path | None
@@ -96,7 +96,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def write_checkpoint_files(
-    directory: Path, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str, tokenizer: Path | None = None
+    directory: Path, config: ModelConfig, weights: dict[str, np.ndarray], dtype: str, tokenizer: Path | None = None
 ) -> None:
     """Write the files of a checkpoint into an (empty, temporary) directory."""
     if dtype not in FLOAT_DTYPES:
@@ -110,7 +110,7 @@ def write_checkpoint_files(
 
 def save_checkpoint(
     path: str | Path,
-    config: SRMConfig,
+    config: ModelConfig,
     weights: dict[str, np.ndarray],
     dtype: str = "float32",
     tokenizer: str | Path | None = None,

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models import registry
-from ..models.srm.config import SRMConfig
+from ..models.architecture import ModelConfig
 from ..errors import CheckpointError
 
 # float64 work, so disagreement beyond rounding means a broken model or mixer.
@@ -61,8 +61,8 @@ def reference_class(config):
     return registry.of(config).reference_class()
 
 
-def reference_model(config: SRMConfig, weights: dict[str, np.ndarray], dtype=None):
-    """A reference SRM holding ``weights`` (float64 by default)."""
+def reference_model(config: ModelConfig, weights: dict[str, np.ndarray], dtype=None):
+    """The reference model of ``config``'s architecture holding ``weights`` (float64 by default)."""
     import torch
 
     dtype = dtype or torch.float64
@@ -73,7 +73,7 @@ def reference_model(config: SRMConfig, weights: dict[str, np.ndarray], dtype=Non
     return model.eval()
 
 
-def compute_parity(config: SRMConfig, weights: dict[str, np.ndarray], tokens: int | None = None,
+def compute_parity(config: ModelConfig, weights: dict[str, np.ndarray], tokens: int | None = None,
                    batch: int = 2, seed: int = 0, source: SourceForward | None = None) -> dict:
     """The certificate for ``weights``; with ``source``, also the source-forward comparison
     (``source_forward``: a dict, or null with ``source_forward_reason``)."""

@@ -5,8 +5,20 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
 
 from ..runtime.precompile import GraphJob
+
+
+class ModelConfig(Protocol):
+    """What code outside ``models/`` may rely on in any architecture's config."""
+
+    architecture: str  # the registry name, as config.json's ``architecture`` field
+    vocab_size: int
+    context_length: int
+
+    def to_dict(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,10 @@ class Architecture:
     reference_logits: Callable
     # config -> (bytes of one sample's decode state, width of the widest activation of a step)
     sample_footprint: Callable
+    # the module that maps a source checkpoint's keys to ours (``models/<arch>/weight_adapter.py``):
+    # recognizes(keys), normalize(tensors, source), check_supported(tensors, source),
+    # infer_config(tensors, source, overrides), source_layout(model, config, raw_keys)
+    weight_adapter: ModuleType
 
     def graph_job(self, kind: str, config, dtype: str = "float32", device: str = "cpu",
                   kernels: bool = False) -> GraphJob:
@@ -36,4 +52,4 @@ class Architecture:
         return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["Architecture"]
+__all__ = ["Architecture", "ModelConfig"]

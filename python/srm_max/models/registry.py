@@ -30,6 +30,18 @@ def of(config) -> Architecture:
     return get(config.architecture)
 
 
+def recognize(keys) -> Architecture | None:
+    """The architecture whose checkpoints have keys like these (wrapper prefixes removed),
+    or None."""
+    keys = set(keys)
+    return next((arch for arch in ARCHITECTURES.values() if arch.weight_adapter.recognizes(keys)), None)
+
+
+def names() -> tuple[str, ...]:
+    """Every architecture's name, as config.json spells it."""
+    return tuple(ARCHITECTURES)
+
+
 def config_from_dict(data, source: str = "config"):
     """The config of the architecture named by the ``architecture`` field (default: srm)."""
     name = data.get("architecture", DEFAULT) if isinstance(data, dict) else DEFAULT
@@ -45,4 +57,4 @@ def load_config(path: str | Path):
     return config_from_dict(read_json(path), source=str(path))
 
 
-__all__ = ["ARCHITECTURES", "DEFAULT", "config_from_dict", "get", "load_config", "of"]
+__all__ = ["ARCHITECTURES", "DEFAULT", "config_from_dict", "get", "load_config", "names", "of", "recognize"]

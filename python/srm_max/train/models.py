@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..models.pha.arch import PHA_ARCH
 from ..models.pha.config import PHAConfig
+from ..models.srm.arch import SRM_ARCH
 from ..models.srm.config import SRMConfig
 from ..reference.pha import PHA
 from ..reference.srm import SRM
@@ -81,9 +83,11 @@ def build_transformer(args: argparse.Namespace, vocab_size: int):
     return Transformer(cfg), cfg
 
 
+# The served architectures by their registry names, and the Transformer baseline (trained for
+# comparisons, never served).
 ARCHITECTURES: dict[str, Callable[[argparse.Namespace, int], tuple[nn.Module, object]]] = {
-    "srm": build_srm,
-    "pha": build_pha,
+    SRM_ARCH.name: build_srm,
+    PHA_ARCH.name: build_pha,
     "transformer": build_transformer,
 }
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...graphs.pha import StateLayout
 from ..architecture import Architecture
-from . import build, schema
+from . import build, schema, weight_adapter
 from .config import PHAConfig
 from .engine import PHAEngine
 
@@ -41,4 +41,5 @@ PHA_ARCH = Architecture(
     parity_forms=("fft", "recurrent", "decode"),
     reference_logits=reference_logits,
     sample_footprint=sample_footprint,
+    weight_adapter=weight_adapter,
 )

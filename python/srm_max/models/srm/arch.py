@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..architecture import Architecture
-from . import build, schema
+from . import build, schema, weight_adapter
 from .config import SRMConfig
 from .engine import Engine
 
@@ -28,4 +28,5 @@ SRM_ARCH = Architecture(
     parity_forms=("naive", "parallel", "recurrent"),
     reference_logits=reference_logits,
     sample_footprint=sample_footprint,
+    weight_adapter=weight_adapter,
 )
