@@ -326,6 +326,7 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
 
 
-__all__ = ["SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real", "check_scalar_sampling",
-           "check_seed", "check_steps_per_call", "check_stop", "check_temperature", "check_text", "check_top_k",
-           "check_top_p", "draw_np", "filtered_probs", "fresh_seed", "is_int", "resolve_seed", "uniform_np"]
+__all__ = ["SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
+           "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop", "check_temperature",
+           "check_text", "check_top_k", "check_top_p", "draw_np", "filtered_probs", "fresh_seed", "is_int",
+           "resolve_seed", "uniform_np"]

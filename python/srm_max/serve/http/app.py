@@ -19,12 +19,10 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from . import chat as chat_module
 from .errors import APIError, error_body
 from .guard import Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import CHAT_FIELDS, COMPLETION_FIELDS, Answer, Job, check_fields, check_model, dumps, parse_job, \
-    queue_full, refuse_unsupported
+from .protocol import Answer, Job, dumps, parse_body, parse_chat, parse_completion, queue_full
 from .scheduler import QueueFull, Scheduler, SchedulerStopped
 from .sequence import ERROR, Delta, Sample, Work
 from .stream import EventStream, Mailbox, event
@@ -66,11 +64,16 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return e.response()
+        return _error_response(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        # a fault of the server itself: still OpenAI's error shape (Starlette logs it)
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}"))
 
     @app.get("/health")
     async def health():
@@ -90,24 +93,13 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = check_fields(await _json(request), COMPLETION_FIELDS)
-        check_model(body, model_name)
-        refuse_unsupported(body)
-        if "prompt" not in body:
-            raise APIError(400, "prompt is required", "prompt")
-        job = parse_job(body, generator, body["prompt"], max_waiting)
+        job = parse_completion(parse_body(await request.body()), generator, model_name, max_waiting)
         return await _run(request, job)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = check_fields(await _json(request), CHAT_FIELDS)
-        check_model(body, model_name)
-        template = app.state.chat_template
-        if template is None:
-            raise chat_module.no_template_error(model_name)
-        refuse_unsupported(body)
-        prompt = chat_module.render(template, body.get("messages"))
-        job = parse_job(body, generator, prompt, max_waiting, chat=True, max_tokens_field="max_completion_tokens")
+        job = parse_chat(parse_body(await request.body()), generator, model_name, app.state.chat_template,
+                         max_waiting)
         return await _run(request, job)
 
     async def _run(request: Request, job: Job):
@@ -189,10 +181,8 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
     return app
 
 
-async def _json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+def _error_response(e: APIError) -> Response:
+    # json.dumps escapes every non-ASCII character: a lone surrogate the message echoes
+    # (an unknown field's name) cannot fail the answer's UTF-8 encoding
+    return Response(json.dumps(e.body()), status_code=e.status, headers=e.headers, media_type="application/json")
 

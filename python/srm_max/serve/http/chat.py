@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...errors import GenerationError
+from ..sampling import check_text
 from .errors import bad_request
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -46,11 +48,18 @@ def render(template: str, messages) -> str:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role and a string content",
                               "messages")
-    from jinja2 import TemplateError
+        for key in ("role", "content"):
+            try:
+                check_text(m[key], f"messages[{i}].{key}")
+            except GenerationError as e:
+                raise bad_request(str(e), "messages") from None
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(template).render(messages=messages, add_generation_prompt=True)
-    except TemplateError as e:
-        raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from None
+    except Exception as e:  # noqa: BLE001
+        # the template decides which messages it takes (a TemplateError, or a TypeError
+        # from its own expressions on a value it did not expect): this request's fault
+        raise bad_request(f"the chat template cannot render these messages: {str(e)[:300]}",
+                          "messages") from None

@@ -26,12 +26,15 @@ import uuid
 from dataclasses import dataclass
 
 from ...errors import GenerationError
-from ..sampling import SamplingParams, check_prompts, check_seed, check_stop, resolve_seed
+from ..sampling import brief_repr, check_prompts, check_stop, check_temperature, check_text, check_top_k, \
+    check_top_p, is_int, resolve_seed
+from .chat import no_template_error, render
 from .errors import APIError, bad_request
 from .sequence import Delta
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; ``Generator`` takes any temperature a float32 holds
 _U64 = (1 << 64) - 1
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
@@ -61,19 +64,55 @@ class Job:
         return (self.seed + choice) & _U64
 
 
+def parse_body(raw: bytes):
+    """The JSON value of a request body: strict UTF-8 (RFC 8259), or a 400 saying what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8: byte {e.start} is {raw[e.start]:#04x} ({e.reason})",
+                          code="invalid_json") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def parse_completion(body, generator, model_name: str, max_samples: int) -> Job:
+    """A /v1/completions body checked into a ``Job``, or an ``APIError`` (400) naming the problem."""
+    body = check_fields(body, COMPLETION_FIELDS)
+    check_model(body, model_name)
+    refuse_unsupported(body)
+    if "prompt" not in body:
+        raise bad_request("prompt is required", "prompt")
+    return parse_job(body, generator, body["prompt"], max_samples)
+
+
+def parse_chat(body, generator, model_name: str, template: str | None, max_samples: int) -> Job:
+    """A /v1/chat/completions body checked into a ``Job`` (its messages rendered by ``template``)."""
+    body = check_fields(body, CHAT_FIELDS)
+    check_model(body, model_name)
+    if template is None:
+        raise no_template_error(model_name)
+    refuse_unsupported(body)
+    prompt = render(template, body.get("messages"))
+    return parse_job(body, generator, prompt, max_samples, chat=True, max_tokens_field="max_completion_tokens")
+
+
 def check_fields(body, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        raise bad_request(f"Unrecognized request argument supplied: {brief_repr(unknown[0])}", unknown[0])
     return body
 
 
 def check_model(body: dict, model_name: str) -> None:
     model = body.get("model")
     if model is not None and model != model_name:
-        raise bad_request(f"The model {model!r} does not exist; this server serves {model_name!r}",
+        raise bad_request(f"The model {brief_repr(model)} does not exist; this server serves {model_name!r}",
                           "model", "model_not_found")
 
 
@@ -108,55 +147,66 @@ def refuse_unsupported(body: dict) -> None:
 def parse_job(body: dict, generator, prompts, max_samples: int, *, chat: bool = False,
               max_tokens_field: str = "max_tokens") -> Job:
     """Check the sampling fields of ``body`` for ``prompts`` (text or ids, as the request gave them)."""
-    try:
-        ids, _ = check_prompts(prompts, generator.config, generator.encode)
-    except GenerationError as e:
-        raise bad_request(str(e), "messages" if chat else "prompt") from None
-    n = body.get("n", 1)
+    ids = _checked("messages" if chat else "prompt", check_prompts, prompts, generator.config, generator.encode)[0]
+    n = body.get("n")
     n = 1 if n is None else n
-    if not _is_int(n) or n < 1:
-        raise bad_request(f"n must be an integer >= 1, got {n!r}", "n")
+    if not is_int(n) or n < 1:
+        raise bad_request(f"n must be an integer >= 1, got {brief_repr(n)}", "n")
     if len(ids) * n > max_samples:
         raise bad_request(f"{len(ids)} prompt(s) x n={n} is {len(ids) * n} samples, more than this server "
                           f"queues ({max_samples})", "n")
     max_new = _max_tokens(body, max_tokens_field, ids, generator.config.context_length)
-    sampling = {}
-    for name, default in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0)):
-        value = body.get(name)
-        value = default if value is None else value
-        try:
-            built = SamplingParams.build(1, **{name: value})
-        except GenerationError as e:
-            raise bad_request(str(e), name) from None
-        sampling[name] = getattr(built, name)[0]
-    seed = body.get("seed")
-    try:
-        seed = resolve_seed(seed) if seed is None else check_seed(seed)
-    except GenerationError as e:
-        raise bad_request(str(e), "seed") from None
-    stream = body.get("stream") or False
+    temperature = _checked("temperature", check_temperature, _given(body, "temperature", 1.0),
+                           maximum=MAX_TEMPERATURE)
+    top_k = _checked("top_k", check_top_k, _given(body, "top_k", 0))
+    top_p = _checked("top_p", check_top_p, _given(body, "top_p", 1.0))
+    seed = _checked("seed", resolve_seed, body.get("seed"))
+    stream = _given(body, "stream", False)
     if not isinstance(stream, bool):
-        raise bad_request(f"stream must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
+        raise bad_request(f"stream must be a boolean, got {brief_repr(stream)}", "stream")
+    options = _given(body, "stream_options", {})
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise bad_request("stream_options must be an object like {\"include_usage\": true}", "stream_options")
-    return Job(ids, n, max_new, sampling["temperature"], sampling["top_k"], sampling["top_p"], seed,
-               _stop(body.get("stop"), generator), stream, bool(options.get("include_usage")), chat)
+    user = body.get("user")
+    if user is not None:
+        if not isinstance(user, str):
+            raise bad_request(f"user must be a string, got {brief_repr(user)}", "user")
+        _checked("user", check_text, user, "user")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request(f"parallel_tool_calls must be a boolean, got {brief_repr(parallel)}", "parallel_tool_calls")
+    return Job(ids, n, max_new, temperature, top_k, top_p, seed, _stop(body.get("stop"), generator), stream,
+               bool(options.get("include_usage")), chat)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _given(body: dict, name: str, default):
+    """A field's value; absent and null are both the default, as OpenAI reads them."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _checked(param: str, check, *args, **kwargs):
+    """``check(*args, **kwargs)``, its GenerationError a 400 naming ``param``."""
+    try:
+        return check(*args, **kwargs)
+    except GenerationError as e:
+        raise bad_request(str(e), param) from None
 
 
 def _max_tokens(body: dict, field: str, prompts: list[list[int]], n_ctx: int) -> int:
-    value = body.get(field)
-    if value is None and field != "max_tokens":
-        value = body.get("max_tokens")
-    if value is None:
+    """The new tokens of each sample: ``field``, else ``max_tokens`` (chat takes either; both are checked)."""
+    names = dict.fromkeys((field, "max_tokens"))
+    given = {}
+    for name in names:
+        value = body.get(name)
+        if value is not None and (not is_int(value) or value < 0):
+            raise bad_request(f"{name} must be an integer >= 0, got {brief_repr(value)}", name)
+        if value is not None:
+            given[name] = value
+    if not given:
         # OpenAI's default; a prompt near the context ends earlier, with finish_detail "context"
         return DEFAULT_MAX_TOKENS
-    if not _is_int(value) or value < 0:
-        raise bad_request(f"{field} must be an integer >= 0, got {value!r}", field)
+    field, value = next(iter(given.items()))
     for i, p in enumerate(prompts):
         if len(p) + value > n_ctx:
             raise bad_request(
@@ -174,10 +224,7 @@ def _stop(stop, generator) -> list[str]:
         raise bad_request("stop must be a string or a list of strings", "stop")
     if len(items) > MAX_STOP_STRINGS:
         raise bad_request(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(items)}", "stop")
-    try:
-        return check_stop(items, generator.config.vocab_size, generator.tokenizer is not None)[1]
-    except GenerationError as e:
-        raise bad_request(str(e), "stop") from None
+    return _checked("stop", check_stop, stop, generator.config.vocab_size, generator.tokenizer is not None)[1]
 
 
 # ------------------------------------------------------------ answers
