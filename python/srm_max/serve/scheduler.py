@@ -24,6 +24,14 @@ index do.
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
 slot or the steps per call, so scheduling never changes what anyone gets.
+
+With a ``PrefixCache`` (``serve/prefix_cache.py``) and an engine that prefills from a
+given state (``engine.supports_start_state``), a prompt starts from the state after
+its longest cached prefix and prefills only the rest; its prefill stops at the
+cache's split points (a prefix it shares with a recent prompt or a batch mate, the
+last checkpoint before its end) to keep the states there, and a prefix shared by
+prompts of one prefill runs once. A prompt's tokens are the same either way (the
+states differ only by a different order of summation).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime.compiled import SamplingArrays
+from .prefix_cache import PrefixCache
 
 Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
 
@@ -79,6 +88,7 @@ class Sequence:
     cut: int | None = None  # where a stop string cuts the text
     shown: int = 0  # characters of the text its stream has shown
     cancel_requested: bool = False
+    cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
 
     @property
     def cancelled(self) -> bool:
@@ -139,6 +149,7 @@ class PoolStats:
     decode_steps: int = 0
     prefill_calls: int = 0
     prompts_prefilled: int = 0  # distinct prompts run through prefill (samples of one prompt share it)
+    prompt_tokens_cached: int = 0  # of those prompts' tokens, the ones taken from the prefix cache
     busy_slot_steps: int = 0
     idle_slot_steps_while_pending: int = 0
     seconds: float = 0.0
@@ -167,6 +178,8 @@ class Turn:
     prefill_seconds: float = 0.0
     prompt_tokens: int = 0  # of the sequences started
     prompts_prefilled: int = 0  # distinct prompts run through prefill
+    cache_hits: int = 0  # of those, the ones that started from a cached prefix
+    cached_tokens: int = 0  # the tokens those prefixes saved
     decode_seconds: float = 0.0
     steps: int = 0  # decode steps run
 
@@ -175,11 +188,15 @@ class SlotPool:
     """Up to ``max_slots`` sequences decoding together on one engine (see module docs)."""
 
     def __init__(self, engine, decode: Decode, max_slots: int, steps_per_call: int = 1,
-                 stats: PoolStats | None = None, stream_text: bool = False):
-        """``stream_text``: record each step's ``Sequence.stream_piece`` in the turn's ticks."""
+                 stats: PoolStats | None = None, stream_text: bool = False, prefix_cache: PrefixCache | None = None):
+        """``stream_text``: record each step's ``Sequence.stream_piece`` in the turn's ticks.
+        ``prefix_cache``: prompts start from cached prefix states (shared with other pools);
+        unused when it is off or the engine cannot prefill from a state."""
         if max_slots < 1 or steps_per_call < 1:
             raise ValueError("max_slots and steps_per_call must be >= 1")
         self.engine = engine
+        usable = prefix_cache is not None and prefix_cache.enabled and getattr(engine, "supports_start_state", False)
+        self.prefix_cache = prefix_cache if usable else None
         self.decode = decode
         self.n_ctx = engine.config.context_length
         self.max_slots = max_slots
@@ -194,7 +211,7 @@ class SlotPool:
         """Forget every row (after a failed engine call); pending sequences stay."""
         self.rows: list[Sequence] = []  # the batch's rows, finished ones included
         self._states = self._sampling = self._device_inputs = None
-        self._last_prefill = None  # (prompt -> row, states, logits) of the last prefill call
+        self._last_prefill = None  # (prompt -> row, states, logits, cached tokens) of the last prefill call
         self._ids = self._positions = np.zeros(0, np.int64)
 
     def submit(self, sequences: Iterable[Sequence]) -> None:
@@ -271,8 +288,10 @@ class SlotPool:
         keys = [tuple(s.prompt) for s in starting]
         kept = self._last_prefill
         if kept is not None and all(k in kept[0] for k in keys):
-            rows, states, logits = kept
+            rows, states, logits, cached = kept
             row_of = [rows[k] for k in keys]
+            for s, r in zip(starting, row_of):
+                s.cached_tokens = cached[r]
             first = eng.draw(logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
             return states, row_of, np.asarray(first, np.int64)
         rows: dict[tuple[int, ...], int] = {}
@@ -280,14 +299,66 @@ class SlotPool:
         self.stats.prefill_calls += 1
         self.stats.prompts_prefilled += len(rows)
         turn.prompts_prefilled += len(rows)
-        if len(rows) == len(starting):
-            pre = eng.prefill([s.prompt for s in starting], _sampling_of(starting))
+        prompts = [list(p) for p in rows]
+        own = len(rows) == len(starting)  # every sample has a prompt of its own: it draws in the prefill
+        pre, cached = self._prefill_prompts(prompts, _sampling_of(starting) if own else None)
+        for s, r in zip(starting, row_of):
+            s.cached_tokens = cached[r]
+        turn.cache_hits += sum(c > 0 for c in cached)
+        turn.cached_tokens += sum(cached)
+        self.stats.prompt_tokens_cached += sum(cached)
+        if own:
             first = pre.next_ids
         else:
-            pre = eng.prefill([list(p) for p in rows])
             first = eng.draw(pre.logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
-        self._last_prefill = (rows, pre.states, pre.logits)
+        self._last_prefill = (rows, pre.states, pre.logits, cached)
         return pre.states, row_of, np.asarray(first, np.int64)
+
+    def _prefill_prompts(self, prompts: list[list[int]], sampling: SamplingArrays | None):
+        """One prefill of the distinct ``prompts``; -> its result and, per prompt, the tokens
+        taken from the prefix cache. With the cache: each prompt starts from its longest
+        cached prefix; first the pieces up to its split points run (a piece shared by several
+        prompts once), their end states kept in the cache, then every prompt's last piece;
+        the state after each whole prompt is kept too."""
+        cache, eng = self.prefix_cache, self.engine
+        if cache is None:
+            return eng.prefill(prompts, sampling), [0] * len(prompts)
+        hashes = [cache.hashes(p) for p in prompts]
+        hits = [cache.lookup(p, h) for p, h in zip(prompts, hashes)]
+        start = [h.length if h else 0 for h in hits]
+        state = [h.state if h else None for h in hits]
+        cached = list(start)
+        near = _neighbours(prompts)
+        cuts = [cache.split_points(p, start[i], near[i]) for i, p in enumerate(prompts)]
+        while any(cuts):
+            todo = [(i, c.pop(0)) for i, c in enumerate(cuts) if c]
+            row = {}  # a piece's prefix -> its row: prompts that share it up to the cut run it once
+            for i, cut in todo:
+                row.setdefault(tuple(prompts[i][:cut]), (i, cut))
+            runs = list(row.values())
+            pre = self._prefill_from([prompts[i][start[i]:cut] for i, cut in runs], None,
+                                     [state[i] for i, _ in runs], [start[i] for i, _ in runs])
+            ends = eng.host(pre.states)
+            index = {key: r for r, key in enumerate(row)}
+            for i, cut in todo:
+                state[i] = ends[:, index[tuple(prompts[i][:cut])]].copy()
+                start[i] = cut
+                cache.insert(prompts[i][:cut], state[i], hashes[i])
+        pre = self._prefill_from([p[s:] for p, s in zip(prompts, start)], sampling, state, start)
+        ends = eng.host(pre.states)
+        for i, p in enumerate(prompts):
+            cache.insert(p, ends[:, i], hashes[i])
+            cache.remember(p)
+        return pre, cached
+
+    def _prefill_from(self, pieces: list[list[int]], sampling, states: list, starts: list[int]):
+        """Prefill ``pieces``, each from its host state (None: a fresh one) at its start."""
+        if all(s is None for s in states):
+            return self.engine.prefill(pieces, sampling)
+        like = next(s for s in states if s is not None)
+        stacked = np.stack([np.zeros_like(like) if s is None else s for s in states], axis=1)
+        return self.engine.prefill(pieces, sampling, start_states=self.engine.to_device(stacked),
+                                   start_positions=np.asarray(starts, np.int64))
 
     def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled=None) -> None:
         """The batch of the ``kept`` rows, then the ``starting`` sequences (``prefilled``:
@@ -354,6 +425,17 @@ class SlotPool:
         if reason != "cancelled":
             self.stats.samples += 1
             self.stats.tokens += len(s.tokens)
+
+
+def _neighbours(prompts: list[list[int]]) -> list[list[list[int]]]:
+    """Each prompt's neighbours in sorted order: the batch mates it shares the longest
+    prefixes with (those that share a prefix with it sort next to it)."""
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    near: list[list[list[int]]] = [[] for _ in prompts]
+    for a, b in zip(order, order[1:]):
+        near[a].append(prompts[b])
+        near[b].append(prompts[a])
+    return near
 
 
 def _sampling_of(sequences: list[Sequence]) -> SamplingArrays:

@@ -1,0 +1,251 @@
+"""The prefix-state cache (serve/prefix_cache.py) and the scheduler's use of it.
+
+Three parts: the cache alone (pure Python); the scheduler on a toy recurrent engine in
+numpy (its states are the same however a prompt is split, so tokens must be exactly
+equal with and without the cache, and the calls it received show what was prefilled);
+and the SRM engine on the suite's TINY config, where a state reached in pieces differs
+from one reached in one go only by the order of the scan's sums: tokens must be equal,
+final logits within 1e-4 of their scale.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import TINY, graphs, random_prompts
+from srm_max import GenerationError
+from srm_max.runtime.compiled import DecodeResult, PrefillResult
+from srm_max.serve.prefix_cache import PrefixCache, cache_of, common_prefix, prefix_hashes
+from srm_max.serve.scheduler import Sequence, SlotPool
+
+
+def state(value: float, size: int = 4) -> np.ndarray:
+    return np.full(size, value, np.float32)
+
+
+# ------------------------------------------------------------ the cache alone
+def test_prefix_hashes_are_the_rolling_hash():
+    tokens = np.random.default_rng(0).integers(0, 50_000, 300)
+    h, expected = 0, [0]
+    for t in tokens:
+        h = (h * 0x9E3779B97F4A7C15 + int(t) + 1) % (1 << 64)
+        expected.append(h)
+    assert [int(x) for x in prefix_hashes(tokens)] == expected
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert common_prefix(np.array([1, 2]), np.array([1, 2, 4])) == 2
+
+
+def test_longest_prefix_leaves_a_token_to_prefill():
+    cache = PrefixCache(1 << 20)
+    for n in (2, 4, 6):
+        cache.insert([1, 2, 3, 4, 5, 6][:n], state(n))
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7]).length == 6
+    hit = cache.lookup([1, 2, 3, 4, 5, 6])  # the whole prompt is cached: its last token still runs
+    assert hit.length == 4 and hit.state[0] == 4
+    assert cache.lookup([1, 2, 3, 9]).length == 2
+    assert cache.lookup([1, 2]) is None and cache.lookup([1]) is None and cache.lookup([2, 1, 3]) is None
+    assert (cache.stats.hits, cache.stats.tokens_saved, cache.stats.lookups) == (3, 12, 5)
+
+
+def test_colliding_hashes_are_told_apart_by_their_tokens():
+    cache = PrefixCache(1 << 20, hash_mask=0)  # every prefix hashes to 0
+    cache.insert([1, 2, 3], state(1))
+    cache.insert([4, 5, 6], state(2))
+    cache.insert([7, 8], state(3))
+    assert cache.lookup([4, 5, 6, 0]).state[0] == 2
+    assert cache.lookup([1, 2, 3, 0]).state[0] == 1
+    assert cache.lookup([7, 8, 9, 9]).length == 2  # [7, 8, 9] is no entry although its hash matches
+    assert cache.lookup([9, 9, 9, 9]) is None
+    assert cache.insert([4, 5, 6], state(5)) and len(cache) == 3  # already there: kept once
+
+
+def test_least_recently_used_goes_first_within_the_budget():
+    entry = 3 * 4 + 4 * 4  # three int32 tokens and a float32 state of 4
+    cache = PrefixCache(2 * entry)
+    cache.insert([1, 1, 1], state(1))
+    cache.insert([2, 2, 2], state(2))
+    assert cache.bytes == 2 * entry
+    assert cache.lookup([1, 1, 1, 0]) is not None  # [1, 1, 1] is now the most recent
+    cache.insert([3, 3, 3], state(3))
+    assert cache.lookup([2, 2, 2, 0]) is None and cache.lookup([1, 1, 1, 0]) is not None
+    assert cache.bytes == 2 * entry and cache.stats.evictions == 1
+    cache.insert([4, 4, 4, 4, 4, 4], state(4))  # needs both places
+    assert len(cache) == 1 and cache.bytes == 6 * 4 + 4 * 4
+    assert not cache.insert(list(range(20)), state(5))  # larger than the whole budget: not kept
+    assert len(cache) == 1
+    cache.clear()
+    assert cache.bytes == 0 and len(cache) == 0
+
+
+def test_budget_zero_turns_the_cache_off():
+    cache = cache_of(0)
+    assert not cache.enabled
+    assert not cache.insert([1, 2, 3], state(1))
+    assert cache.lookup([1, 2, 3, 4]) is None and cache.split_points(list(range(600)), 0) == []
+    assert cache_of(None).budget_bytes == 64 << 20 and cache_of(0.5).budget_bytes == 1 << 19
+    for bad in (-1, "64", True):
+        with pytest.raises(GenerationError, match="prefix_cache_mb"):
+            cache_of(bad)
+
+
+def test_split_points():
+    cache = PrefixCache(1 << 20, interval=256, min_shared=32)
+    p = list(range(1, 601))
+    assert cache.split_points(p, 0) == [512]  # the last checkpoint before the end
+    assert cache.split_points(p[:512], 0) == [256]  # a prompt ending at one keeps it as its end
+    assert cache.split_points(p, 512) == []
+    cache.remember(p[:100] + [0] * 50)
+    assert cache.split_points(p, 0) == [100, 512]  # where it leaves a recent prompt
+    assert cache.split_points(p, 80) == [512]  # too few tokens past the start to be worth a call
+    mates = [p[:300] + [0], p[:310] + [0]]
+    assert cache.split_points(p, 0, mates) == [100, 300, 512]  # 310 is within 32 of 300
+    cache.remember(p)
+    assert cache.split_points(p[:550], 0) == [512, 549]  # seen again: its last token is kept apart
+    assert cache.split_points(p, 598) == [599]
+
+
+# ------------------------------------------------------------ the scheduler, on a toy engine
+class ToyEngine:
+    """A recurrent model in numpy whose state after a prefix does not depend on how the
+    prefix was split; it records each prefill's (start, length) per row."""
+
+    supports_start_state = True
+    D = 6
+
+    def __init__(self, vocab: int = 11, n_ctx: int = 400, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.config = SimpleNamespace(context_length=n_ctx, vocab_size=vocab)
+        self.embed, self.out = rng.standard_normal((vocab, self.D)), rng.standard_normal((self.D, vocab))
+        self.prefills: list[list[tuple[int, int]]] = []
+
+    def _run(self, s, tokens, start):
+        for k, t in enumerate(tokens):
+            s = 0.9 * s + np.tanh(self.embed[t] + 0.01 * (start + k))
+        return s
+
+    def _pick(self, logits, sampling, b, counter):
+        if sampling is None or sampling.temperature[b] == 0:
+            return int(np.argmax(logits))
+        p = np.exp((logits - logits.max()) / sampling.temperature[b])
+        return int(np.random.default_rng([int(sampling.seed[b]), int(counter)]).choice(len(p), p=p / p.sum()))
+
+    def prefill(self, prompts, sampling=None, start_states=None, start_positions=None):
+        B = len(prompts)
+        starts = np.zeros(B, np.int64) if start_positions is None else np.asarray(start_positions)
+        init = np.zeros((1, B, self.D)) if start_states is None else start_states
+        states = np.stack([self._run(init[0, b], p, starts[b]) for b, p in enumerate(prompts)])[None]
+        logits = states[0] @ self.out
+        self.prefills.append([(int(starts[b]), len(p)) for b, p in enumerate(prompts)])
+        return PrefillResult(logits, np.array([self._pick(logits[b], sampling, b, starts[b] + len(p))
+                                               for b, p in enumerate(prompts)]), states)
+
+    def draw(self, logits, rows, sampling, counters):
+        return np.array([self._pick(logits[r], sampling, i, counters[i]) for i, r in enumerate(rows)])
+
+    def regroup(self, pool, fresh, index):
+        return np.concatenate([x for x in (pool, fresh) if x is not None], axis=1)[:, index]
+
+    def decode(self, ids, positions, states, sampling, steps=1):
+        ids, pos, st, tokens = np.array(ids), np.array(positions), states.copy(), []
+        for _ in range(steps):
+            for b in range(len(ids)):
+                st[0, b] = self._run(st[0, b], [ids[b]], pos[b])
+            logits = st[0] @ self.out
+            pos = pos + 1
+            ids = np.array([self._pick(logits[b], sampling, b, pos[b]) for b in range(len(ids))])
+            tokens.append(ids)
+        return DecodeResult(np.stack(tokens, 1), st, ids, pos)
+
+    def sampling_buffers(self, s):
+        return s
+
+    def to_device(self, a):
+        return a
+
+    host = to_device
+
+
+def run_pool(engine, prompts, cache, temperature=0.0, slots=None, max_new=5, samples=1):
+    seqs = [Sequence(list(p), temperature, 0, 1.0, 1000 * i + j, max_new, tag=i)
+            for i, p in enumerate(prompts) for j in range(samples)]
+    pool = SlotPool(engine, lambda ids: None, slots or len(seqs), 3, prefix_cache=cache)
+    pool.submit(seqs)
+    for _ in pool.run():
+        pass
+    return [s.tokens for s in seqs], [s.cached_tokens for s in seqs]
+
+
+def shared_prompts(rng, n, prefix_len, vocab=11):
+    prefix = rng.integers(0, vocab, prefix_len).tolist()
+    return [prefix + rng.integers(0, vocab, int(rng.integers(1, 30))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_toy_tokens_equal_with_and_without_the_cache(temperature):
+    rng = np.random.default_rng(1)
+    engine = ToyEngine()
+    cache = PrefixCache(1 << 20, interval=64, min_shared=8)
+    batches = [shared_prompts(rng, 6, 70), shared_prompts(rng, 3, 150),
+               random_prompts([5, 64, 65, 129, 1], 11, seed=2)]
+    batches.append([p + [3] for p in batches[0][:3]] + batches[1][:2])  # a cached prompt + 1; a prompt again
+    for slots in (None, 2):
+        for prompts in batches:
+            plain, _ = run_pool(engine, prompts, None, temperature, slots, samples=2)
+            cached, saved = run_pool(engine, prompts, cache, temperature, slots, samples=2)
+            assert cached == plain
+    assert cache.stats.hits > 10 and cache.stats.tokens_saved > 1000
+    assert saved[:6:2] == [len(batches[0][i]) for i in range(3)]  # a cached prompt + 1 starts at its end
+    assert saved[6] == len(batches[1][0]) - 1  # a prompt seen again: only its last token runs
+
+
+def test_toy_prefill_runs_only_the_rest_and_a_shared_prefix_once():
+    rng = np.random.default_rng(3)
+    engine = ToyEngine()
+    cache = PrefixCache(1 << 20, interval=256, min_shared=8)
+    prompts = shared_prompts(rng, 5, 100)
+    run_pool(engine, prompts, cache)
+    lcp = max(common_prefix(np.array(a), np.array(b)) for a in prompts for b in prompts if a is not b)
+    assert lcp >= 100
+    pieces = [row for call in engine.prefills for row in call]
+    assert sum(n for _, n in pieces) < sum(map(len, prompts)) - 3 * 100  # the prefix ran at most twice
+    engine.prefills.clear()
+    later = prompts[0][:100] + [1, 2, 3]
+    _, saved = run_pool(engine, [later], cache)
+    assert saved == [100] and engine.prefills == [[(100, 3)]]
+    n = len(prompts[1])
+    engine.prefills.clear()
+    run_pool(engine, [prompts[1]], cache)  # seen again: from the shared prefix, keeping the state at n - 1
+    assert engine.prefills == [[(100, n - 101)], [(n - 1, 1)]]
+    engine.prefills.clear()
+    run_pool(engine, [prompts[1]], cache)  # and again: only its last token runs
+    assert engine.prefills == [[(n - 1, 1)]]
+
+
+def test_toy_checkpoint_inside_a_long_prompt():
+    engine = ToyEngine()
+    cache = PrefixCache(1 << 20, interval=64, min_shared=1000)  # checkpoints only (and prompts seen again)
+    p = random_prompts([200], 11, seed=4)[0]
+    run_pool(engine, [p], cache)
+    assert engine.prefills == [[(0, 192)], [(192, 8)]]  # [0, 192) first: the state at 192 is kept
+    engine.prefills.clear()
+    run_pool(engine, [p[:193]], cache)  # one past the checkpoint
+    assert engine.prefills == [[(192, 1)]]
+    engine.prefills.clear()
+    run_pool(engine, [p[:192]], cache)  # ends at it: a lookup leaves its last token, so from 0, kept at 128
+    assert engine.prefills == [[(0, 128)], [(128, 63)], [(191, 1)]]  # and at 191, being a prefix seen before
+    engine.prefills.clear()
+    run_pool(engine, [p[:150] + [(p[150] + 1) % 11]], cache)
+    assert engine.prefills == [[(128, 23)]]
+
+
+def test_engine_without_start_states_runs_as_before():
+    engine = ToyEngine()
+    engine.supports_start_state = False
+    cache = PrefixCache(1 << 20, interval=8)
+    prompts = random_prompts([30, 30], 11, seed=5)
+    assert SlotPool(engine, lambda ids: None, 2, prefix_cache=cache).prefix_cache is None
+    run_pool(engine, prompts * 2, cache)
+    assert engine.prefills == [[(0, 30), (0, 30)]] and len(cache) == 0
