@@ -47,6 +47,7 @@ from ..models import registry
 from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import resolve_device, resolve_dtype
+from .prefix_cache import cache_of
 from .sample_many import sample_many
 from .sampling import SamplingParams, check_max_new_tokens, check_prompts, check_steps_per_call, check_stop, \
     check_text, resolve_seed
@@ -125,39 +126,46 @@ class Generator:
     """Batched text generation with an SRM or a PHA model on MAX."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], tokenizer=None,
-                 dtype: str | None = "float32", device: str = "auto", warmup: bool = True):
+                 dtype: str | None = "float32", device: str = "auto", warmup: bool = True,
+                 prefix_cache_mb: float | None = None):
+        """``prefix_cache_mb``: the prefix-state cache's budget (``serve/prefix_cache.py``;
+        None: 64 MiB, 0: off); used by engines that prefill from a state (the SRM)."""
+        cache = cache_of(prefix_cache_mb)
         resolve_device(device)  # a bad device fails here, before any work
         dtype = resolve_dtype(dtype)
         tok = _load_tokenizer(tokenizer)
         _check_tokenizer(tok, config)
         engine = _engine_for(config, weights, dtype, device)
-        self._init(engine, tok)
+        self._init(engine, tok, cache)
         shipped_graphs.install(engine.graph_jobs())  # the embedded model's: no compile on a first run
         if warmup:
             engine.warmup()
 
-    def _init(self, engine: CompiledGraphs, tokenizer) -> None:
+    def _init(self, engine: CompiledGraphs, tokenizer, prefix_cache) -> None:
         self.engine = engine
         self.config = engine.config
         self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache  # shared by every pool of this generator
 
     @classmethod
-    def from_engine(cls, engine: CompiledGraphs, tokenizer=None) -> "Generator":
+    def from_engine(cls, engine: CompiledGraphs, tokenizer=None, prefix_cache_mb: float | None = None) -> "Generator":
+        cache = cache_of(prefix_cache_mb)
         tok = _load_tokenizer(tokenizer)
         _check_tokenizer(tok, engine.config)
         self = cls.__new__(cls)
-        self._init(engine, tok)
+        self._init(engine, tok, cache)
         return self
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str = "auto", dtype: str | None = None,
-                        tokenizer=None, warmup: bool = True) -> "Generator":
+                        tokenizer=None, warmup: bool = True, prefix_cache_mb: float | None = None) -> "Generator":
         """Load a checkpoint directory (config.json, model.safetensors, tokenizer.json).
 
         ``path=None`` loads the embedded default model. ``dtype=None`` runs in the
         stored dtype (float16 checkpoints run as float32); ``tokenizer`` overrides
-        the checkpoint's tokenizer.json.
+        the checkpoint's tokenizer.json; ``prefix_cache_mb`` as the constructor.
         """
+        cache_of(prefix_cache_mb)  # a bad budget fails here, before any loading
         resolve_device(device)
         if path is None:
             path = default_model_path()
@@ -167,7 +175,8 @@ class Generator:
         if dtype is None:
             dtype = ckpt.dtype if ckpt.dtype in ("float32", "bfloat16") else "float32"
         tok = tokenizer if tokenizer is not None else ckpt.tokenizer_path
-        return cls(ckpt.config, ckpt.weights, tokenizer=tok, dtype=dtype, device=device, warmup=warmup)
+        return cls(ckpt.config, ckpt.weights, tokenizer=tok, dtype=dtype, device=device, warmup=warmup,
+                   prefix_cache_mb=prefix_cache_mb)
 
     # ---------------------------------------------------------------- input checks
     def encode(self, text: str) -> list[int]:
@@ -232,7 +241,8 @@ class Generator:
         sequences = [scheduler.Sequence(p, float(params.temperature[b]), int(params.top_k[b]), float(params.top_p[b]),
                               int(params.seed[b]), max_new, stop_ids, tuple(stop_strings), tag=b)
                      for b, p in enumerate(ids)]
-        pool = SlotPool(self.engine, self.decode, len(sequences), steps_per_call, stream_text=stream_text)
+        pool = SlotPool(self.engine, self.decode, len(sequences), steps_per_call, stream_text=stream_text,
+                        prefix_cache=self.prefix_cache)
         pool.submit(sequences)
         return sequences, single, pool
 

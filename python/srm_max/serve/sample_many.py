@@ -119,7 +119,7 @@ def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verif
                           job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s))
                  for p, s in pairs]
     pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), steps_per_call,
-                    stats=stats)
+                    stats=stats, prefix_cache=generator.prefix_cache)
     pool.submit(sequences)
     return _samples(pool, generator.decode, verifier)
 
