@@ -25,6 +25,12 @@ class Metrics:
         self.prompt_tokens = Counter("srm_prompt_tokens", "Prompt tokens of the samples started", registry=r)
         self.prompts_prefilled = Counter("srm_prompts_prefilled", "Prompts run through prefill (the samples of "
                                          "one prompt that start together share one)", registry=r)
+        self.prefix_cache_hits = Counter("srm_prefix_cache_hits", "Prompts prefilled from a cached prefix's state",
+                                         registry=r)
+        self.prefix_cache_tokens_saved = Counter("srm_prefix_cache_tokens_saved", "Prompt tokens not prefilled: "
+                                                 "covered by a cached prefix's state", registry=r)
+        self.prefix_cache_bytes = Gauge("srm_prefix_cache_bytes", "Bytes held by the prefix cache's entries "
+                                        "(0 when it is off or the model cannot use it)", registry=r)
         self.generated_tokens = Counter("srm_generated_tokens", "Tokens generated", registry=r)
         self.samples_finished = Counter("srm_samples_finished", "Samples finished, by reason "
                                         "(stop, length, context, cancelled)", ["reason"], registry=r)
@@ -57,6 +63,10 @@ class Metrics:
         self.slots.set_function(read("slots"))
         self.slots_busy.set_function(read("busy"))
         self.occupancy.set_function(lambda: (lambda s: s["busy"] / max(1, s["slots"]))(snapshot()))
+
+    def watch_prefix_cache(self, cache) -> None:
+        """Read ``srm_prefix_cache_bytes`` from ``cache`` (a PrefixCache, or None: off)."""
+        self.prefix_cache_bytes.set_function(lambda: float(cache.bytes if cache is not None else 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

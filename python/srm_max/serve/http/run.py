@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps per engine call, so tokens per streamed chunk: more is faster (each chunk "
                         "costs HTTP work on the engine's cores), fewer lets requests join sooner (default 8, as "
                         "Generator.generate)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="memory for the prefix-state cache: a prompt that begins with a prompt (or a shared prefix) "
+                        "seen before prefills only the rest; 0 turns it off (default 64; SRM models only)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--api-key", default=None,
@@ -61,7 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     path = Path(args.model) if args.model is not None else default_model_path()
     name = args.model_name or ("srm-max" if args.model is None else path.resolve().name)
-    generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype)
+    generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype,
+                                          prefix_cache_mb=args.prefix_cache_mb)
     api_key = args.api_key if args.api_key is not None else os.environ.get("SRM_MAX_API_KEY") or None
     max_batch = max_batch_of(args.max_batch, generator.config)
     app = create_app(generator, model_name=name, max_batch=max_batch, max_waiting=args.max_waiting,

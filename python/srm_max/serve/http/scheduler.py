@@ -62,7 +62,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the loop, if it died
         # the batch: engine thread only
-        self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call)
+        self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call,
+                              prefix_cache=generator.prefix_cache)
+        self.metrics.watch_prefix_cache(self._pool.prefix_cache)
         self._seconds_per_token = 0.05  # a running estimate, for Retry-After
 
     # ------------------------------------------------------------ the HTTP side
@@ -170,6 +172,8 @@ class Scheduler:
             self.metrics.engine_calls.labels("prefill").inc()
             self.metrics.prompt_tokens.inc(turn.prompt_tokens)
             self.metrics.prompts_prefilled.inc(turn.prompts_prefilled)
+            self.metrics.prefix_cache_hits.inc(turn.cache_hits)
+            self.metrics.prefix_cache_tokens_saved.inc(turn.cached_tokens)
         if turn.steps:
             self.metrics.engine_calls.labels("decode").inc()
             self._seconds_per_token = 0.9 * self._seconds_per_token + 0.1 * turn.decode_seconds / turn.steps
