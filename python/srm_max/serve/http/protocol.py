@@ -242,6 +242,7 @@ class Answer:
         self.object = "chat.completion" if job.chat else "text_completion"
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.started: set[int] = set()  # chat chunks: the role goes in a choice's first one
+        self.samples: list = []  # the request's samples (sequence.Sample), for the cached prompt tokens
         # the bytes every running completion chunk starts with (see ``chunk_json``)
         self._head = dumps({"id": self.id, "object": self.object, "created": self.created,
                             "model": self.model})[:-1].encode() + b',"choices":[{"index":'
@@ -298,8 +299,11 @@ class Answer:
 
     def usage(self, completion_tokens: int) -> dict:
         prompt = self.prompt_tokens  # once per prompt, whatever n (as OpenAI counts)
+        # a prompt's tokens its prefill took from the prefix cache: its first sample's count
+        # (the samples of a prompt share its prefill)
+        cached = sum(s.cached_tokens for s in self.samples if s.index % self.job.n == 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+                "total_tokens": prompt + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def dumps(body: dict) -> str:
