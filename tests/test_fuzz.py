@@ -5,6 +5,7 @@ Profiles: ``ci`` (the default, bounded) and ``long`` for local runs:
 """
 
 import json
+import math
 import os
 import struct
 
@@ -20,6 +21,13 @@ from srm_max.checkpoints.convert import convert
 from srm_max.errors import CheckpointError, ConvertError, SRMError
 from srm_max.reference.srm import SRM
 from srm_max.checkpoints.safetensors_io import SafetensorsFile
+from conftest import TINY
+
+try:
+    from srm_max.serve.http import protocol
+    from srm_max.serve.http.errors import APIError
+except ImportError:  # the server's extra (fastapi) is not installed
+    protocol = None
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -156,3 +164,134 @@ def test_convert_of_damaged_sources_fails_cleanly(good_checkpoint, tmp_path, dat
         import shutil
 
         shutil.rmtree(out)
+
+
+
+# ------------------------------------------------------------------ the server's request parser
+# Every field of both endpoints gets values of the wrong type and of hostile sizes (ints past
+# int64 and past every float, floats past float32 and below its smallest, NaN, text with lone
+# surrogates, long strings, long and nested lists); the parser answers with a Job whose values
+# the engine can take, or a 4xx APIError, never another exception.
+SERVER_MODEL = "tiny"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+MAX_SAMPLES = 8
+
+any_text = st.text(st.characters(categories=["Cs"]) | st.characters(), max_size=8)
+hostile_scalars = (st.none() | st.booleans() | st.integers(-4, 4) | st.integers(-(2**70), 2**70)
+                   | st.sampled_from([2**63 - 1, 2**63, 2**64, 10**400, -(10**400)])
+                   | st.floats() | st.sampled_from([1e308, 1e39, 3.5e38, 1e-50, 1e-320, 2.0, 2.0000001, 0.0, -0.0])
+                   | any_text | st.sampled_from(["", "ab", SERVER_MODEL, "x" * 5000, "\ud800", "a\udfffb"]))
+hostile = st.recursive(hostile_scalars, lambda inner: st.lists(inner, max_size=40)
+                       | st.dictionaries(any_text | st.sampled_from(["type", "include_usage", "role", "content"]),
+                                         inner, max_size=4), max_leaves=30)
+# values at the edges of what the engine holds, tried in every field
+EDGE_VALUES = [None, True, 0, -0.0, -1, -2, 1, 2, 2**63 - 1, 2**63, 2**64, 10**400, -(10**400), 1e308, 1e39, 3.5e38,
+               1e-50, 1e-320, 2.0000001, math.nan, math.inf, -math.inf, "", "\ud800", "a\udfffb", "x" * 5000,
+               [], [[]], ["\ud800"], [1] * 200, [[1] * 200] * 9, {}, {"type": "text"}, {"include_usage": None}]
+with_lone_surrogate = st.builds(lambda a, s, b: a + s + b, st.text(max_size=3), st.characters(categories=["Cs"]),
+                                st.text(max_size=3))
+field_values = st.one_of(hostile, with_lone_surrogate,
+                         st.lists(with_lone_surrogate | st.text(min_size=1, max_size=3), min_size=1, max_size=3))
+chat_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]) | with_lone_surrogate,
+                                                "content": st.sampled_from(["ab", "ab é"]) | any_text}),
+                         max_size=3)
+
+
+def hostile_bodies(fields, base):
+    """``base`` with a few fields (mostly known ones) set to hostile values; or any JSON value."""
+    known = st.dictionaries(st.sampled_from(sorted(fields)), field_values, min_size=1, max_size=3)
+    unknown = st.dictionaries(any_text, hostile, max_size=2)
+    return st.one_of(known.map(lambda values: base | values), unknown.map(lambda values: base | values), hostile)
+
+
+@pytest.fixture(scope="module")
+def parsing_generator():
+    from test_generator import NoWork, byte_level_tokenizer
+
+    from srm_max.serve.generator import Generator
+
+    return Generator.from_engine(NoWork(), tokenizer=byte_level_tokenizer())  # any engine use fails
+
+
+def assert_refused_or_runnable(parse):
+    """``parse()`` gives a Job the engine can run as asked, or raises a 4xx APIError."""
+    try:
+        job = parse()
+    except APIError as e:
+        assert 400 <= e.status < 500 and e.message
+        json.dumps(e.body())  # the app sends it as JSON
+        return
+    assert job.n >= 1 and 1 <= len(job.prompts) * job.n <= MAX_SAMPLES
+    assert 0 <= job.temperature <= 2 and 0 < np.float32(job.top_p) and job.top_p <= 1
+    assert 0 <= job.top_k < 2**63 and 0 <= job.seed < 2**64 and job.max_new >= 0
+    for p in job.prompts:
+        assert p and len(p) <= TINY.context_length and all(0 <= t < TINY.vocab_size for t in p)
+    assert all(s and s.encode("utf-8") for s in job.stop)
+    assert isinstance(job.stream, bool) and isinstance(job.include_usage, bool)
+
+
+needs_server = pytest.mark.skipif(protocol is None, reason="needs the server's extra: pip install 'srm-max[serve]'")
+
+
+COMPLETION_BASES = [{"prompt": "ab"}, {"prompt": [[1, 2], [3]], "max_tokens": 4, "model": SERVER_MODEL}]
+ALL_FIELDS = sorted(protocol.COMPLETION_FIELDS | protocol.CHAT_FIELDS) if protocol else []
+
+
+def parse_either(generator, body, chat: bool):
+    if chat:
+        return protocol.parse_chat(body, generator, SERVER_MODEL, CHAT_TEMPLATE, MAX_SAMPLES)
+    return protocol.parse_completion(body, generator, SERVER_MODEL, MAX_SAMPLES)
+
+
+@needs_server
+@pytest.mark.parametrize("field", ALL_FIELDS)
+@settings(max_examples=settings.default.max_examples // 2)  # for each of the fields
+@given(data=st.data())
+def test_every_field_takes_hostile_values_with_a_4xx(parsing_generator, field, data):
+    """One field at a time, in a body that is otherwise valid, on the endpoint(s) that have it."""
+    value = data.draw(field_values, label=field)
+    if field in protocol.COMPLETION_FIELDS:
+        body = data.draw(st.sampled_from(COMPLETION_BASES)) | {field: value}
+        assert_refused_or_runnable(lambda: parse_either(parsing_generator, body, chat=False))
+    if field in protocol.CHAT_FIELDS:
+        body = {"messages": [{"role": "user", "content": "ab"}]} | {field: value}
+        assert_refused_or_runnable(lambda: parse_either(parsing_generator, body, chat=True))
+
+
+@needs_server
+def test_every_field_takes_every_edge_value_with_a_4xx(parsing_generator):
+    for field in ALL_FIELDS:
+        for value in EDGE_VALUES:
+            if field in protocol.COMPLETION_FIELDS:
+                for base in COMPLETION_BASES:
+                    assert_refused_or_runnable(lambda: parse_either(parsing_generator, base | {field: value}, False))
+            if field in protocol.CHAT_FIELDS:
+                body = {"messages": [{"role": "user", "content": "ab"}], field: value}
+                assert_refused_or_runnable(lambda: parse_either(parsing_generator, body, chat=True))
+
+
+@needs_server
+@given(data=st.data())
+def test_completion_parser_answers_hostile_bodies_with_a_4xx(parsing_generator, data):
+    body = data.draw(hostile_bodies(protocol.COMPLETION_FIELDS, data.draw(st.sampled_from(COMPLETION_BASES))))
+    assert_refused_or_runnable(lambda: parse_either(parsing_generator, body, chat=False))
+
+
+@needs_server
+@given(data=st.data())
+def test_chat_parser_answers_hostile_bodies_with_a_4xx(parsing_generator, data):
+    base = {"messages": data.draw(chat_messages), "model": SERVER_MODEL}
+    body = data.draw(hostile_bodies(protocol.CHAT_FIELDS, base))
+    assert_refused_or_runnable(lambda: parse_either(parsing_generator, body, chat=True))
+
+
+@needs_server
+@given(data=st.data())
+def test_request_bytes_are_parsed_or_refused_with_a_4xx(parsing_generator, data):
+    """Raw bodies: JSON with bytes inserted (invalid UTF-8, deep nesting, an escaped lone surrogate)."""
+    raw = bytearray(json.dumps(data.draw(hostile_bodies(protocol.COMPLETION_FIELDS, {"prompt": "ab"})),
+                               ensure_ascii=data.draw(st.booleans())).encode("utf-8", "surrogatepass"))
+    for _ in range(data.draw(st.integers(0, 3), label="edits")):
+        at = data.draw(st.integers(0, len(raw)), label="at")
+        raw[at:at] = data.draw(st.sampled_from([b"\xed\xa0\x80", b"\xff", b"[" * 3000, b"\\ud800", b"\xc3"]))
+    assert_refused_or_runnable(lambda: parse_either(parsing_generator, protocol.parse_body(bytes(raw)), chat=False))
