@@ -1,4 +1,4 @@
-"""Property-based tests: hostile files end in the project's own errors, never a crash.
+"""Property-based tests: hostile files and requests end in the project's own errors, never a crash.
 
 Profiles: ``ci`` (the default, bounded) and ``long`` for local runs:
     HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py
