@@ -61,7 +61,8 @@ def verify(path: str | Path, prompts: int = 3, new_tokens: int = 16, engine: boo
 def _engine_check(ckpt, prompts: int, new_tokens: int) -> Check:
     import torch
 
-    from ..serve.generator import Generator
+    from ..models import registry
+    from ..runtime.compiled import SamplingArrays
 
     config = ckpt.config
     rng = np.random.default_rng(0)
@@ -69,16 +70,21 @@ def _engine_check(ckpt, prompts: int, new_tokens: int) -> Check:
     new_tokens = min(new_tokens, config.context_length - max(lengths))
     prompt_ids = [rng.integers(0, config.vocab_size, n).tolist() for n in lengths]
 
-    generator = Generator(config, ckpt.weights, dtype="float32", device="cpu")
-    got = generator.generate(prompt_ids, max_new_tokens=new_tokens)
+    engine = registry.of(config).engine(config, ckpt.weights, dtype="float32", device="cpu")
     model = reference_model(config, ckpt.weights)
     mismatches, worst = 0, 0.0
     with torch.no_grad():
-        for ids, completion in zip(prompt_ids, got):
+        for ids in prompt_ids:
             expected = model.generate_greedy(torch.tensor(ids), new_tokens).tolist()
-            mismatches += expected != completion.ids
+            prefilled = engine.prefill([ids])
+            got = [int(prefilled.next_ids[0])]
+            if new_tokens > 1:  # the engine's own greedy steps, as every decode runs them
+                decoded = engine.decode([got[0]], [len(ids)], prefilled.states, SamplingArrays.greedy(1),
+                                        steps=new_tokens - 1)
+                got += decoded.tokens[0].tolist()
+            mismatches += expected != got[:new_tokens]
             expected_logits = model(torch.tensor([ids]))[0, -1].numpy()
-            max_logits = generator.engine.host(generator.engine.prefill([ids]).logits)[0]
+            max_logits = engine.host(prefilled.logits)[0]
             scale = max(1.0, float(np.abs(expected_logits).max()))
             worst = max(worst, float(np.abs(max_logits - expected_logits).max()) / scale)
     passed = mismatches == 0 and worst <= LOGIT_RTOL
