@@ -70,22 +70,25 @@ def _fits_float32(x: float) -> bool:
 
 
 def check_real(value, name: str, rule: str, accept: Callable[[float], bool]) -> float:
-    """``value`` as a float: a real number (not a bool), finite, that the engine's float32
-    holds (no overflow to inf, no nonzero value rounded to 0) and that ``accept`` takes;
-    else a GenerationError "``name`` must be ``rule``"."""
+    """``value`` as a float: a real number (not a bool), finite, that ``accept`` takes (else a
+    GenerationError "``name`` must be ``rule``") and that the engine's float32 holds: no
+    overflow to inf, no nonzero value rounded to 0 (else a GenerationError saying which)."""
     if _is_real(value):
         try:
             x = float(value)
         except OverflowError:  # an int beyond every float
             x = math.inf
-        if math.isfinite(x) and _fits_float32(x) and accept(x):
-            return x
+        if math.isfinite(x) and accept(x):
+            if _fits_float32(x):
+                return x
+            what = "rounds to 0" if abs(x) < 1 else "overflows to inf"
+            raise GenerationError(f"{name}: {brief_repr(value)} {what} in the engine's float32")
     raise GenerationError(f"{name} must be {rule}, got {brief_repr(value)}")
 
 
 def check_temperature(value, name: str = "temperature", maximum: float = math.inf) -> float:
     """A temperature >= 0 (0 = greedy), at most ``maximum`` (the server takes OpenAI's 2)."""
-    rule = ("a number >= 0 that a float32 holds" if maximum == math.inf else f"a number in [0, {maximum:g}]")
+    rule = "a finite number >= 0" if maximum == math.inf else f"a number in [0, {maximum:g}]"
     return check_real(value, name, rule + " (0 = greedy)", lambda t: 0 <= t <= maximum)
 
 
