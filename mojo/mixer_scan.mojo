@@ -1,16 +1,20 @@
 """SRM token-mixer prefill scan as a MAX custom op.
 
-    srm_mixer_scan(u [B, T, H, hd], lengths [B] int64, w [H, n], beta [H, n], lam [H])
-        -> y [B, T, H, hd], final_state [B, H, hd]          (all float32 but lengths)
+    srm_mixer_scan(u [B, T, H, hd], lengths [B] int64, start [B] int64,
+                   init [B, H, hd], w [H, n], beta [H, n], lam [H])
+        -> y [B, T, H, hd], final_state [B, H, hd]    (float32 but lengths and start)
 
-Positions are absolute and start at 0 for every sample (t = 0 .. T-1, T <= n).
+Sample b's token t (t = 0 .. T-1, T <= n) sits at the absolute position
+p = start[b] + t: a sample continues from the state ``init[b]`` it had after
+start[b] tokens (start 0 with a zero init: a fresh prompt). w and beta are the
+whole per-position tables, read at p (clamped to [0, n-1]: padding can run past n).
 Heads 0 .. H/2-1 are column-repeat, H/2 .. H-1 are row-repeat:
-    column:  s_t = u_t + lam*s_{t-1};         y_t = w[h,t]*s_t + beta[h,t]
-    row:     r_t = w[h,t]*u_t + lam*r_{t-1};   y_t = r_t + beta[h,t]
-with s_{-1} = r_{-1} = 0. y is computed for every t < T (positions at or past a
+    column:  s_t = u_t + lam*s_{t-1};         y_t = w[h,p]*s_t + beta[h,p]
+    row:     r_t = w[h,p]*u_t + lam*r_{t-1};   y_t = r_t + beta[h,p]
+with s_{-1} = r_{-1} = init[b]. y is computed for every t < T (positions at or past a
 sample's length are padding: their y is what the recurrence gives for the padded
 input, and they never affect earlier outputs). final_state is the state after
-position lengths[b]-1 (zero for length 0; lengths are clamped to [0, T]).
+token lengths[b]-1 (init[b] for length 0; lengths are clamped to [0, T]).
 
 The scan is sequential in t per channel (no lam**-t rescaling, so it is stable
 for any T) and accumulates in float32.
@@ -38,6 +42,8 @@ struct SrmMixerScan:
         final_state: OutputTensor[dtype=y.dtype, rank=3, ...],
         u: InputTensor[dtype=y.dtype, rank=4, ...],
         lengths: InputTensor[dtype=DType.int64, rank=1, ...],
+        start: InputTensor[dtype=DType.int64, rank=1, ...],
+        init: InputTensor[dtype=y.dtype, rank=3, ...],
         w: InputTensor[dtype=y.dtype, rank=2, ...],
         beta: InputTensor[dtype=y.dtype, rank=2, ...],
         lam: InputTensor[dtype=y.dtype, rank=1, ...],
@@ -50,6 +56,10 @@ struct SrmMixerScan:
         var n = w.dim_size(1)
         if w.dim_size(0) != H or beta.dim_size(0) != H or lam.dim_size(0) != H:
             raise Error("srm_mixer_scan: w, beta, lam must have H rows")
+        if start.dim_size(0) != B or init.dim_size(0) != B:
+            raise Error("srm_mixer_scan: start and init must have B rows")
+        if init.dim_size(1) != H or init.dim_size(2) != D:
+            raise Error("srm_mixer_scan: init must be [B, H, hd]")
         if beta.dim_size(1) != n:
             raise Error("srm_mixer_scan: w and beta must have the same length n")
         if T > n:
@@ -68,8 +78,8 @@ struct SrmMixerScan:
             var nblk = (D + CB - 1) // CB
 
             def block(item: Int) {
-                var y, var final_state, var u, var lengths, var w, var beta, var lam,
-                var T, var H, var D, var half, var nblk
+                var y, var final_state, var u, var lengths, var start, var init, var w,
+                var beta, var lam, var T, var H, var D, var n, var half, var nblk
             }:
                 var bh = item // nblk
                 var d = (item % nblk) * CB
@@ -81,34 +91,37 @@ struct SrmMixerScan:
                     L = 0
                 if L > T:
                     L = T
+                var p0 = Int(start[b])
                 var is_col = h < half
                 var lh = lam[h]
                 comptime for k in range(3):
                     comptime width = CB if k == 0 else (W if k == 1 else 1)
                     while d + width <= end:
                         var l = SIMD[y.dtype, width](lh)
-                        var s = SIMD[y.dtype, width](0)
-                        var fin = SIMD[y.dtype, width](0)
+                        var s = init.load[width](IndexList[3](b, h, d))
+                        var fin = s
                         if is_col:
                             for t in range(T):
                                 var i = IndexList[4](b, t, h, d)
+                                var p = min(max(p0 + t, 0), n - 1)
                                 s = u.load[width](i) + l * s
                                 y.store[width](
                                     i,
-                                    SIMD[y.dtype, width](w[h, t]) * s
-                                    + SIMD[y.dtype, width](beta[h, t]),
+                                    SIMD[y.dtype, width](w[h, p]) * s
+                                    + SIMD[y.dtype, width](beta[h, p]),
                                 )
                                 if t == L - 1:
                                     fin = s
                         else:
                             for t in range(T):
                                 var i = IndexList[4](b, t, h, d)
+                                var p = min(max(p0 + t, 0), n - 1)
                                 s = (
-                                    SIMD[y.dtype, width](w[h, t]) * u.load[width](i)
+                                    SIMD[y.dtype, width](w[h, p]) * u.load[width](i)
                                     + l * s
                                 )
                                 y.store[width](
-                                    i, s + SIMD[y.dtype, width](beta[h, t])
+                                    i, s + SIMD[y.dtype, width](beta[h, p])
                                 )
                                 if t == L - 1:
                                     fin = s
@@ -121,7 +134,8 @@ struct SrmMixerScan:
             def f[
                 width: Int
             ](idx: Coord[...]) {
-                var y, var u, var lengths, var w, var beta, var lam, var T, var half
+                var y, var u, var lengths, var start, var init, var w, var beta, var lam,
+                var T, var n, var half
             } -> SIMD[y.dtype, width]:
                 var b = Int(idx[0].value())
                 var h = Int(idx[1].value())
@@ -131,13 +145,15 @@ struct SrmMixerScan:
                     L = 0
                 if L > T:
                     L = T
+                var p0 = Int(start[b])
                 var l = SIMD[y.dtype, width](lam[h])
-                var s = SIMD[y.dtype, width](0)
-                var fin = SIMD[y.dtype, width](0)
+                var s = init.load[width](IndexList[3](b, h, d))
+                var fin = s
                 for t in range(T):
                     var i = IndexList[4](b, t, h, d)
-                    var wt = SIMD[y.dtype, width](w[h, t])
-                    var bt = SIMD[y.dtype, width](beta[h, t])
+                    var p = min(max(p0 + t, 0), n - 1)
+                    var wt = SIMD[y.dtype, width](w[h, p])
+                    var bt = SIMD[y.dtype, width](beta[h, p])
                     if h < half:
                         s = u.load[width](i) + l * s
                         y.store[width](i, wt * s + bt)

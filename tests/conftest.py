@@ -53,7 +53,7 @@ def weights_of(model) -> dict[str, np.ndarray]:
 
 
 # the graphs of a CPU engine with the Mojo ops (Engine.graph_kinds)
-KERNEL_KINDS = ("prefill", "decode", "sample", "regroup", "decode_steps")
+KERNEL_KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
 
 
 def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):

@@ -32,7 +32,9 @@ def _types(dev, *, inplace: bool | None = None, scan: bool = False):
     if scan:
         return [
             TensorType(f32, ["B", "T", "H", "hd"], dev),
-            TensorType(i64, ["B"], dev),
+            TensorType(i64, ["B"], dev),  # lengths
+            TensorType(i64, ["B"], dev),  # start
+            TensorType(f32, ["B", "H", "hd"], dev),  # init
             *params,
         ]
     state_t = (BufferType if inplace else TensorType)(f32, ["B", "H", "hd"], dev)
@@ -76,19 +78,19 @@ def build_step_graph(dev=None, *, inplace: bool = True, library: Path | None = N
 
 
 def build_scan_graph(dev=None, *, library: Path | None = None):
-    """Graph (u, lengths, w, beta, lam) -> (y, final_state); all dims symbolic."""
+    """Graph (u, lengths, start, init, w, beta, lam) -> (y, final_state); all dims symbolic."""
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType, ops
 
     dev = dev or DeviceRef.CPU()
     lib = library or kernel_library()
     with Graph("srm_mixer_scan", input_types=_types(dev, scan=True), custom_extensions=[lib]) as g:
-        u, lengths, w, beta, lam = (v.tensor for v in g.inputs)
+        u, lengths, start, init, w, beta, lam = (v.tensor for v in g.inputs)
         f32 = DType.float32
         y, fin = ops.custom(
             OP_SCAN,
             device=dev,
-            values=[u, lengths, w, beta, lam],
+            values=[u, lengths, start, init, w, beta, lam],
             out_types=[
                 TensorType(f32, u.shape, dev),
                 TensorType(f32, [u.shape[0], u.shape[2], u.shape[3]], dev),
@@ -172,13 +174,16 @@ def mixer_step(u, positions, w, beta, lam, state, *, inplace: bool = True):
     return y.to_numpy().copy(), new_state.to_numpy().copy()
 
 
-def mixer_scan(u, lengths, w, beta, lam):
+def mixer_scan(u, lengths, w, beta, lam, start=None, init=None):
     """Prefill scan. Returns ``(y [B,T,H,hd], final_state [B,H,hd])``.
 
-    ``final_state[b]`` is the state after position ``lengths[b]-1`` (zero for
-    length 0); positions ``>= lengths[b]`` are padding. Requires ``T <= n``.
+    ``final_state[b]`` is the state after token ``lengths[b]-1`` (``init[b]`` for
+    length 0); tokens ``>= lengths[b]`` are padding. Requires ``T <= n``. Sample b
+    starts at absolute position ``start[b]`` from state ``init[b]`` (default 0, zeros).
     """
     u, lengths = _f32(u), _i64(lengths)
+    start = np.zeros(u.shape[0], np.int64) if start is None else _i64(start)
+    init = np.zeros((u.shape[0], u.shape[2], u.shape[3]), np.float32) if init is None else _f32(init)
     w, beta, lam = _f32(w), _f32(beta), _f32(lam)
     if u.ndim != 4 or lengths.shape != (u.shape[0],):
         raise ValueError(f"bad shapes: u {u.shape}, lengths {lengths.shape}")
@@ -187,7 +192,7 @@ def mixer_scan(u, lengths, w, beta, lam):
         raise ValueError(f"sequence length {u.shape[1]} exceeds context n={w.shape[1]}")
     if lengths.size and (lengths.min() < 0 or lengths.max() > u.shape[1]):
         raise ValueError(f"lengths must lie in [0, {u.shape[1]}]; got {lengths.tolist()}")
-    y, fin = _model("scan").execute(u, lengths, w, beta, lam)
+    y, fin = _model("scan").execute(u, lengths, start, init, w, beta, lam)
     return y.to_numpy().copy(), fin.to_numpy().copy()
 
 

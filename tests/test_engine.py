@@ -9,7 +9,7 @@ import torch
 from conftest import TINY, assert_close_rel, graphs, padded_batch, random_prompts
 
 # the Mojo-op graphs (float32 and bfloat16) and the plain-op ones
-pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16"), graphs(TINY, ("prefill", "decode", "sample", "regroup"), kernels=False)]
+pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16"), graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)]
 from srm_max.runtime.compiled import SamplingArrays
 from srm_max.graphs import sampler
 from srm_max.serve.sampling import draw_np, filtered_probs

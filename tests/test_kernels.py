@@ -203,7 +203,8 @@ def test_scan_kernel_raises_when_t_exceeds_n(scan_model):
     w, beta, lam = make_params(rng, 2, 4)
     u = np.zeros((1, 5, 2, 3), np.float32)
     with pytest.raises(ValueError, match="srm_mixer_scan"):
-        scan_model.execute(u, np.array([5], np.int64), w, beta, lam)
+        scan_model.execute(u, np.array([5], np.int64), np.zeros(1, np.int64), np.zeros((1, 2, 3), np.float32),
+                           w, beta, lam)
 
 
 # ----------------------------------------------------------------- step

@@ -26,7 +26,7 @@ from test_pha import randomized
 # Every branch on, GQA with 2 query heads per KV head, context 160 = 2.5 chunks.
 CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
                    dss_state_size=8)
-pytestmark = graphs(CONFIG, ("prefill", "decode", "sample", "regroup"), kernels=False)
+pytestmark = graphs(CONFIG, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
 
 
 def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:

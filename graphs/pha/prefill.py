@@ -10,13 +10,57 @@ both are right (tests/test_pha_engine.py).
 from __future__ import annotations
 
 from max.dtype import DType
-from max.graph import DeviceRef, Graph, TensorType, ops
+from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..ops import F32, I64, U64, linear
 from ..sampler import sample
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
 from .model import PHAWeights, _Consts, _block, _embed, _ffn, _state_row
+
+
+def prefix_input_types(device: DeviceRef) -> list[TensorType]:
+    """The inputs prefill and scoring share: ids, pos, pos_cols, lengths (see below)."""
+    C = CHUNK
+    return [
+        TensorType(I64, ["batch", "chunks", C], device),  # ids
+        TensorType(I64, ["chunks", C], device),  # pos
+        TensorType(I64, ["chunks", C], device),  # pos_cols: pos again (see the module docs)
+        TensorType(I64, ["batch"], device),  # lengths
+    ]
+
+
+def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
+               device: DeviceRef) -> tuple[TensorValue, list[TensorValue]]:
+    """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
+    each layer's state [B, X] after each prompt's last token)."""
+    c, C = W.config, CHUNK
+    K = _Consts(c, device)
+    B, M = ids.shape[0], ids.shape[1]
+    chunk = ops.constant(C, I64, device=device)
+    chunk_rows, chunk_cols = ops.floor_div(pos[:, 0], chunk), ops.floor_div(pos_cols[:, 0], chunk)
+    flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
+    zero_col = ops.unsqueeze(ops.cast(lengths * 0, F32), -1)  # [B, 1]
+    x = _embed(W, ids)  # [B, M, C, E]
+    E = x.shape[-1]
+    states = []
+    for l in range(c.n_layers):
+        found: dict = {}
+
+        def run(name, h, l=l, found=found):
+            if name == "gss":
+                out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device)
+            elif name == "attn":
+                out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols,
+                                                  W.attn(l), c, K)
+                out = ops.reshape(out, [B, M, C, E])
+            else:
+                out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))))
+            return out
+
+        x = _block(x, l, W, run)
+        states.append(_state_row(found, zero_col))
+    return x, states
 
 
 def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
@@ -32,11 +76,7 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     device = device or DeviceRef.CPU()
     c, C = config, CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = [
-        TensorType(I64, ["batch", "chunks", C], device),  # ids
-        TensorType(I64, ["chunks", C], device),  # pos
-        TensorType(I64, ["chunks", C], device),  # pos_cols: pos again (see the module docs)
-        TensorType(I64, ["batch"], device),  # lengths
+    input_types = prefix_input_types(device) + [
         TensorType(F32, ["batch"], device),  # temperature
         TensorType(I64, ["batch"], device),  # top_k
         TensorType(F32, ["batch"], device),  # top_p
@@ -46,33 +86,9 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     with Graph(name or f"pha_prefill_{dt}", input_types=input_types) as g:
         ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
-        K = _Consts(c, device)
-        B, M = ids.shape[0], ids.shape[1]
-        chunk = ops.constant(C, I64, device=device)
-        chunk_rows, chunk_cols = ops.floor_div(pos[:, 0], chunk), ops.floor_div(pos_cols[:, 0], chunk)
-        flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
-        zero_col = ops.unsqueeze(ops.cast(lengths * 0, F32), -1)  # [B, 1]
-        x = _embed(W, ids)  # [B, M, C, E]
-        E = x.shape[-1]
-        states = []
-        for l in range(c.n_layers):
-            found: dict = {}
-
-            def run(name, h, l=l, found=found):
-                if name == "gss":
-                    out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device)
-                elif name == "attn":
-                    out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols,
-                                                      W.attn(l), c, K)
-                    out = ops.reshape(out, [B, M, C, E])
-                else:
-                    out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))))
-                return out
-
-            x = _block(x, l, W, run)
-            states.append(_state_row(found, zero_col))
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device)
         last = lengths - 1
-        m = ops.floor_div(last, chunk)
+        m = ops.floor_div(last, ops.constant(C, I64, device=device))
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
         nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)

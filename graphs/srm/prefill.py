@@ -2,21 +2,28 @@
 
 Inputs (B = batch, N = number of chunks, C = ``CHUNK``; B and N symbolic):
     ids          [B, N, C] int64   right-padded token ids, reshaped into chunks
-    pos          [N, C]    int64   absolute positions 0 .. N*C-1 (same layout)
+    pos          [N, C]    int64   the token's index in this call, 0 .. N*C-1 (same layout)
     last         [B, 2]    int64   (chunk, offset) of each prompt's last real token
+    start        [B]       int64   tokens each sample has already read (0: a fresh prompt)
+    init         [L, B, H, hd] f32 the state after those tokens (zeros for a fresh prompt)
     temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
     mode         [] int64 on the host (``sampler.MODE_*``),
-    counter      [B] int64 (the position of the token to draw = prompt length)
+    counter      [B] int64 (the position of the token to draw = start + prompt length)
 Outputs:
     logits       [B, V] f32        at each prompt's last real token
     next_ids     [B]    int64      the first new token, drawn in the graph
     states       [L, B, H, hd] f32 recurrent state after the last real token
 
+Token t of sample b sits at the absolute position start[b] + t: the mixer's
+per-position weights w, beta are read there, so a prompt continued from a state
+computes what the whole prompt would.
+
 The token mixer runs as a chunked scan, O(T * C + (T / C)**2) per channel:
 dense decay matrices inside each chunk (exponents < C), and a (T/C) x (T/C)
 matrix of decays lam**(C*(n-1-m)) <= 1 carrying each chunk's final local
-state into every later chunk. No negative powers of lam anywhere, so nothing
-overflows; long-range decays underflow harmlessly to 0.
+state into every later chunk; the initial state enters every chunk n as one
+more carry, decayed by lam**(C*n). No negative powers of lam anywhere, so
+nothing overflows; long-range decays underflow harmlessly to 0.
 """
 
 from __future__ import annotations
@@ -37,16 +44,22 @@ from .blocks import SRMWeights, channel_mlp, embed, logits_of
 CHUNK = 32
 
 
-def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: DeviceRef) -> TensorValue:
-    """u [B, N, C, d] -> (y [B, N, C, d], states [B, N, C, H, hd])."""
-    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+def absolute_positions(pos: TensorValue, start: TensorValue, config) -> TensorValue:
+    """[B, N, C]: start[b] + pos, clamped to n - 1 (padding can run past the context)."""
+    apos = ops.unsqueeze(ops.unsqueeze(start, -1), -1) + ops.unsqueeze(pos, 0)
+    return gops.clamp_max(apos, config.context_length - 1)
+
+
+def _mixer_parallel(u: TensorValue, pos: TensorValue, apos: TensorValue, init: TensorValue, p: dict, config,
+                    device: DeviceRef) -> tuple[TensorValue, TensorValue]:
+    """u [B, N, C, d], pos [N, C], absolute positions apos [B, N, C], initial state
+    init [B, H, hd] -> (y [B, N, C, d], states [B, N, C, H, hd])."""
+    H, hd, C = config.n_heads, config.head_dim, CHUNK
     B, N = u.shape[0], u.shape[1]
     # Per-head vectors expanded per channel [.., d]: see decode._mixer_step.
-    E = gops.head_expander(H, hd, device)  # [H, d]
     col = gops.channel_column_mask(H, hd, device)  # [d]
-    posc = gops.clamp_max(pos, n - 1)  # padding past n: any valid index
-    wt = ops.matmul(ops.gather(p["w"], posc, axis=0), E)  # [N, C, d]
-    bt = ops.matmul(ops.gather(p["beta"], posc, axis=0), E)
+    wt = gops.per_channel(ops.gather(p["w"], apos, axis=0), H, hd, device)  # [B, N, C, d]
+    bt = gops.per_channel(ops.gather(p["beta"], apos, axis=0), H, hd, device)
     v = ops.reshape(u * gops.select_heads(col, 1.0, wt), [B, N, C, H, hd])  # what enters the state
     loglam = p["loglam"]  # [H]
 
@@ -56,14 +69,15 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     causal = gops.const((gap >= 0).astype(np.float32).reshape(1, C, C), F32, device)
     gapc = gops.const(np.maximum(gap, 0).reshape(1, C, C), F32, device)
     lam3 = ops.reshape(loglam, [H, 1, 1])
-    within = ops.exp(gapc * lam3) * causal  # [H, C, C] 
+    within = ops.exp(gapc * lam3) * causal  # [H, C, C]
     # Everything below is rank-3 matmuls in a [H, rows, X] layout (X = B*N*hd): MAX
     # batched matmul is rank <= 4, and elementwise ops that broadcast size-1 axes
     # against reshaped matmul results were miscompiled (see decode._mixer_step).
     X = ops.reshape(ops.permute(v, [3, 2, 0, 1, 4]), [H, C, -1])  # [H, C(i), B*N*hd]
     local = ops.matmul(within, X)  # [H, C(j), B*N*hd]
 
-    # Between chunks: carry[n] = sum_{m < n} lam**(C (n-1-m)) S_m, S_m = chunk m's last local state.
+    # Between chunks: carry[n] = sum_{m < n} lam**(C (n-1-m)) S_m + lam**(C n) init,
+    # S_m = chunk m's last local state (init: the state before chunk 0's first token).
     S = ops.reshape(local[:, C - 1, :], [H, B, N, hd])
     S = ops.reshape(ops.permute(S, [0, 2, 1, 3]), [H, N, -1])  # [H, N(m), B*hd]
     cidx = ops.cast(ops.floor_div(pos[:, 0], ops.constant(C, I64, device=device)), F32)  # [N]
@@ -72,11 +86,14 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     before = ops.cast(ci > cj, F32)  # [N, N]: 1 where m < n
     expo = gops.floor_at(ci - cj - 1.0, 0.0) * float(C)
     dc = ops.exp(ops.unsqueeze(expo, 0) * lam3) * ops.unsqueeze(before, 0)  # [H, N, N]
-    carry = ops.reshape(ops.matmul(dc, S), [H, N, B, hd])  # [H, N(n), B, hd]
+    d0 = ops.exp(ops.unsqueeze(ci * float(C), 0) * lam3)  # [H, N, 1]: lam**(C n)
+    s0 = ops.reshape(ops.permute(init, [1, 0, 2]), [H, 1, -1])  # [H, 1, B*hd]
+    carry = ops.matmul(dc, S) + ops.matmul(d0, s0)  # [H, N(n), B*hd] (outer product as a matmul)
+    carry = ops.reshape(carry, [H, N, B, hd])
     carry = ops.reshape(ops.permute(carry, [0, 2, 1, 3]), [H, 1, -1])  # [H, 1, B*N*hd]
     pw = ops.exp(ops.reshape(gops.const((k + 1).astype(np.float32), F32, device), [1, C, 1])
                  * lam3)  # [H, C, 1]: lam**(j+1)
-    states = local + ops.matmul(pw, carry)  # [H, C, B*N*hd] (outer product as a matmul)
+    states = local + ops.matmul(pw, carry)  # [H, C, B*N*hd]
     states = ops.permute(ops.reshape(states, [H, C, B, N, hd]), [2, 3, 1, 0, 4])  # [B, N, C, H, hd]
 
     flat = ops.reshape(states, [B, N, C, H * hd])
@@ -84,23 +101,57 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, p: dict, config, device: D
     return y, states
 
 
-def _mixer_scan_kernel(u: TensorValue, pos: TensorValue, last: TensorValue, p: dict, config,
+def _mixer_scan_kernel(u: TensorValue, last: TensorValue, start: TensorValue, init: TensorValue, p: dict, config,
                        device: DeviceRef) -> tuple[TensorValue, TensorValue]:
     """The Mojo scan op (mojo/mixer_scan.mojo): u [B, N, C, d] -> (y [B, N, C, d],
-    state after each prompt's last token [B, H, hd]); O(T) per channel, sequential in t."""
-    H, hd, n, C = config.n_heads, config.head_dim, config.context_length, CHUNK
+    state after each prompt's last token [B, H, hd]); O(T) per channel, sequential in t.
+    The op reads w, beta at start[b] + t itself (clamped to the context)."""
+    H, hd, C = config.n_heads, config.head_dim, CHUNK
     B, N = u.shape[0], u.shape[1]
     u4 = ops.reshape(u, [B, -1, H, hd])  # [B, T, H, hd], T = N * C
     lengths = last[:, 0] * C + last[:, 1] + 1  # [B]
-    # The op indexes w[h, t] for every t < T; padding can run past n, so gather
-    # clamped positions (as the plain graph does) into [H, T].
-    posc = ops.reshape(gops.clamp_max(pos, n - 1), [-1])
-    w = ops.transpose(ops.gather(p["w"], posc, axis=0), 0, 1)
-    beta = ops.transpose(ops.gather(p["beta"], posc, axis=0), 0, 1)
     y, final = ops.custom(
-        "srm_mixer_scan", device=device, values=[u4, lengths, w, beta, ops.exp(p["loglam"])],
+        "srm_mixer_scan", device=device,
+        values=[u4, lengths, start, init, ops.transpose(p["w"], 0, 1), ops.transpose(p["beta"], 0, 1),
+                ops.exp(p["loglam"])],
         out_types=[TensorType(F32, u4.shape, device), TensorType(F32, [B, H, hd], device)])
     return ops.reshape(y.tensor, [B, N, C, H * hd]), final.tensor
+
+
+def srm_layers(W: SRMWeights, ids: TensorValue, pos: TensorValue, last: TensorValue, start: TensorValue,
+               init: TensorValue, device: DeviceRef, kernels: bool) -> tuple[TensorValue, TensorValue]:
+    """Every layer over right-padded prompts (the inputs of the module docs) ->
+    (x [B, N, C, d] after the last layer, states [L, B, H, hd] after each prompt's last
+    token). With ``kernels`` the mixer runs as the Mojo scan op, else as the chunked scan."""
+    c = W.config
+    apos = None if kernels else absolute_positions(pos, start, c)
+    x = embed(W, ids)  # [B, N, C, d]
+    states = []
+    for l in range(c.n_layers):
+        p = W.layer(l)
+        x = channel_mlp(x, p, c.layer_norm_eps)
+        z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
+        u = gops.linear(z, p["proj_w"], p["proj_b"])
+        if kernels:  # st: the state after each prompt's last token [B, H, hd]
+            y, st = _mixer_scan_kernel(u, last, start, init[l], p, c, device)
+        else:  # st: the state after every position, of which the last token's is kept
+            y, st = _mixer_parallel(u, pos, apos, init[l], p, c, device)
+            st = ops.gather_nd(st, last, batch_dims=1)
+        x = x + gops.linear(y, p["out_w"], p["out_b"])
+        states.append(st)
+    return x, ops.stack(states, axis=0)
+
+
+def prefix_input_types(config, device: DeviceRef) -> list[TensorType]:
+    """The inputs prefill and scoring share: ids, pos, last, start, init (module docs)."""
+    c, C = config, CHUNK
+    return [
+        TensorType(I64, ["batch", "chunks", C], device),  # ids
+        TensorType(I64, ["chunks", C], device),  # pos
+        TensorType(I64, ["batch", 2], device),  # last
+        TensorType(I64, ["batch"], device),  # start
+        TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device),  # init
+    ]
 
 
 def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: DeviceRef | None = None,
@@ -110,13 +161,9 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
     device = device or DeviceRef.CPU()
     kernels = kernel_library is not None
     c = config
-    C = CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")
-    input_types = [
-        TensorType(I64, ["batch", "chunks", C], device),  # ids
-        TensorType(I64, ["chunks", C], device),  # pos
-        TensorType(I64, ["batch", 2], device),  # last
+    input_types = prefix_input_types(c, device) + [
         TensorType(F32, ["batch"], device),  # temperature
         TensorType(I64, ["batch"], device),  # top_k
         TensorType(F32, ["batch"], device),  # top_p
@@ -126,23 +173,11 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
     ]
     extensions = [kernel_library] if kernels else []
     with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
-        ids, pos, last, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
+        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
-        x = embed(W, ids)  # [B, N, C, d]
-        states = []
-        for l in range(c.n_layers):
-            p = W.layer(l)
-            x = channel_mlp(x, p, c.layer_norm_eps)
-            z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
-            u = gops.linear(z, p["proj_w"], p["proj_b"])
-            if kernels:  # st: the state after each prompt's last token [B, H, hd]
-                y, st = _mixer_scan_kernel(u, pos, last, p, c, device)
-            else:  # st: the state after every position
-                y, st = _mixer_parallel(u, pos, p, c, device)
-            x = x + gops.linear(y, p["out_w"], p["out_b"])
-            states.append(st if kernels else ops.gather_nd(st, last, batch_dims=1))
+        x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
         logits = logits_of(W, xl)
         nxt = sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
-        g.output(logits, nxt, ops.stack(states, axis=0))
+        g.output(logits, nxt, states)
     return g

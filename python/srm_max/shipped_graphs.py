@@ -47,7 +47,7 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 # x86-64 CPUs of the last decade have (x86-64-v4 would need an AVX-512 machine to check it)
 DEFAULT_TARGETS = ("x86-64-v3",)
 # the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
-KINDS = ("prefill", "decode", "sample", "regroup", "decode_steps")
+KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
 # x86-64 levels, lowest first: a CPU runs code compiled for its level or any below it
 X86_LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 # relative to max(1, max |expected|): the float32 engine against the float64 reference

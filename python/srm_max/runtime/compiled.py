@@ -1,7 +1,8 @@
-"""What every engine shares: compiled prefill and decode graphs for one config, weight
-dtype and device, loaded lazily (from the ``.mef`` cache when possible) under the
+"""What every engine shares: compiled prefill, score and decode graphs for one config,
+weight dtype and device, loaded lazily (from the ``.mef`` cache when possible) under the
 engine's lock; host/device transfers; the decode call, whose inputs and outputs are
-the same for every architecture (``graphs/loop.py``).
+the same for every architecture (``graphs/loop.py``); the score call's checks and its
+results on the host (each architecture runs its own score graph, ``_run_score``).
 
 States stay on the device: ``prefill`` and ``decode`` return ``Buffer``s that are fed
 straight back; per decode call only the new token ids [B, S] come back to the host.
@@ -26,6 +27,7 @@ from max.engine import InferenceSession, Model
 
 from ..errors import GenerationError
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
+from ..graphs.scoring import TOP_N
 from .compile_cache import load_compiled
 from .device import cache_aligned, resolve_device, resolve_dtype, to_bfloat16_bits
 from .precompile import GraphJob, precompile
@@ -98,6 +100,18 @@ class PrefillResult:
 
 
 @dataclass
+class ScoreResult:
+    """Per sample b, at each position t < T_b: the log-probability of targets[b][t] after
+    reading inputs[b][:t+1], and the n most likely tokens there (descending, ties by
+    lower id) with their log-probabilities."""
+
+    logprobs: list[np.ndarray]  # [T_b] float32 each
+    top_ids: list[np.ndarray]  # [T_b, n] int64
+    top_logprobs: list[np.ndarray]  # [T_b, n] float32
+    states: Buffer  # the state after each sample's last input, as PrefillResult.states (on the device)
+
+
+@dataclass
 class DecodeResult:
     tokens: np.ndarray  # [B, S] int64
     states: Buffer  # ready to take ids
@@ -165,6 +179,10 @@ class CompiledGraphs:
         return self.model("prefill")
 
     @property
+    def score_model(self) -> Model:
+        return self.model("score")
+
+    @property
     def decode_model(self) -> Model:
         return self.model("decode")
 
@@ -179,7 +197,7 @@ class CompiledGraphs:
         return self.kernels and isinstance(self.device, CPU)
 
     def graph_kinds(self) -> list[str]:
-        return ["prefill", "decode", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else [])
+        return ["prefill", "score", "decode", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else [])
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
@@ -233,6 +251,83 @@ class CompiledGraphs:
                 self.to_device(np.asarray(index, np.int64)))
         return states
 
+    # -- starting from a state, and scoring
+    def check_start(self, lengths: np.ndarray, start_states: Buffer | None, start_positions) -> np.ndarray:
+        """[B] int64 start positions of a prefill or score call that reads ``lengths``
+        tokens per sample: ``start_positions`` (default zeros) checked against the context
+        and against ``start_states`` (None: every sample starts fresh, at 0)."""
+        n, B = self.config.context_length, len(lengths)
+        if start_positions is None:
+            start = np.zeros(B, np.int64)
+        else:
+            start = np.asarray(start_positions, np.int64).reshape(-1)
+            if start.shape != (B,):
+                raise GenerationError(f"start_positions has {start.size} entries for {B} samples")
+        if (start < 0).any():
+            raise GenerationError(f"start_positions must be >= 0, got {start.tolist()}")
+        if start_states is None and start.any():
+            raise GenerationError("start_positions > 0 need the start_states the samples reached there")
+        if start_states is not None and (start_states.shape[1] != B or start_states.shape[0] != self.config.n_layers):
+            raise GenerationError(f"start_states has shape {tuple(start_states.shape)}: expected "
+                                  f"[{self.config.n_layers}, {B}, ...] (layers, samples)")
+        over = np.flatnonzero(start + lengths > n)
+        if (start_positions is not None or start_states is not None) and over.size:
+            b = int(over[0])
+            raise GenerationError(f"sample {b}: {int(start[b])} tokens read and {int(lengths[b])} more pass "
+                                  f"the context length {n}")
+        return start
+
+    def score(self, inputs: list, targets: list, top_n: int = 0, start_states: Buffer | None = None,
+              start_positions=None) -> ScoreResult:
+        """Per-position log-probabilities (``ScoreResult``) of ``targets`` after ``inputs``:
+        inputs[b] and targets[b] are equally long (1 to the context length less the start
+        position), usually targets[b] = the text and inputs[b] = the token before each;
+        the model's raw distribution (log_softmax of the logits, no temperature or
+        filters). ``top_n`` (0 .. 20): alternatives per position. ``start_states`` [L, B,
+        ...] and ``start_positions`` [B] continue samples from states returned by
+        prefill, score or regroup (default: fresh). One call of the score graph; only
+        [B, T] log-probabilities and [B, T, 20] alternatives come to the host."""
+        if not 0 <= top_n <= TOP_N:
+            raise GenerationError(f"top_n must be 0 to {TOP_N}, got {top_n}")
+        if not inputs or len(inputs) != len(targets):
+            raise GenerationError(f"score needs as many targets as inputs (>= 1), got {len(inputs)} and "
+                                  f"{len(targets)}")
+        V = self.config.vocab_size
+        for b, (x, y) in enumerate(zip(inputs, targets)):
+            if not 0 < len(x) == len(y):
+                raise GenerationError(f"sample {b}: {len(x)} inputs and {len(y)} targets (need equal, >= 1)")
+            for what, ids in (("inputs", x), ("targets", y)):
+                a = np.asarray(ids)
+                if a.min() < 0 or a.max() >= V:
+                    raise GenerationError(f"sample {b}: {what} hold ids outside the vocabulary 0..{V - 1}")
+        lengths = np.array([len(x) for x in inputs], np.int64)
+        if lengths.max() > self.config.context_length:
+            raise GenerationError(f"sample {int(lengths.argmax())} has {int(lengths.max())} tokens: more than the "
+                                  f"context length {self.config.context_length}")
+        start = self.check_start(lengths, start_states, start_positions)
+        with self._lock:
+            lp, values, ids, states = self._run_score(inputs, targets, lengths, start, start_states)
+        B = len(inputs)
+        lp = self.host(lp).reshape(B, -1)
+        values = self.host(values)
+        values = values.reshape(B, -1, values.shape[-1])
+        ids = self.host(ids).reshape(values.shape)
+        result = ScoreResult([], [], [], states)
+        for b, T in enumerate(lengths):
+            v, i = values[b, :T], ids[b, :T]
+            order = np.lexsort((i, -v), axis=-1)[:, :top_n]  # descending, ties by lower id
+            result.logprobs.append(lp[b, :T].astype(np.float32))
+            result.top_ids.append(np.take_along_axis(i, order, -1).astype(np.int64))
+            result.top_logprobs.append(np.take_along_axis(v, order, -1).astype(np.float32))
+        return result
+
+    def _run_score(self, inputs: list, targets: list, lengths: np.ndarray, start: np.ndarray,
+                   start_states: Buffer | None) -> tuple[Buffer, Buffer, Buffer, Buffer]:
+        """The architecture's score graph on checked inputs -> (log-probabilities [B, T'],
+        top values [B, T', K], top ids, states) on the device, T' >= max(lengths) (any
+        layout whose rows reshape so)."""
+        raise NotImplementedError
+
     # -- the decode call (every engine's decode graph has the same inputs and outputs)
     def decode_inputs(self, ids, positions, sampling) -> tuple[Buffer, Buffer, list[Buffer]]:
         """ids and positions as device Buffers, sampling as ``sampling_buffers`` (each
@@ -260,5 +355,5 @@ class CompiledGraphs:
         return DecodeResult(self.host(toks), states, last, pos)
 
 
-__all__ = ["CompiledGraphs", "DecodeResult", "PrefillResult", "SamplingArrays", "check_shapes", "registry_of",
-           "right_padded"]
+__all__ = ["CompiledGraphs", "DecodeResult", "PrefillResult", "SamplingArrays", "ScoreResult", "check_shapes",
+           "registry_of", "right_padded"]

@@ -28,11 +28,13 @@ per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
         values=[state, u, positions, w, beta, lam],
         out_types=[TensorType(DType.float32, u.shape, dev)] * 2)
 
-``srm_mixer_scan`` (prefill; y for all T positions, state after ``lengths[b]-1``)::
+``srm_mixer_scan`` (prefill; y for all T positions, state after ``lengths[b]-1``;
+sample b starts at absolute position ``start[b]`` from the state ``init[b]``)::
 
     y, final_state = ops.custom(
         "srm_mixer_scan", device=dev,
-        values=[u, lengths, w, beta, lam],          # u [B,T,H,hd], lengths [B] i64
+        values=[u, lengths, start, init, w, beta, lam],  # u [B,T,H,hd], lengths, start [B] i64,
+                                                         # init [B,H,hd], w, beta [H,n] f32
         out_types=[TensorType(DType.float32, u.shape, dev),                  # [B,T,H,hd]
                    TensorType(DType.float32, [u.shape[0], u.shape[2], u.shape[3]], dev)])
 

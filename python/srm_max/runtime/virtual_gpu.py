@@ -56,20 +56,22 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
         TensorType(i64, ["B"], gpu),  # positions
         TensorType(f32, ["B2", "T", "H", "hd"], gpu),  # u (scan)
         TensorType(i64, ["B2"], gpu),  # lengths
+        TensorType(i64, ["B2"], gpu),  # start
+        TensorType(f32, ["B2", "H", "hd"], gpu),  # init
         TensorType(f32, ["H", "n"], gpu),
         TensorType(f32, ["H", "n"], gpu),
         TensorType(f32, ["H"], gpu),
     ]
     with Graph("srm_mixer_ops_gpu", input_types=types, custom_extensions=[lib]) as g:
         sbuf = g.inputs[0].buffer
-        s, u, pos, us, lens, w, beta, lam = (v.tensor for v in g.inputs[1:])
+        s, u, pos, us, lens, start, init, w, beta, lam = (v.tensor for v in g.inputs[1:])
         yt = TensorType(f32, u.shape, gpu)
         (y1,) = ops.inplace_custom(OP_STEP, device=gpu, values=[sbuf, u, pos, w, beta, lam], out_types=[yt])
         y2, ns = ops.custom(OP_STEP_FUNCTIONAL, device=gpu, values=[s, u, pos, w, beta, lam], out_types=[yt, yt])
         y3, fin = ops.custom(
             OP_SCAN,
             device=gpu,
-            values=[us, lens, w, beta, lam],
+            values=[us, lens, start, init, w, beta, lam],
             out_types=[
                 TensorType(f32, us.shape, gpu),
                 TensorType(f32, [us.shape[0], us.shape[2], us.shape[3]], gpu),

@@ -16,7 +16,7 @@ GRAPH_KEY = b"pha-graphs-v2"
 
 
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
-    """The graph ``kind`` ("prefill", "decode", "sample" or "regroup"). The decode graph
+    """The graph ``kind`` ("prefill", "score", "decode", "sample" or "regroup"). The decode graph
     always uses one Mojo op (its in-place state write), the rest none: ``kernels`` is
     ignored."""
     if kind == "sample":
@@ -25,6 +25,8 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
     if kind == "prefill":
         return pha.build_pha_prefill_graph(config, wdtype, device)
+    if kind == "score":
+        return pha.build_pha_score_graph(config, wdtype, device)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
     raise ValueError(f"unknown PHA graph kind {kind!r}")

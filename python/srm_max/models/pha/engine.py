@@ -1,7 +1,7 @@
 """The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
 
-Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``
-and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
+Three compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``,
+``pha_score_*`` and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
 weights bound at load time by name; compiled models cached as ``.mef`` files
 (``compile_cache``). The decode graph runs one step per ``execute`` and writes
 the state in place, so ``decode`` copies the caller's states once per call and
@@ -13,6 +13,9 @@ per-sample state (the GSS state as real pairs, the preallocated KV caches); see
 Generator and the slot pool copy, compact and refill slots exactly as for the
 SRM. ``split_states`` unpacks a host copy into the reference's ``PHACache``
 layout.
+
+Prefill and score start fresh only: continuing from a state (``start_states``) is
+refused (docs/scoring.md says what it would take).
 """
 
 from __future__ import annotations
@@ -83,25 +86,46 @@ class PHAEngine(CompiledGraphs):
             out["values"] = s[:, :, lay.values].reshape(shape)
         return out
 
-    # -- the two calls
-    def prefill(self, prompts: list, sampling: SamplingArrays | None = None) -> PrefillResult:
-        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them."""
+    def check_fresh(self, start_states, start_positions) -> None:
+        """Prefill and score start from token 0 only: the attention would have to read each
+        sample's cached KV rows of its earlier tokens (docs/scoring.md)."""
+        if start_states is not None or (start_positions is not None and np.any(start_positions)):
+            raise GenerationError("the PHA engine cannot continue from a state (start_states/start_positions): "
+                                  "it prefills and scores from the first token only")
+
+    def _chunked(self, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Right-padded ids [B, M, C], positions [M, C] and lengths [B] of non-empty rows of
+        at most n tokens."""
         n = self.config.context_length
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(rows):
             if not 0 < len(p) <= n:
                 raise GenerationError(f"prompt {i} has {len(p)} tokens: expected 1 to the context length {n}")
-        B = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int64)
+        lengths = np.array([len(p) for p in rows], np.int64)
         C = pha_graphs.CHUNK
         M = -(-int(lengths.max()) // C)  # chunks: the graph runs T = M C tokens
-        ids = right_padded(prompts, M * C).reshape(B, M, C)
-        pos = np.arange(M * C, dtype=np.int64).reshape(M, C)
-        sampling = sampling or SamplingArrays.greedy(B)
+        ids = right_padded(rows, M * C).reshape(len(rows), M, C)
+        return ids, np.arange(M * C, dtype=np.int64).reshape(M, C), lengths
+
+    # -- the calls
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
+                start_positions=None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them
+        (from a fresh start: ``check_fresh``)."""
+        self.check_fresh(start_states, start_positions)
+        ids, pos, lengths = self._chunked(prompts)
+        sampling = sampling or SamplingArrays.greedy(len(prompts))
         with self._lock:
             logits, nxt, states = self.prefill_model.execute(
                 self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
                 *self.sampling_buffers(sampling))
         return PrefillResult(logits, self.host(nxt), states)
+
+    def _run_score(self, inputs, targets, lengths, start, start_states):
+        self.check_fresh(start_states, start)
+        ids, pos, _ = self._chunked(inputs)
+        padded = right_padded(targets, ids.shape[1] * ids.shape[2]).reshape(ids.shape)
+        return self.score_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
+                                        self.to_device(lengths), self.to_device(padded))
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
         """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the

@@ -8,7 +8,7 @@ from max.graph import DeviceRef, Graph
 
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
-from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph
+from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph, build_score_graph
 from ...runtime.kernels import kernel_library
 from . import packing, schema
 from .config import SRMConfig
@@ -18,7 +18,7 @@ GRAPH_KEY = b"srm-graphs-v2"
 
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
-    """The graph ``kind``: "prefill", "decode", "sample" (``graphs.sampler.build_sample_graph``),
+    """The graph ``kind``: "prefill", "score" (per-position log-probabilities), "decode", "sample" (``graphs.sampler.build_sample_graph``),
     "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
     if kind == "sample":
         return build_sample_graph("srm_sample", config.vocab_size, device)
@@ -27,6 +27,8 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     library = kernel_library() if kernels else None
     if kind == "prefill":
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
+    if kind == "score":
+        return build_score_graph(config, schema, wdtype, device, kernel_library=library)
     packed = packing.packed_inputs(config) if kernels and device.is_cpu() else None
     if kind == "decode":
         return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)

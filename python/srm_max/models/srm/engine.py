@@ -1,10 +1,11 @@
-"""The SRM's MAX engine: compiled prefill + decode graphs for one config.
+"""The SRM's MAX engine: compiled prefill, score and decode graphs for one config.
 
 ``Engine(config, weights, dtype, device)`` builds (or loads from the ``.mef``
-cache, see ``compile_cache``) two graphs per (config shape, weight dtype,
-device): ``srm_prefill_*`` and ``srm_decode_*``; batch size, prompt length and
-the number of decode steps per call are symbolic, so these two graphs serve
-every request. With the Mojo ops on a CPU there is a third, ``srm_decode_steps_*``:
+cache, see ``compile_cache``) three graphs per (config shape, weight dtype,
+device): ``srm_prefill_*``, ``srm_score_*`` and ``srm_decode_*``; batch size, prompt
+length and the number of decode steps per call are symbolic, so these graphs serve
+every request. Prefill and score take each sample's start: the tokens it has already
+read and the state it reached there (zeros for a fresh prompt). With the Mojo ops on a CPU there is a third, ``srm_decode_steps_*``:
 a decode runs all its steps inside one op, each token chosen greedily or drawn there
 by the sampler's rules (see graphs/srm/decode.py); elsewhere decodes take the decode
 graph's loop. Weights are bound at load time by name.
@@ -61,23 +62,38 @@ class Engine(CompiledGraphs):
         c = self.config
         return self.to_device(np.zeros((c.n_layers, batch, c.n_heads, c.head_dim), np.float32))
 
-    # -- the two calls
-    def prefill(self, prompts: list, sampling: SamplingArrays | None = None) -> PrefillResult:
-        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them."""
-        B = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int64)
-        C = CHUNK
-        T = int(lengths.max())
-        nc = -(-T // C)
-        ids = right_padded(prompts, nc * C)
+    def _prefix_inputs(self, rows: list, lengths: np.ndarray, start: np.ndarray,
+                       start_states: Buffer | None) -> list[Buffer]:
+        """The graphs' shared inputs (graphs/srm/prefill.py): ids, pos, last, start, init."""
+        B, C = len(rows), CHUNK
+        nc = -(-int(lengths.max()) // C)
+        ids = right_padded(rows, nc * C).reshape(B, nc, C)
         pos = np.arange(nc * C, dtype=np.int64).reshape(nc, C)
         last = np.stack([(lengths - 1) // C, (lengths - 1) % C], 1).astype(np.int64)
+        init = self.empty_states(B) if start_states is None else start_states
+        return [self.to_device(ids), self.to_device(pos), self.to_device(last), self.to_device(start), init]
+
+    # -- the calls
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
+                start_positions=None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them.
+        ``start_states`` [L, B, H, hd] and ``start_positions`` [B]: continue each sample from
+        the state it reached after that many tokens (default: fresh); the prompt's tokens
+        then sit at start .. start + len - 1, and the first new token is drawn at start + len."""
+        B = len(prompts)
+        lengths = np.array([len(p) for p in prompts], np.int64)
+        start = self.check_start(lengths, start_states, start_positions)
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
             logits, nxt, states = self.prefill_model.execute(
-                self.to_device(ids.reshape(B, nc, C)), self.to_device(pos), self.to_device(last),
-                *self.sampling_buffers(sampling), self.to_device(lengths))
+                *self._prefix_inputs(prompts, lengths, start, start_states), *self.sampling_buffers(sampling),
+                self.to_device(start + lengths))
         return PrefillResult(logits, self.host(nxt), states)
+
+    def _run_score(self, inputs, targets, lengths, start, start_states):
+        prefix = self._prefix_inputs(inputs, lengths, start, start_states)
+        padded = right_padded(targets, prefix[1].shape[0] * CHUNK).reshape(len(inputs), -1, CHUNK)
+        return self.score_model.execute(*prefix, self.to_device(padded))
 
 
 __all__ = ["Engine", "weights_registry"]

@@ -1,0 +1,36 @@
+"""The PHA score graph: the log-probability of every target token of right-padded
+texts, from a fresh start, over the prefill graph's layers (``prefill.pha_layers``),
+and the top alternatives at every position (``graphs/scoring.py``).
+
+Inputs:  ids, pos, pos_cols, lengths as in the prefill graph, then
+         targets [B, M, C] int64 (the token to score after reading ids to the same place).
+Outputs: logprobs [B, M, C] f32, top_values [B, M, C, K] f32 (descending), top_ids
+         [B, M, C, K] int64 (K = ``scoring.top_width(V)``), states [L, B, X] after each
+         sample's last token.
+"""
+
+from __future__ import annotations
+
+from max.dtype import DType
+from max.graph import DeviceRef, Graph, TensorType, ops
+
+from ..ops import I64, linear
+from ..scoring import token_logprobs
+from .gss import CHUNK
+from .model import PHAWeights
+from .prefill import pha_layers, prefix_input_types
+
+
+def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
+                          name: str | None = None) -> Graph:
+    """As ``build_pha_prefill_graph``, but the output layer runs at every position."""
+    device = device or DeviceRef.CPU()
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    input_types = prefix_input_types(device) + [TensorType(I64, ["batch", "chunks", CHUNK], device)]
+    with Graph(name or f"pha_score_{dt}", input_types=input_types) as g:
+        ids, pos, pos_cols, lengths, targets = (v.tensor for v in g.inputs)
+        W = PHAWeights(config, wdtype, device)
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device)
+        logprobs, top_values, top_ids = token_logprobs(linear(x, W.output()), targets)  # logits [B, M, C, V]
+        g.output(logprobs, top_values, top_ids, ops.stack(states, axis=0))
+    return g
