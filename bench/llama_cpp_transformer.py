@@ -24,12 +24,12 @@ row still running (a row that produced the stop token leaves the batch), and the
 is drawn in numpy from ``softmax(logits / temperature)``, the rule of the other engines. The
 KV cache is float32, like the weights.
 
-Which settings are fastest was measured on this task's model, one thread: a unified KV cache
-(one cache for all sequences, each token masked to its own) with flash attention and batches
-of 16-32 rows. Per-sequence caches (``kv_unified = false``) pad every sequence to 256 cells
-and attend over all of them, and llama.cpp computes a batch in one piece per run of
-consecutive sequence ids; with a unified cache the attention covers every sequence's cells, so
-its cost grows with the square of the batch, and past a few dozen rows batches got slower.
+The settings are the fastest on this task's model, one thread: a unified KV cache (one
+cache for all sequences, each token masked to its own) with flash attention and batches of
+16-32 rows. Per-sequence caches (``kv_unified = false``) pad every sequence to 256 cells and
+attend over all of them, and llama.cpp computes a batch in one piece per run of consecutive
+sequence ids; with a unified cache the attention covers every sequence's cells, so its cost
+grows with the square of the batch, which is why batches stay small.
 """
 
 from __future__ import annotations

@@ -630,8 +630,8 @@ def parse_args(argv=None, gpu: bool = False):
                     help="do not rerun a thread count that was this many times slower than another at the "
                          "previous batch (default off; --quick 2)")
     ap.add_argument("--llama-cache", default="static", choices=("static", "dynamic"),
-                    help="the Transformer's KV cache: preallocated (static, the default: 4-5x faster decode "
-                         "on CPU than the concatenating DynamicCache) or dynamic")
+                    help="the Transformer's KV cache: preallocated (static, the default: no copy of the "
+                         "cache per step, unlike the concatenating DynamicCache) or dynamic")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=4)

@@ -72,7 +72,7 @@ def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
     Order as in HF: temperature, then top-k, then top-p on the renormalised rest.
     The draw is the inverse CDF in token-id order with ONE uniform per sample, so
     no sort is needed unless a filter is on (a full sort of [B, V] and V random
-    numbers per sample were most of a decode step at batch 64).
+    numbers per sample would cost more than the rest of a decode step).
     """
     B = logits.shape[0]
     host = DeviceRef.CPU()
