@@ -164,6 +164,10 @@ class CompiledGraphs:
     # per config, and loading them all would compile the rest for nothing.
     preload_under_virtual_target = False
 
+    # Whether prefill and score continue from given states (start_states, start_positions):
+    # the prefix cache (serve/prefix_cache.py) and scoring ask this before passing them.
+    supports_start_state = False
+
     def model(self, kind: str) -> Model:
         """The compiled graph ``kind`` (one of ``graph_kinds()``), loaded on first use."""
         with self._lock:

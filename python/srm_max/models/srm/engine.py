@@ -42,6 +42,7 @@ class Engine(CompiledGraphs):
 
     build_graph = staticmethod(build.build_graph)
     graph_salt = build.GRAPH_KEY
+    supports_start_state = True  # its prefill and score graphs take each sample's start state
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):
