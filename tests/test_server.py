@@ -368,3 +368,17 @@ def test_serve_command_line():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.max_batch, args.model, args.api_key) == ("127.0.0.1", 8000, "auto", None, None)
     assert max_batch_of("auto", TINY) == 256 and max_batch_of("7", TINY) == 7
+
+
+# ------------------------------------------------------------------ hostile bodies (more in test_server_hostile.py)
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "ab\xed\xa0\x80"}', None),  # a UTF-8-encoded surrogate: not UTF-8
+    (rb'{"prompt": "ab\ud800"}', "prompt"),  # a lone surrogate escaped
+    (b'{"a":' * 13_000, None),  # nested deeper than the parser goes, within the body limit
+    (b'{"prompt": "ab", "temperature": 1e308}', "temperature"),
+])
+def test_hostile_bodies_are_400_and_the_server_goes_on(served, raw, param):
+    status, _, body = served.post("/v1/completions", None, raw=raw)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == param
+    r = served.client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert r.choices[0].token_ids == served.generator.generate(PROMPTS[0], max_new_tokens=3).ids
