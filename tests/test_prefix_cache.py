@@ -197,6 +197,8 @@ def test_toy_tokens_equal_with_and_without_the_cache(temperature):
             cached, saved = run_pool(engine, prompts, cache, temperature, slots, samples=2)
             assert cached == plain
     assert cache.stats.hits > 10 and cache.stats.tokens_saved > 1000
+    for entry in cache._lru.values():  # every kept state is the state after its tokens
+        np.testing.assert_allclose(entry.state[0], engine._run(np.zeros(engine.D), entry.tokens, 0), rtol=1e-12)
     assert saved[:6:2] == [len(batches[0][i]) for i in range(3)]  # a cached prompt + 1 starts at its end
     assert saved[6] == len(batches[1][0]) - 1  # a prompt seen again: only its last token runs
 
@@ -249,3 +251,130 @@ def test_engine_without_start_states_runs_as_before():
     assert SlotPool(engine, lambda ids: None, 2, prefix_cache=cache).prefix_cache is None
     run_pool(engine, prompts * 2, cache)
     assert engine.prefills == [[(0, 30), (0, 30)]] and len(cache) == 0
+
+
+# ------------------------------------------------------------ the SRM engine (TINY)
+TINY_KINDS = ("prefill", "sample", "regroup", "decode_steps")
+
+
+def generators(engine, **cache):
+    """The same engine with a prefix cache whose points suit TINY's context of 96, and without."""
+    from srm_max.serve.generator import Generator
+
+    on, off = Generator.from_engine(engine), Generator.from_engine(engine, prefix_cache_mb=0)
+    on.prefix_cache = PrefixCache(1 << 20, **({"interval": 32, "min_shared": 4} | cache))
+    return on, off
+
+
+@graphs(TINY, ("prefill",))
+def test_a_state_reached_in_pieces_gives_the_same_logits(engine):
+    """The tolerance: the scan sums in another order, nothing more."""
+    from conftest import assert_close_rel
+
+    p = random_prompts([90], TINY.vocab_size, seed=6)[0]
+    whole = engine.prefill([p])
+    for k in (1, 31, 32, 33, 64):
+        head = engine.prefill([p[:k]])
+        rest = engine.prefill([p[k:]], start_states=head.states, start_positions=[k])
+        assert_close_rel(engine.host(rest.logits), engine.host(whole.logits), rel=1e-4)
+        assert_close_rel(engine.host(rest.states), engine.host(whole.states), rel=1e-4)
+        assert rest.next_ids.tolist() == whole.next_ids.tolist()
+
+
+@graphs(TINY, TINY_KINDS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_tokens_equal_with_and_without_the_cache(engine, sampled):
+    on, off = generators(engine)
+    rng = np.random.default_rng(7)
+    V = TINY.vocab_size
+    system = rng.integers(0, V, 40).tolist()
+    base = random_prompts([32, 64, 20, 50], V, seed=8)
+    prompts = [system + rng.integers(0, V, int(rng.integers(1, 20))).tolist() for _ in range(6)]
+    prompts += [base[0], base[0] + [5], base[1], base[1][:33], base[2], base[2], base[3] + [1, 2]]
+    kw = dict(max_new_tokens=6, temperature=0.9 if sampled else 0.0, top_p=0.9 if sampled else 1.0)
+    for seed in range(3):
+        for batch in (prompts[:4], prompts[4:], [p + [seed] for p in prompts[::3]], prompts):
+            a = on.generate(batch, seed=seed, **kw)
+            b = off.generate(batch, seed=seed, **kw)
+            assert [(x.ids, x.finish_reason) for x in a] == [(x.ids, x.finish_reason) for x in b], seed
+    stats = on.prefix_cache.stats
+    assert stats.hits > 20 and stats.tokens_saved > 500, stats
+
+
+@graphs(TINY, TINY_KINDS)
+def test_stream_and_sample_many_use_the_cache(engine):
+    on, off = generators(engine)
+    prompts = [p + q for p in random_prompts([50], TINY.vocab_size, seed=9) for q in ([1], [2, 3], [4])]
+    kw = dict(max_new_tokens=5, temperature=1.0, seed=4)
+
+    def events(gen):
+        return [(e.tokens, e.finished) for e in gen.stream(prompts, **kw)]
+
+    assert events(on) == events(off)
+    before = on.prefix_cache.stats.tokens_saved
+    key = lambda s: (s.prompt_index, s.sample_index)  # noqa: E731
+    a = sorted(on.sample_many(prompts, 3, max_batch=2, **kw), key=key)
+    b = sorted(off.sample_many(prompts, 3, max_batch=2, **kw), key=key)
+    assert [x.ids for x in a] == [x.ids for x in b]
+    assert on.prefix_cache.stats.tokens_saved - before >= 3 * 50
+
+
+@graphs(TINY, TINY_KINDS)
+def test_context_limits_are_as_without_the_cache(engine):
+    on, off = generators(engine)
+    n = TINY.context_length
+    p = random_prompts([n], TINY.vocab_size, seed=10)[0]
+    for gen in (on, off):
+        with pytest.raises(GenerationError, match="context length"):
+            gen.generate(p + [1], max_new_tokens=2)
+        assert gen.generate(p, max_new_tokens=2).finish_reason == "context"
+    on.generate(p[:n - 2], max_new_tokens=1)
+    a, b = on.generate(p[:n - 1], max_new_tokens=3), off.generate(p[:n - 1], max_new_tokens=3)
+    assert (a.ids, a.finish_reason) == (b.ids, b.finish_reason) and len(a.ids) == 1 and a.finish_reason == "context"
+    assert on.prefix_cache.stats.tokens_saved >= n - 2
+
+
+@graphs(TINY, TINY_KINDS)
+def test_server_reports_cached_tokens_and_metrics(engine):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("prometheus_client")
+    uvicorn = pytest.importorskip("uvicorn")
+    import json
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    from srm_max.serve.http import create_app
+
+    on, _ = generators(engine)
+    server = uvicorn.Server(uvicorn.Config(create_app(on, model_name="tiny", max_batch=4), log_level="warning"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def get(path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.read()
+
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        p = random_prompts([45], TINY.vocab_size, seed=11)[0]
+        usage = [json.loads(get("/v1/completions", {"prompt": q, "max_tokens": 2, "n": 2}))["usage"]
+                 for q in (p, p + [3, 4], [[7] + p, p + [3, 4, 5]])]
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usage] == [0, 45, 47]
+        metrics = dict(line.rsplit(" ", 1) for line in get("/metrics").decode().splitlines()
+                       if line.startswith("srm_prefix_cache"))
+        assert float(metrics["srm_prefix_cache_hits_total"]) == 2
+        assert float(metrics["srm_prefix_cache_tokens_saved_total"]) == 92
+        assert float(metrics["srm_prefix_cache_bytes"]) == on.prefix_cache.bytes > 0
+    finally:
+        server.should_exit = True
+        thread.join(30)
