@@ -273,3 +273,26 @@ def test_op_in_engine_misaligns_by_sixteen_bytes():
     moved = misaligned(a)
     assert moved.ctypes.data % CACHE_LINE == 16 and moved.flags.c_contiguous
     np.testing.assert_array_equal(moved, a)
+
+
+def test_prefix_cache_smoke(tiny_config, tmp_path, capsys):
+    """Every workload of bench/prefix_cache.py on TINY shapes: with and without the cache the
+    tokens agree (the bench asserts it), and the JSON holds each ratio and the machine."""
+    from bench import prefix_cache
+
+    out = tmp_path / "prefix_cache.json"
+    c = tiny_config
+    rc = prefix_cache.main([
+        "--d-model", str(c.d_model), "--layers", str(c.n_layers), "--heads", str(c.n_heads),
+        "--vocab", str(c.vocab_size), "--context", str(c.context_length), "--prefix", "60", "--suffix", "5",
+        "--repeats", "2", "--docs", "6", "--shots", "40", "--doc-tokens", "5", "20", "--eval-batch", "3",
+        "--eval-new", "2", "--turns", "3", "--system", "10", "--user", "5", "--reply", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["machine"]["processor"] and res["model"]["d_model"] == c.d_model
+    assert res["ttft"]["speedup_cached"] > 0 and len(res["ttft"]["seconds"]["cached"]) == 2
+    assert res["fewshot"]["speedup_cached"] > 0 and res["chat"]["speedup_cached"] > 0
+    assert res["memory"]["state_bytes"] == 4 * c.n_layers * c.d_model
+    assert res["memory"]["budget_bytes_per_entry"] == 4 * c.n_layers * c.d_model + 4 * 60
+    assert res["cache_stats"]["hits"] > 0 and res["cache_stats"]["tokens_saved"] > 0
+    assert "time to first token" in capsys.readouterr().out
