@@ -54,6 +54,9 @@ def weights_of(model) -> dict[str, np.ndarray]:
 
 # the graphs of a CPU engine with the Mojo ops (Engine.graph_kinds)
 KERNEL_KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
+# the graphs such an engine loads by itself (``Engine.graph_kinds``: its decodes take
+# decode_steps; the decode graph's loop is compiled only for tests that compare the two)
+ENGINE_KINDS = ("prefill", "score", "sample", "regroup", "decode_steps")
 
 
 def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):

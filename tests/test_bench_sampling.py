@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import graphs
+from conftest import ENGINE_KINDS, graphs
 from srm_max.embedded import EMBEDDED_MODEL_DIR
 from srm_max.models.registry import load_config
 
-pytestmark = graphs(load_config(EMBEDDED_MODEL_DIR / "config.json"))
+pytestmark = graphs(load_config(EMBEDDED_MODEL_DIR / "config.json"), ENGINE_KINDS)
 
 sampling = pytest.importorskip("bench.sampling")
 

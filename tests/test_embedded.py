@@ -12,10 +12,10 @@ from srm_max.errors import CheckpointError
 from srm_max.checkpoints.parity import compute_parity, read_certificate, reference_model
 from srm_max.models.registry import load_config
 
-from conftest import graphs
+from conftest import ENGINE_KINDS, graphs
 
 # the CPU graphs of the embedded model (shipped with the package: installed, not compiled)
-pytestmark = graphs(load_config(EMBEDDED_MODEL_DIR / "config.json"))
+pytestmark = graphs(load_config(EMBEDDED_MODEL_DIR / "config.json"), ENGINE_KINDS)
 
 PROMPT = "To be, or not"
 

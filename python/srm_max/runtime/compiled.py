@@ -201,7 +201,9 @@ class CompiledGraphs:
         return self.kernels and isinstance(self.device, CPU)
 
     def graph_kinds(self) -> list[str]:
-        return ["prefill", "score", "decode", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else [])
+        """The graphs this engine runs: a decode takes the decode_steps op where every step
+        runs in one op, else the decode graph's loop (never both)."""
+        return ["prefill", "score", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else ["decode"])
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
