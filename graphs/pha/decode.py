@@ -134,3 +134,52 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
                                out_types=[TensorType(F32, rows.shape, device)])
         g.output(nxt, pos + 1)
     return g
+
+
+OP_DECODE_STEPS = "pha_decode_steps"
+
+
+def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: DType = DType.float32,
+                                 name: str | None = None) -> Graph:
+    """S steps as ONE op (mojo/pha_decode_step.mojo ``pha_decode_steps``), CPU, the
+    states written in place: each token the first argmax in ``sampler.MODE_GREEDY``,
+    else drawn in the op as ``sampler.sample`` draws it (the random counter of a token
+    is its position).
+
+    Inputs: ``build_pha_decode_graph``'s, then steps [S] (its length is the step count).
+    Outputs: tokens [B, S], ids = tokens[:, -1], positions + S. The same tokens and
+    states as S calls of ``build_pha_decode_graph`` (tests/test_pha_decode_op.py).
+    ``packed`` (``srm_max.models.pha.packing.op_inputs``): the op's packed weights
+    (name, shape, matrix?) and its constant layout, dims and scalars; the embedding
+    is the graphs' own.
+    """
+    device = DeviceRef.CPU()
+    c, lay = config, StateLayout.of(config)
+    dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    input_types = [
+        TensorType(I64, ["batch"], device),  # ids
+        TensorType(I64, ["batch"], device),  # positions
+        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode
+        TensorType(I64, ["steps"], device),  # steps: only its length is read
+    ]
+    with Graph(name or f"pha_decode_steps_{dt}_kernels", input_types=input_types,
+               custom_extensions=[kernel_library]) as g:
+        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, steps = g.inputs
+        ids, pos, steps = ids.tensor, pos.tensor, steps.tensor
+        W = PHAWeights(c, wdtype, device)
+        weights = [W.matrix(n, shape) if matrix else W.get(n, shape) for n, shape, matrix in packed["weights"]]
+        B = ids.shape[0]
+        tokens, last, next_pos = ops.inplace_custom(
+            OP_DECODE_STEPS, device=device,
+            values=[states_buf.buffer, ids, W.embedding(), pos, *weights, const(packed["layout"], I64, device),
+                    const(packed["dims"], I64, device), const(packed["scalars"], F32, device), steps, temperature.tensor, top_k.tensor, top_p.tensor,
+                    seed.tensor, ops.reshape(mode.tensor, [1])],
+            out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(I64, [B], device),
+                       TensorType(I64, [B], device)])
+        g.output(tokens.tensor, last.tensor, next_pos.tensor)
+    return g

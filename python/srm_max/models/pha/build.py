@@ -6,9 +6,11 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph
 
 from ...graphs import pha
+from ...graphs.pha.decode import build_pha_decode_steps_graph
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
 from ...runtime.kernels import kernel_library
+from . import packing
 from .config import PHAConfig
 
 # bumped when a compiled model must not be reused although its MLIR text is the same
@@ -17,8 +19,9 @@ GRAPH_KEY = b"pha-graphs-v2"
 
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind`` ("prefill", "score", "decode", "sample" or "regroup"). The decode graph
-    always uses one Mojo op (its in-place state write), the rest none: ``kernels`` is
-    ignored."""
+    always uses one Mojo op (its in-place state write). With the Mojo ops (``kernels``) on a
+    CPU there is "decode_steps" too: every step of a decode call in one op
+    (mojo/pha_decode_step.mojo); ``kernels`` changes no other graph."""
     if kind == "sample":
         return build_sample_graph("pha_sample", config.vocab_size, device)
     if kind == "regroup":
@@ -29,7 +32,9 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
         return pha.build_pha_score_graph(config, wdtype, device)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
-    raise ValueError(f"unknown PHA graph kind {kind!r}")
+    if kind == "decode_steps" and kernels and device.is_cpu() and packing.supported(config) is None:
+        return build_pha_decode_steps_graph(config, packing.op_inputs(config), kernel_library(), wdtype)
+    raise ValueError(f"unknown PHA graph kind {kind!r} (kernels={kernels}, device {device})")
 
 
 __all__ = ["GRAPH_KEY", "build_graph"]

@@ -5,7 +5,8 @@ Three compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*`
 weights bound at load time by name; compiled models cached as ``.mef`` files
 (``compile_cache``). The decode graph runs one step per ``execute`` and writes
 the state in place, so ``decode`` copies the caller's states once per call and
-steps that copy.
+steps that copy. With ``kernels=True`` on a CPU one more graph, ``pha_decode_steps_*``,
+runs every step of a decode call in one Mojo op (mojo/pha_decode_step.mojo) on that copy.
 
 States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
 per-sample state (the GSS state as real pairs, the preallocated KV caches); see
@@ -21,13 +22,13 @@ refused (docs/scoring.md says what it would take).
 from __future__ import annotations
 
 import numpy as np
-from max.driver import Buffer
+from max.driver import CPU, Buffer
 
 from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
 from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, registry_of,
                                  right_padded)
-from . import build
+from . import build, packing
 from .config import PHAConfig
 from .schema import checkpoint_shapes
 
@@ -37,8 +38,9 @@ def check_weights(config: PHAConfig, weights: dict[str, np.ndarray]) -> None:
     check_shapes(checkpoint_shapes(config), weights)
 
 
-def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: str) -> dict:
-    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors.
+def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: str, packed: bool = False) -> dict:
+    """name -> array/Buffer for ``session.init``: checkpoint keys + derived tensors, and
+    with ``packed`` the whole-step decode op's packed copies (``packing``).
 
     With ``dtype="bfloat16"`` the big matrices are stored as bfloat16; vectors, the
     DSS parameters and everything derived stay float32.
@@ -46,26 +48,35 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
     matrices = set(pha_graphs.matrix_names(config))
     full = {k: np.asarray(weights[k]) for k in pha_graphs.graph_weight_names(config)}
     full |= pha_graphs.derived_weights(config, weights)
+    if packed:
+        full |= packing.decode_step_weights(config, full)
+        matrices |= packing.matrix_names()
     return registry_of(full, matrices, dtype)
 
 
 class PHAEngine(CompiledGraphs):
     """Compiled PHA graphs for one config, weight dtype and device."""
 
-    kernels = False  # the Mojo ops are the SRM mixer's
     preload_under_virtual_target = True
     build_graph = staticmethod(build.build_graph)
     graph_salt = build.GRAPH_KEY
 
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
-                 device: str = "cpu"):
+                 device: str = "cpu", kernels: bool | None = None):
+        """``kernels``: on a CPU, decode every step of a call in one Mojo op
+        (mojo/pha_decode_step.mojo, on copies of the matrices packed at load: they take
+        as much memory again) instead of one decode-graph call per step. Default: off.
+        The op runs the parallel block with float32 weights; elsewhere it is off
+        whatever ``kernels`` says."""
         if not isinstance(config, PHAConfig):
             raise GenerationError(f"PHAEngine needs a PHAConfig, got {type(config).__name__}")
         self.config = config
         self._start(dtype, device)
         check_weights(config, weights)
         self.layout = pha_graphs.StateLayout.of(config)
-        self._open(weights_registry(config, weights, self.dtype))
+        self.kernels = bool(kernels) and isinstance(self.device, CPU) and self.dtype == "float32" and (
+            packing.supported(config) is None)
+        self._open(weights_registry(config, weights, self.dtype, packed=self.kernels))
 
     def empty_states(self, batch: int) -> Buffer:
         return self.to_device(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))
@@ -136,6 +147,12 @@ class PHAEngine(CompiledGraphs):
             # Buffer.copy is asynchronous and an execute does not wait for it
             states = states.copy()
             self.device.synchronize()
+            if self.steps_in_one_op:
+                # one op: every step's writes into the copy, the tokens chosen inside
+                toks, ids, positions = self.decode_steps_model.execute(
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)))
+                self.device.synchronize()
+                return DecodeResult(self.host(toks), states, ids, positions)
             tokens = []
             for _ in range(steps):
                 ids, positions = self.decode_model.execute(ids, positions, states, *sampling)
