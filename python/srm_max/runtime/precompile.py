@@ -39,7 +39,7 @@ REPORT_EVERY_S = 15.0
 
 @dataclass(frozen=True)
 class GraphJob:
-    kind: str  # "prefill" | "decode" | "decode_steps" (SRM, CPU with kernels)
+    kind: str  # "prefill" | "score" | "decode" | "decode_steps" (CPU with kernels) | "sample" | "regroup"
     config: object  # the model's config (a frozen dataclass; its architecture field names it)
     dtype: str  # weight dtype: "float32" | "bfloat16"
     device: str  # "cpu" | "gpu"
