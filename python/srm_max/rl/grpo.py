@@ -19,7 +19,11 @@ One iteration:
 
 Per-token log-probabilities come from the parallel form on right-padded
 batches: prompts start at position 0, so padding after a sequence never
-changes its positions (causality).
+changes its positions (causality). The old and the reference log-probabilities
+need no gradient: with ``GRPOConfig.engine_logprobs`` they come from the MAX
+engine's scoring path instead (``engine_token_logprobs``: the iteration's rollout
+engine holds the old policy's weights, and one engine of the frozen reference is
+built once), and only the policy's own pass runs in PyTorch.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 from ..serve.sample_many import sample_many
+from ..serve.scoring import score_continuations
 from ..serve.scheduler import PoolStats
 from .groups import balanced_group, group_advantages
 
@@ -60,6 +65,16 @@ def token_logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     logits = model(ids).float()[:, :-1]
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
     return logp * mask
+
+
+def engine_token_logprobs(engine, prompts, completions, shape) -> torch.Tensor:
+    """``token_logprobs``' [B, T-1] layout (zero outside the completions) from a MAX engine's
+    scoring path: each prompt read once and its completion scored after it, no gradient."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    scores = score_continuations(engine, [list(p) for p in prompts], [list(c) for c in completions], 0)
+    for b, (p, s) in enumerate(zip(prompts, scores)):
+        out[b, len(p) - 1: len(p) - 1 + len(s)] = torch.from_numpy(s.logprobs)
+    return out
 
 
 def completion_logprobs(model, prompts, completions, pad_id: int = 0) -> torch.Tensor:
@@ -104,13 +119,19 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2,
 
 
 def grpo_step(policy, reference, optimizer, prompts, completions, advantages, epochs: int = 1,
-              clip_eps: float = 0.2, beta: float = 0.04, pad_id: int = 0, max_grad_norm: float = 1.0) -> dict:
-    """``epochs`` gradient steps on one batch of rollouts (old log-probs frozen at the start)."""
+              clip_eps: float = 0.2, beta: float = 0.04, pad_id: int = 0, max_grad_norm: float = 1.0,
+              engines: tuple | None = None) -> dict:
+    """``epochs`` gradient steps on one batch of rollouts (old log-probs frozen at the start).
+    ``engines``: (the policy's, the reference's) MAX engines to score the old and reference
+    log-probabilities with (``engine_token_logprobs``) instead of the PyTorch models."""
     ids, mask = pad_sequences(prompts, completions, pad_id)
     adv = torch.as_tensor(np.asarray(advantages), dtype=torch.float32)
-    with torch.no_grad():
-        old = token_logprobs(policy, ids, mask)
-        ref = token_logprobs(reference, ids, mask)
+    if engines is not None:
+        old, ref = (engine_token_logprobs(e, prompts, completions, mask.shape) * mask for e in engines)
+    else:
+        with torch.no_grad():
+            old = token_logprobs(policy, ids, mask)
+            ref = token_logprobs(reference, ids, mask)
     info = {}
     policy.train()
     for _ in range(epochs):
@@ -143,6 +164,7 @@ class GRPOConfig:
     max_batch: int | str = 256
     seed: int = 0
     max_seconds: float | None = None  # wall-clock budget: no iteration starts after it is spent
+    engine_logprobs: bool = False  # old and reference log-probabilities from the MAX engines' scoring path
 
 
 @dataclass
@@ -214,6 +236,7 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
     policy.eval()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
     prompt_rng, shuffle_rng = random_streams(cfg.seed)
+    ref_engine = make_generator(weights_numpy(reference)).engine if cfg.engine_logprobs else None
     history = []
     start = time.perf_counter()
     for it in range(cfg.iterations):
@@ -241,7 +264,9 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
                 P.append(batch_prompts[p])
                 C.append(completion_tokens(group_all[i], stop_id))
                 A.append(a)
-        info = grpo_step(policy, reference, optimizer, P, C, A, cfg.epochs, cfg.clip_eps, cfg.beta, pad_id)
+        engines = (gen.engine, ref_engine) if cfg.engine_logprobs else None
+        info = grpo_step(policy, reference, optimizer, P, C, A, cfg.epochs, cfg.clip_eps, cfg.beta, pad_id,
+                         engines=engines)
         t3 = time.perf_counter()
         entry = IterationLog(it, float(np.mean(all_rewards)), float(np.mean(group_rewards)), useful, info["kl"],
                              info["loss"], t2 - t1, t3 - t2, t1 - t0, prompts=list(chosen), elapsed=t3 - start)
@@ -253,6 +278,6 @@ def train_grpo(policy, make_generator: Callable[[dict], object], prompts: Sequen
     return history
 
 
-__all__ = ["pad_sequences", "token_logprobs", "completion_logprobs", "recurrent_logprobs", "kl_k3", "grpo_loss",
+__all__ = ["pad_sequences", "token_logprobs", "engine_token_logprobs", "completion_logprobs", "recurrent_logprobs", "kl_k3", "grpo_loss",
            "grpo_step", "GRPOConfig", "IterationLog", "train_grpo", "rollouts", "select_group", "random_streams",
            "completion_tokens", "weights_numpy", "asdict"]

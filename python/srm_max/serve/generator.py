@@ -29,6 +29,21 @@ Streamed texts add up to the final ``Completion.text`` of each sample: a
 stream holds back text until it is settled, that is, the bytes of a character
 split across tokens (decoded as a trailing U+FFFD until complete) and a tail
 that could be the start of a stop string; a finishing sample releases the rest.
+
+Scoring (``serve/logprobs.py``; docs/scoring.md):
+
+    gen.score("To be, or not to be", top_n=5)     # Logprobs: per-token log-probabilities
+    gen.loglikelihood([("The sky is", " blue"), ("The sky is", " green")])  # [(sum, is_greedy)]
+    gen.loglikelihood_rolling(long_text)          # lm-eval's rolling windows
+    gen.generate("To be", logprobs=5).logprobs    # the sampled tokens' log-probabilities
+
+Every log-probability is the model's raw one (log_softmax of its logits: no
+temperature, top-k or top-p, whatever sampled the token), computed by the
+engine's score graph. ``logprobs=n`` scores a completion's tokens after the
+fact, from its prompt's state (one prefill of the prompt and one score pass over
+the new tokens per engine batch; an engine that cannot start from a state, the
+PHA's, rescores prompt and completion together), rather than inside each decode
+step: the decode graphs stay as they are and the numbers are the scoring path's.
 """
 
 from __future__ import annotations
@@ -48,11 +63,14 @@ from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import resolve_device, resolve_dtype
 from .prefix_cache import cache_of
+from . import logprobs as scoring_api
+from .logprobs import Logprobs, TokenTexts
 from .sample_many import sample_many
 from .sampling import SamplingParams, check_max_new_tokens, check_prompts, check_steps_per_call, check_stop, \
     check_text, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
+from .scoring import ContinuationScorer, check_top_n, score_continuations
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -64,6 +82,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "context"
     prompt_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # the sample's own seed: generate(prompt_ids, seed=seed) replays it
+    logprobs: Logprobs | None = None  # with generate(..., logprobs=n): the new tokens' (text offsets from 0)
 
 
 @dataclass
@@ -74,6 +93,10 @@ class StreamEvent:
     tokens: dict[int, int]  # new token of each sample that got one
     texts: dict[int, str]  # the settled text it added (with a tokenizer); may be ""
     finished: dict[int, str]  # samples that finished at this step -> reason
+    # with stream(..., logprobs=n): the log-probability of each new token, and with n >= 1
+    # the n likeliest tokens there ({token text, or id without a tokenizer: log-probability})
+    logprobs: dict[int, float] = field(default_factory=dict)
+    top_logprobs: dict[int, dict] = field(default_factory=dict)
 
 
 class SampleRun:
@@ -190,12 +213,15 @@ class Generator:
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, stop=None, steps_per_call: int = 8,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, logprobs: int | None = None):
         """Generate for one prompt (-> Completion) or a list (-> list[Completion]).
 
         ``progress(done, total)`` is called after every engine call with the
-        number of new tokens so far and the most there can be.
+        number of new tokens so far and the most there can be. ``logprobs=n`` (0-20):
+        each Completion's ``logprobs`` holds its tokens' raw log-probabilities and the
+        n likeliest tokens at each place (module docs).
         """
+        top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, single, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                              steps_per_call)
         total = sum(max(0, s.budget(self.config.context_length)) for s in sequences)
@@ -205,6 +231,12 @@ class Generator:
         if progress and not total:
             progress(0, 0)
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
+        if top_n is not None:
+            scores = score_continuations(self.engine, [s.prompt for s in sequences], [s.tokens for s in sequences],
+                                         top_n)
+            texts = TokenTexts(self.decode)
+            for r, s in zip(results, scores):
+                r.logprobs = texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
         return results[0] if single else results
 
     def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", seed=None, **options) -> SampleRun:
@@ -220,14 +252,18 @@ class Generator:
         return SampleRun(samples, seed)
 
     def stream(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
-               seed=None, stop=None, steps_per_call: int = 1) -> Iterator[StreamEvent]:
-        """Yield one StreamEvent per decode step (arguments as ``generate``).
+               seed=None, stop=None, steps_per_call: int = 1, logprobs: int | None = None) -> Iterator[StreamEvent]:
+        """Yield one StreamEvent per decode step (arguments as ``generate``; with
+        ``logprobs`` each event carries its tokens' log-probabilities, scored once per
+        engine call for every sample that took tokens in it).
 
         Arguments are checked when this is called, not at the first ``next``.
         """
+        top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, _, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                         steps_per_call, stream_text=self.tokenizer is not None)
-        return self._events(pool)
+        scorer = None if top_n is None else ContinuationScorer(self.engine, top_n)
+        return self._events(pool, scorer, TokenTexts(self.decode))
 
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
               stream_text: bool = False):
@@ -247,14 +283,77 @@ class Generator:
         return sequences, single, pool
 
     @staticmethod
-    def _events(pool: SlotPool) -> Iterator[StreamEvent]:
+    def _events(pool: SlotPool, scorer: ContinuationScorer | None = None,
+                texts: TokenTexts | None = None) -> Iterator[StreamEvent]:
         step = 0
         for turn in pool.run():
+            scored = _score_turn(turn, scorer) if scorer is not None else {}
             for tick in turn.ticks:
-                yield StreamEvent(step, {s.tag: t.token for s, t in tick.items() if t.joined},
-                                  {s.tag: t.text for s, t in tick.items() if t.text is not None},
-                                  {s.tag: t.finished for s, t in tick.items() if t.finished is not None})
+                event = StreamEvent(step, {s.tag: t.token for s, t in tick.items() if t.joined},
+                                    {s.tag: t.text for s, t in tick.items() if t.text is not None},
+                                    {s.tag: t.finished for s, t in tick.items() if t.finished is not None})
+                for s, t in tick.items():
+                    if t.joined and s in scored:
+                        value, top = next(scored[s])
+                        event.logprobs[s.tag] = value
+                        if scorer.top_n:
+                            event.top_logprobs[s.tag] = texts.top(top[0], top[1], scorer.top_n)
+                yield event
                 step += 1
+
+    # ---------------------------------------------------------------- scoring
+    def score(self, texts, top_n: int = 0, max_length: int | None = None):
+        """The log-probability of every token of a text (-> Logprobs) or of each text of a
+        list (-> list[Logprobs]) after the tokens before it; the first token, with no
+        context, gets ``None``. Texts are text or token ids.
+
+        ``top_n`` (0-20): the likeliest tokens at each place too. A text longer than
+        ``max_length`` (default: the context length) is scored in lm-eval's
+        ``loglikelihood_rolling`` windows: each later window reads only the token(s)
+        before it, no state passes between windows (``serve/logprobs.py``).
+        """
+        return scoring_api.score(self, texts, top_n, max_length)
+
+    def loglikelihood(self, requests, max_length: int | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> list[tuple[float, bool]]:
+        """lm-eval's ``loglikelihood``: for each (context, continuation) pair, the sum of the
+        continuation's log-probabilities after the context and whether each of its tokens is
+        the likeliest there (``is_greedy``).
+
+        Pairs are texts, tokenized as lm-eval's causal models do (the context's trailing
+        spaces move to the continuation, context + continuation is encoded whole and split
+        after the context's tokens; an empty context is the end-of-text token), or lists
+        of token ids. As lm-eval, the model reads the last ``max_length`` tokens of context
+        and continuation. A context shared by several continuations is read once and its
+        state forked; ``progress(done, total)`` is called after each engine batch.
+        """
+        return scoring_api.loglikelihood(self, requests, max_length, progress)
+
+    def loglikelihood_rolling(self, texts, max_length: int | None = None):
+        """lm-eval's ``loglikelihood_rolling``: the total log-probability of a text (-> float)
+        or of each of a list, every token scored once in rolling windows of ``max_length``
+        (default: the context length), the first after the end-of-text token (without one
+        in the tokenizer the first token is not scored)."""
+        return scoring_api.loglikelihood_rolling(self, texts, max_length)
+
+    @property
+    def end_of_text_id(self) -> int | None:
+        """The tokenizer's ``<|endoftext|>`` id (the document separator of `srm-max train`), or None."""
+        return scoring_api.end_of_text_id(self.tokenizer)
+
+
+def _score_turn(turn, scorer: ContinuationScorer) -> dict:
+    """The log-probabilities of the tokens each sequence took in one turn, scored in one
+    batch: sequence -> an iterator of (log-probability, (top ids, top log-probabilities))."""
+    new: dict = {}
+    for tick in turn.ticks:
+        for s, t in tick.items():
+            if t.joined:
+                new.setdefault(s, []).append(t.token)
+    items = list(new.items())
+    scores = scorer.score([(s, s.prompt, tokens) for s, tokens in items])
+    scorer.forget([s for s in turn.finished])
+    return {s: iter(zip(sc.logprobs.tolist(), zip(sc.top_ids, sc.top_logprobs))) for (s, _), sc in zip(items, scores)}
 
 
 __all__ = ["Completion", "FINISH_REASONS", "Generator", "SampleRun", "StreamEvent"]

@@ -10,6 +10,10 @@ idles while work remains.
 Each sample's randomness depends only on its own seed, ``sample_seed(seed,
 prompt_index, sample_index)``, and its positions, so a sample is the same
 whether it ran in a pool, in any slot, or alone with ``generate(..., seed=that)``.
+
+``logprobs=n`` (0-20): each Sample carries its tokens' raw log-probabilities (and the
+n likeliest tokens at each place), as ``generate(..., logprobs=n)``: the samples that
+finish in one engine call are scored together after it, from their prompts' states.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from ..errors import GenerationError
 from ..models import registry
 from .sampling import brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, check_steps_per_call, \
     check_stop, is_int, resolve_seed
+from .logprobs import Logprobs, TokenTexts
 from .scheduler import PoolStats, Sequence, SlotPool
+from .scoring import check_top_n, score_continuations
 
 # Per-sample memory the decode step needs besides its state: logits, sorted
 # logits and probabilities for top-k/top-p, and the activations of one layer.
@@ -61,6 +67,7 @@ class Sample:
     finish_reason: str  # "stop" | "length" | "context"
     seed: int
     score: float | None = None
+    logprobs: Logprobs | None = None  # with logprobs=n (see the module docs)
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,12 @@ class SampleJob:
     seed: int
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
+    logprobs: int | None = None  # top-n of each sample's log-probabilities; None: none
 
 
 def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64, temperature=1.0, top_k=0,
-         top_p=1.0, seed: int | None = None, stop=None, memory_budget_bytes: int = 4 << 30) -> SampleJob:
+         top_p=1.0, seed: int | None = None, stop=None, memory_budget_bytes: int = 4 << 30,
+         logprobs: int | None = None) -> SampleJob:
     """Check a ``sample_many`` call (its errors, its defaults) without running anything."""
     seed = resolve_seed(seed)
     ids, _ = check_prompts(prompts if isinstance(prompts, list) else [prompts], generator.config, generator.encode)
@@ -88,25 +97,26 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
     max_new = check_max_new_tokens(max_new_tokens)
     stop_ids, stop_strings = check_stop(stop, generator.config.vocab_size, generator.tokenizer is not None)
     temperature, top_k, top_p = check_scalar_sampling(temperature, top_k, top_p)
+    logprobs = check_top_n(logprobs, "logprobs", allow_none=True)
     if isinstance(max_batch, str) and max_batch == "auto":
         max_batch = plan_max_batch(generator.config, memory_budget_bytes)
     if not is_int(max_batch) or max_batch < 1:
         raise GenerationError(f"max_batch must be 'auto' or an integer >= 1, got {brief_repr(max_batch)}")
     return SampleJob(ids, int(max_batch), max_new, temperature, top_k, top_p, seed,
-                     tuple(int(t) for t in stop_ids), tuple(stop_strings))
+                     tuple(int(t) for t in stop_ids), tuple(stop_strings), logprobs)
 
 
 def sample_many(generator, prompts, n: int, verifier: Callable | None = None, max_batch="auto",
                 max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int | None = None, stop=None,
                 memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None,
-                steps_per_call: int = 8) -> Iterator[Sample]:
+                steps_per_call: int = 8, logprobs: int | None = None) -> Iterator[Sample]:
     """Yield ``n`` samples of every prompt, in order of completion (see module docs).
 
     ``verifier(text)`` (or ``verifier(ids)`` without a tokenizer) scores each sample.
     ``seed=None`` draws a fresh seed (``Generator.sample_many`` reports it).
     """
     job = plan(generator, prompts, n, max_batch, max_new_tokens, temperature, top_k, top_p, seed, stop,
-               memory_budget_bytes)
+               memory_budget_bytes, logprobs)
     check_steps_per_call(steps_per_call)
     pairs = [(p, s) for p in range(len(job.prompts)) for s in range(n)]
     return run_pairs(generator, job, pairs, verifier, stats, steps_per_call)
@@ -121,15 +131,21 @@ def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verif
     pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), steps_per_call,
                     stats=stats, prefix_cache=generator.prefix_cache)
     pool.submit(sequences)
-    return _samples(pool, generator.decode, verifier)
+    return _samples(pool, generator.decode, verifier, job.logprobs)
 
 
-def _samples(pool: SlotPool, decode, verifier) -> Iterator[Sample]:
+def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iterator[Sample]:
+    texts = TokenTexts(decode)
     for turn in pool.run():
-        for s in turn.finished:
+        scores = [None] * len(turn.finished)
+        if top_n is not None and turn.finished:  # the samples of this engine call, scored together
+            scores = score_continuations(pool.engine, [s.prompt for s in turn.finished],
+                                         [s.tokens for s in turn.finished], top_n)
+        for s, scored in zip(turn.finished, scores):
             text = s.text(decode)
             score = None if verifier is None else float(verifier(text if text is not None else s.tokens))
-            yield Sample(*s.tag, list(s.tokens), text, s.reason, s.seed, score)
+            lp = None if scored is None else texts.logprobs(s.tokens, scored, top_n, before=s.prompt)
+            yield Sample(*s.tag, list(s.tokens), text, s.reason, s.seed, score, lp)
 
 
 __all__ = ["Sample", "SampleJob", "plan", "plan_max_batch", "run_pairs", "sample_many", "sample_seed"]
