@@ -1,4 +1,4 @@
-"""The ``srm-max`` command line: convert, generate, compile, verify, serve, train."""
+"""The ``srm-max`` command line: convert, generate, compile, verify, serve, eval, train."""
 
 from __future__ import annotations
 
@@ -58,6 +58,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve.http.run import run_serve
 
     return run_serve(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .serve.evaluate import run_eval
+
+    return run_eval(args)
 
 
 def _train(args: argparse.Namespace, rest: list[str]) -> int:
@@ -129,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(s)
 
+    e = sub.add_parser("eval", parents=[quiet],
+                       help="the perplexity of a text file under a model (lm-eval's rolling windows)")
+    from .serve.evaluate import add_arguments as add_eval_arguments
+
+    add_eval_arguments(e)
+
     sub.add_parser("train", help="train a reference model (see `srm-max train --help`)", add_help=False)
     return parser
 
@@ -142,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     _show_progress(not args.quiet)
     try:
         return {"convert": _convert, "generate": _generate, "compile": _compile, "verify": _verify,
-                "serve": _serve}[args.command](args)
+                "serve": _serve, "eval": _eval}[args.command](args)
     except SRMError as e:
         print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
         return 2

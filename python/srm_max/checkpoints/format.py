@@ -8,6 +8,7 @@ values. Every failure is a ``CheckpointError`` naming the file and the key.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, write_safetensors
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside tokenizer.json, the Hugging Face convention
+END_OF_TEXT = "<|endoftext|>"  # the document separator `srm-max train` writes
 PARITY_FILE = "parity.json"
 _DTYPE_NAMES = {code: name for name, code in FLOAT_DTYPES.items()}
 
@@ -106,6 +109,28 @@ def write_checkpoint_files(
     write_safetensors(directory / WEIGHTS_FILE, weights, dtype, metadata={"format": "srm-max"})
     if tokenizer is not None:
         shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
+        write_tokenizer_config(directory, config.context_length, Path(tokenizer).parent / TOKENIZER_CONFIG_FILE)
+
+
+def write_tokenizer_config(directory: Path, context_length: int, source: Path | None = None) -> Path:
+    """``tokenizer_config.json`` beside the directory's tokenizer.json, so that
+    ``transformers.AutoTokenizer.from_pretrained(directory)`` loads the tokenizer with its
+    end-of-text token (lm-eval's ``local-completions`` model reads it so): a copy of
+    ``source`` when the tokenizer came with one (its chat template included), else the
+    fast tokenizer class, ``<|endoftext|>`` as eos when the vocabulary has it, and the
+    context length as ``model_max_length``."""
+    target = directory / TOKENIZER_CONFIG_FILE
+    if source is not None and source.is_file():
+        shutil.copyfile(source, target)
+        return target
+    tokenizer = json.loads((directory / TOKENIZER_FILE).read_text())
+    special = {t.get("content") for t in tokenizer.get("added_tokens") or []}
+    body = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context_length,
+            "clean_up_tokenization_spaces": False}
+    if END_OF_TEXT in special or END_OF_TEXT in (tokenizer.get("model", {}).get("vocab") or {}):
+        body["eos_token"] = END_OF_TEXT
+    target.write_text(json.dumps(body, indent=2) + "\n")
+    return target
 
 
 def save_checkpoint(
