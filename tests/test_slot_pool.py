@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY, graphs
 
 pytestmark = graphs(TINY)
-from srm_max import GenerationError
+from srm_max import GenerationError, Generator
 from srm_max.serve.sample_many import plan_max_batch, sample_many, sample_seed
 from srm_max.serve.scheduler import PoolStats
 
@@ -170,7 +170,8 @@ def test_each_prompt_is_prefilled_once_and_its_state_forked(generator):
 
 def test_refill_regroups_states_on_the_device(generator, monkeypatch):
     """Refills, forks and compactions move states only through the engine's regroup graph
-    (no state comes back to the host), and that graph is the gather it promises."""
+    (no state comes back to the host), and that graph is the gather it promises. The prefix
+    cache is off here: it keeps host copies of prefilled states by design."""
     eng = generator.engine
     rng = np.random.default_rng(0)
     pool = rng.standard_normal((TINY.n_layers, 3, TINY.n_heads, TINY.head_dim)).astype(np.float32)
@@ -191,7 +192,8 @@ def test_refill_regroups_states_on_the_device(generator, monkeypatch):
     prompts = [rnd_prompt(5, 1), rnd_prompt(9, 2)]
     kw = dict(max_new_tokens=10, temperature=1.0, stop=[7, 11])
     stats = PoolStats()
-    samples = list(sample_many(generator, prompts, 5, max_batch=4, seed=3, stats=stats, **kw))
+    uncached = Generator.from_engine(eng, prefix_cache_mb=0)
+    samples = list(sample_many(uncached, prompts, 5, max_batch=4, seed=3, stats=stats, **kw))
     monkeypatch.undo()
     # the later samples of a prompt fork the last prefill; only a refill that mixes the kept
     # prompt's samples with a new prompt's prefills both (without the reuse: one per refill)

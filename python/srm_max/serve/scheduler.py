@@ -18,8 +18,9 @@ A finished sequence's row keeps running (its tokens are dropped) until the batch
 is rebuilt: when a pending sequence can take its place, or when half the rows are
 finished (then the batch is compacted). A rebuild is one gather on the device
 (the engine's ``regroup`` graph) of the kept rows and the new samples' prefilled
-states: states never go through the host, only token ids, positions and the row
-index do.
+states: the batch's states never go through the host, only token ids, positions and
+the row index do (the prefix cache below keeps host copies of prefilled states and
+hands cached ones to the prefill).
 
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
