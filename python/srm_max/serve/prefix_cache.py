@@ -19,6 +19,9 @@ prompts have moved on). A state inside a
 prompt exists only if the prefill stops there, so the scheduler prefills a prompt in
 pieces ending at these points.
 
+``prefill_cached`` is an engine's prefill through the cache (the scheduler's, and any
+other caller's that prefills prompts).
+
 Eviction: least recently used first, within ``budget_bytes`` (the states' and the
 stored tokens' array bytes); 0 turns the cache off. Thread-safe: one cache may serve
 several pools (``Generator`` calls from several threads, the server's engine loop).
@@ -239,6 +242,70 @@ class PrefixCache:
             self._recent.clear()
 
 
+# ------------------------------------------------------------ prefilling through the cache
+def usable_cache(engine, cache: PrefixCache | None) -> PrefixCache | None:
+    """``cache`` if it is on and ``engine`` can prefill from a state, else None."""
+    usable = cache is not None and cache.enabled and getattr(engine, "supports_start_state", False)
+    return cache if usable else None
+
+
+def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], sampling=None):
+    """``engine.prefill(prompts, sampling)`` through ``cache`` (one that ``usable_cache``
+    passed): -> the same PrefillResult (up to the order of the scan's sums) and, per
+    prompt, the tokens taken from the cache. Each prompt starts from its longest cached
+    prefix; first the pieces up to its split points run (a piece shared by several
+    prompts once), their end states kept in the cache, then every prompt's last piece;
+    the state after each whole prompt is kept too."""
+    hashes = [cache.hashes(p) for p in prompts]
+    hits = [cache.lookup(p, h) for p, h in zip(prompts, hashes)]
+    start = [h.length if h else 0 for h in hits]
+    state = [h.state if h else None for h in hits]
+    cached = list(start)
+    near = _neighbours(prompts)
+    cuts = [cache.split_points(p, start[i], near[i]) for i, p in enumerate(prompts)]
+    while any(cuts):
+        todo = [(i, c.pop(0)) for i, c in enumerate(cuts) if c]
+        row = {}  # a piece's prefix -> its row: prompts that share it up to the cut run it once
+        for i, cut in todo:
+            row.setdefault(tuple(prompts[i][:cut]), (i, cut))
+        runs = list(row.values())
+        pre = _prefill_from(engine, [prompts[i][start[i]:cut] for i, cut in runs], None,
+                            [state[i] for i, _ in runs], [start[i] for i, _ in runs])
+        ends = engine.host(pre.states)
+        index = {key: r for r, key in enumerate(row)}
+        for i, cut in todo:
+            state[i] = ends[:, index[tuple(prompts[i][:cut])]].copy()
+            start[i] = cut
+            cache.insert(prompts[i][:cut], state[i], hashes[i])
+    pre = _prefill_from(engine, [p[s:] for p, s in zip(prompts, start)], sampling, state, start)
+    ends = engine.host(pre.states)
+    for i, p in enumerate(prompts):
+        cache.insert(p, ends[:, i], hashes[i])
+        cache.remember(p)
+    return pre, cached
+
+
+def _prefill_from(engine, pieces: list[list[int]], sampling, states: list, starts: list[int]):
+    """Prefill ``pieces``, each from its host state (None: a fresh one) at its start."""
+    if all(s is None for s in states):
+        return engine.prefill(pieces, sampling)
+    like = next(s for s in states if s is not None)
+    stacked = np.stack([np.zeros_like(like) if s is None else s for s in states], axis=1)
+    return engine.prefill(pieces, sampling, start_states=engine.to_device(stacked),
+                          start_positions=np.asarray(starts, np.int64))
+
+
+def _neighbours(prompts: list[list[int]]) -> list[list[list[int]]]:
+    """Each prompt's neighbours in sorted order: the batch mates it shares the longest
+    prefixes with (those that share a prefix with it sort next to it)."""
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    near: list[list[list[int]]] = [[] for _ in prompts]
+    for a, b in zip(order, order[1:]):
+        near[a].append(prompts[b])
+        near[b].append(prompts[a])
+    return near
+
+
 def cache_of(prefix_cache_mb: float | None) -> PrefixCache:
     """The cache for a ``prefix_cache_mb`` option: None = the default budget, 0 = off."""
     mb = DEFAULT_BUDGET_MB if prefix_cache_mb is None else prefix_cache_mb
@@ -248,4 +315,4 @@ def cache_of(prefix_cache_mb: float | None) -> PrefixCache:
 
 
 __all__ = ["CacheStats", "DEFAULT_BUDGET_MB", "DEFAULT_INTERVAL", "Hit", "PrefixCache", "cache_of",
-           "common_prefix", "prefix_hashes"]
+           "common_prefix", "prefill_cached", "prefix_hashes", "usable_cache"]

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..runtime.compiled import SamplingArrays
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 
 Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
 
@@ -387,69 +387,6 @@ class SlotPool:
             self.stats.tokens += len(s.tokens)
 
 
-def usable_cache(engine, cache: PrefixCache | None) -> PrefixCache | None:
-    """``cache`` if it is on and ``engine`` can prefill from a state, else None."""
-    usable = cache is not None and cache.enabled and getattr(engine, "supports_start_state", False)
-    return cache if usable else None
-
-
-def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], sampling: SamplingArrays | None = None):
-    """``engine.prefill(prompts, sampling)`` through ``cache`` (one that ``usable_cache``
-    passed): -> the same PrefillResult (up to the order of the scan's sums) and, per
-    prompt, the tokens taken from the cache. Each prompt starts from its longest cached
-    prefix; first the pieces up to its split points run (a piece shared by several
-    prompts once), their end states kept in the cache, then every prompt's last piece;
-    the state after each whole prompt is kept too."""
-    hashes = [cache.hashes(p) for p in prompts]
-    hits = [cache.lookup(p, h) for p, h in zip(prompts, hashes)]
-    start = [h.length if h else 0 for h in hits]
-    state = [h.state if h else None for h in hits]
-    cached = list(start)
-    near = _neighbours(prompts)
-    cuts = [cache.split_points(p, start[i], near[i]) for i, p in enumerate(prompts)]
-    while any(cuts):
-        todo = [(i, c.pop(0)) for i, c in enumerate(cuts) if c]
-        row = {}  # a piece's prefix -> its row: prompts that share it up to the cut run it once
-        for i, cut in todo:
-            row.setdefault(tuple(prompts[i][:cut]), (i, cut))
-        runs = list(row.values())
-        pre = _prefill_from(engine, [prompts[i][start[i]:cut] for i, cut in runs], None,
-                            [state[i] for i, _ in runs], [start[i] for i, _ in runs])
-        ends = engine.host(pre.states)
-        index = {key: r for r, key in enumerate(row)}
-        for i, cut in todo:
-            state[i] = ends[:, index[tuple(prompts[i][:cut])]].copy()
-            start[i] = cut
-            cache.insert(prompts[i][:cut], state[i], hashes[i])
-    pre = _prefill_from(engine, [p[s:] for p, s in zip(prompts, start)], sampling, state, start)
-    ends = engine.host(pre.states)
-    for i, p in enumerate(prompts):
-        cache.insert(p, ends[:, i], hashes[i])
-        cache.remember(p)
-    return pre, cached
-
-
-def _prefill_from(engine, pieces: list[list[int]], sampling, states: list, starts: list[int]):
-    """Prefill ``pieces``, each from its host state (None: a fresh one) at its start."""
-    if all(s is None for s in states):
-        return engine.prefill(pieces, sampling)
-    like = next(s for s in states if s is not None)
-    stacked = np.stack([np.zeros_like(like) if s is None else s for s in states], axis=1)
-    return engine.prefill(pieces, sampling, start_states=engine.to_device(stacked),
-                          start_positions=np.asarray(starts, np.int64))
-
-
-def _neighbours(prompts: list[list[int]]) -> list[list[list[int]]]:
-    """Each prompt's neighbours in sorted order: the batch mates it shares the longest
-    prefixes with (those that share a prefix with it sort next to it)."""
-    order = sorted(range(len(prompts)), key=prompts.__getitem__)
-    near: list[list[list[int]]] = [[] for _ in prompts]
-    for a, b in zip(order, order[1:]):
-        near[a].append(prompts[b])
-        near[b].append(prompts[a])
-    return near
-
-
 def _sampling_of(sequences: list[Sequence]) -> SamplingArrays:
     return SamplingArrays(np.array([s.temperature for s in sequences], np.float32),
                           np.array([s.top_k for s in sequences], np.int64),
@@ -457,4 +394,4 @@ def _sampling_of(sequences: list[Sequence]) -> SamplingArrays:
                           np.array([s.seed for s in sequences], np.uint64))
 
 
-__all__ = ["PoolStats", "Sequence", "SlotPool", "Taken", "Turn", "prefill_cached", "settled", "usable_cache"]
+__all__ = ["PoolStats", "Sequence", "SlotPool", "Taken", "Turn", "settled"]
