@@ -79,12 +79,13 @@ def tasks(tmp_path_factory):
                     write_task(folder, "tiny_until", until_docs, UNTIL): until_docs}
 
 
-def evaluate(model, model_args, tasks):
+def evaluate(model, model_args, tasks, loaded=None):
+    """lm-eval's ``simple_evaluate`` of ``tasks`` (or of the same tasks already ``loaded``)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     folder, docs = tasks
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=sorted(docs),
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=loaded or sorted(docs),
                                    task_manager=TaskManager(include_path=str(folder), include_defaults=False),
                                    log_samples=True, bootstrap_iters=0, random_seed=0)
 

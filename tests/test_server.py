@@ -219,7 +219,7 @@ def test_context_limit_is_length_with_the_detail(served):
 
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "ab", "logprobs": 2}, "logprobs"),
+    ({"prompt": "ab", "logprobs": 21}, "logprobs"),
     ({"prompt": "ab", "model": "gpt-4"}, "model"),
     ({"prompt": "ab", "temperature": -1}, "temperature"),
     ({"prompt": "ab", "top_p": 0}, "top_p"),
@@ -231,7 +231,7 @@ def test_context_limit_is_length_with_the_detail(served):
     ({"prompt": "ab", "stop": [1]}, "stop"),
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [TINY.vocab_size]}, "prompt"),
-    ({"prompt": "ab", "echo": True}, "echo"),
+    ({"prompt": "ab", "echo": "yes"}, "echo"),
     ({"prompt": "ab", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "ab", "bogus": 1}, "bogus"),
     ({}, "prompt"),
@@ -245,7 +245,7 @@ def test_bad_parameters_are_400_naming_them(served, body, param):
 
 def test_the_client_raises_its_usual_errors(served):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        served.client.completions.create(model=MODEL, prompt="ab", logprobs=1)
+        served.client.completions.create(model=MODEL, prompt="ab", logprobs=21)
     with pytest.raises(openai.BadRequestError, match="chat template"):
         served.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ab"}])
     with pytest.raises(openai.AuthenticationError):

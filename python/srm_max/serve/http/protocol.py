@@ -2,10 +2,16 @@
 the server answers with (a completion, or the chunks of a streamed one).
 
 Every parameter is checked before any work, and a bad one is a 400 naming it.
-Parameters the engine does not implement (``logprobs``, ``echo``, penalties,
-``logit_bias``, ...) are refused rather than ignored, so a client never gets
-an answer computed differently from what it asked for; unknown fields are
-refused as OpenAI does.
+Parameters the engine does not implement (penalties, ``logit_bias``, ...) are
+refused rather than ignored, so a client never gets an answer computed
+differently from what it asked for; unknown fields are refused as OpenAI does.
+
+Log-probabilities (``http/logprobs.py``): /v1/completions takes ``logprobs`` (0-20
+alternatives per token) and ``echo`` (the prompt before the completion; with
+``logprobs`` its tokens' log-probabilities too, the first null; ``max_tokens: 0``
+scores a text without generating), in OpenAI's legacy shape; /v1/chat/completions
+takes ``logprobs: true`` and ``top_logprobs`` (0-20) in the chat shape. Streamed
+chunks carry the log-probabilities of their tokens.
 
 Seeds: choice k of a request (k = i * n + j for sample j of prompt i) is drawn
 with seed ``seed + k`` (mod 2**64), the seed ``Generator.generate`` gives prompt
@@ -28,13 +34,16 @@ from dataclasses import dataclass
 from ...errors import GenerationError
 from ..sampling import brief_repr, check_prompts, check_stop, check_temperature, check_text, check_top_k, \
     check_top_p, is_int, resolve_seed
+from ..scoring import MAX_TOP_N
 from .chat import no_template_error, render
 from .errors import APIError, bad_request
+from .logprobs import chat_logprobs, completion_logprobs
 from .sequence import Delta
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; ``Generator`` takes any temperature a float32 holds
+MAX_TOP_LOGPROBS = MAX_TOP_N  # alternatives per token (OpenAI's chat bound; its legacy one is 5)
 _U64 = (1 << 64) - 1
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
@@ -59,6 +68,8 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    echo: bool = False
 
     def sample_seed(self, choice: int) -> int:
         return (self.seed + choice) & _U64
@@ -86,7 +97,13 @@ def parse_completion(body, generator, model_name: str, max_samples: int) -> Job:
     refuse_unsupported(body)
     if "prompt" not in body:
         raise bad_request("prompt is required", "prompt")
-    return parse_job(body, generator, body["prompt"], max_samples)
+    job = parse_job(body, generator, body["prompt"], max_samples)
+    logprobs = body.get("logprobs")
+    job.logprobs = None if logprobs is None or logprobs is False else _top_n("logprobs", logprobs)
+    job.echo = _given(body, "echo", False)
+    if not isinstance(job.echo, bool):
+        raise bad_request(f"echo must be a boolean, got {brief_repr(job.echo)}", "echo")
+    return job
 
 
 def parse_chat(body, generator, model_name: str, template: str | None, max_samples: int) -> Job:
@@ -97,7 +114,22 @@ def parse_chat(body, generator, model_name: str, template: str | None, max_sampl
         raise no_template_error(model_name)
     refuse_unsupported(body)
     prompt = render(template, body.get("messages"))
-    return parse_job(body, generator, prompt, max_samples, chat=True, max_tokens_field="max_completion_tokens")
+    job = parse_job(body, generator, prompt, max_samples, chat=True, max_tokens_field="max_completion_tokens")
+    logprobs = _given(body, "logprobs", False)
+    if not isinstance(logprobs, bool):
+        raise bad_request(f"logprobs must be a boolean, got {brief_repr(logprobs)}", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if logprobs:
+        job.logprobs = 0 if top is None else _top_n("top_logprobs", top)
+    return job
+
+
+def _top_n(name: str, value) -> int:
+    if not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{name} must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {brief_repr(value)}", name)
+    return int(value)
 
 
 def check_fields(body, allowed: set[str]) -> dict:
@@ -121,12 +153,6 @@ def refuse_unsupported(body: dict) -> None:
     def refuse(name, what):
         raise bad_request(f"{name} is not supported by this server ({what})", name, "unsupported_parameter")
 
-    if body.get("logprobs") not in (None, False):
-        refuse("logprobs", "the engine returns sampled tokens, not their log-probabilities")
-    if body.get("top_logprobs") is not None:
-        refuse("top_logprobs", "the engine returns sampled tokens, not their log-probabilities")
-    if body.get("echo"):
-        refuse("echo", "the response holds the completion only")
     if body.get("best_of") not in (None, 1):
         refuse("best_of", "use n and choose on the client")
     if body.get("suffix") not in (None, ""):
@@ -259,8 +285,13 @@ class Answer:
             body["message"] = {"role": "assistant", "content": delta.text}
         else:
             body["text"] = delta.text
-        body["logprobs"] = None
+        body["logprobs"] = self._logprobs(delta)
         return body | self._finish_fields(delta) | {"token_ids": delta.ids}
+
+    def _logprobs(self, delta: Delta) -> dict | None:
+        if delta.logprobs is None:
+            return None
+        return (chat_logprobs if self.job.chat else completion_logprobs)(delta.logprobs)
 
     def completion(self, finals: list[Delta]) -> dict:
         finals = sorted(finals, key=lambda d: d.index)
@@ -278,7 +309,7 @@ class Answer:
             body["delta"] = content
         else:
             body["text"] = delta.text
-        body["logprobs"] = None
+        body["logprobs"] = self._logprobs(delta)
         body |= self._finish_fields(delta) | {"token_ids": delta.ids}
         return {"id": self.id, "object": self.object + ("" if not self.job.chat else ".chunk"),
                 "created": self.created, "model": self.model, "choices": [body]}
@@ -286,7 +317,7 @@ class Answer:
     def chunk_json(self, delta: Delta) -> bytes:
         """``dumps(self.chunk(delta))``, encoded: a stream sends one per sample per engine call,
         so the chunk of a running completion sample is put together from bytes made once."""
-        if self.job.chat or delta.finish_reason is not None:
+        if self.job.chat or delta.finish_reason is not None or delta.logprobs is not None:
             return dumps(self.chunk(delta)).encode()
         return b"".join((self._head, str(delta.index).encode(), b',"text":', json.dumps(delta.text).encode(),
                          b',"logprobs":null,"finish_reason":null,"token_ids":[',

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from ..scheduler import SlotPool
+from .logprobs import RequestScoring
 from .metrics import Metrics
 from .sequence import CANCELLED, ERROR, Delta, Sample, Work
 
@@ -65,6 +66,7 @@ class Scheduler:
         self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call,
                               prefix_cache=generator.prefix_cache)
         self.metrics.watch_prefix_cache(self._pool.prefix_cache)
+        self._scoring = RequestScoring(self.engine, generator.decode)  # logprobs / echo requests
         self._seconds_per_token = 0.05  # a running estimate, for Retry-After
 
     # ------------------------------------------------------------ the HTTP side
@@ -181,6 +183,8 @@ class Scheduler:
         for tick in turn.ticks:
             touched.update(tick)
         touched.update(dict.fromkeys(turn.finished))
+        if any(s.request.logprobs is not None for s in touched):
+            self._scoring.update(list(touched))  # what their deltas carry: one scoring batch per turn
         self._deliver(list(touched))
 
     def _fail_batch(self, samples: list[Sample], message: str) -> None:
@@ -197,6 +201,7 @@ class Scheduler:
         self._retire(requests.values())
         self._pool.pending.clear()
         self._pool.reset()
+        self._scoring = RequestScoring(self.engine, self.generator.decode)
 
     def _drop_cancelled_waiting(self) -> None:
         """Samples of requests whose client went away leave the queue at once (under _cv)."""
@@ -225,7 +230,7 @@ class Scheduler:
                 elif s.last_delivery is not None:
                     self.metrics.itl.observe((now - s.last_delivery) / k)
                 s.last_delivery = now
-            delta = s.delta(self.generator.decode)
+            delta = s.delta(self.generator.decode, self._scoring)
             if s.reason is not None:
                 self._finish(s, s.reason)
                 ended.append(r)

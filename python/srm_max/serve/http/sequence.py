@@ -31,6 +31,9 @@ class Delta:
     text: str
     ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "context" | "cancelled"
+    # with logprobs: those of the echoed prompt (in the sample's first delta) and of ``ids``
+    # (``http.logprobs.TokenLogprob``s)
+    logprobs: list | None = None
 
 
 @dataclass(eq=False)
@@ -44,6 +47,8 @@ class Work:
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # a sample has entered a slot
     first_token: float | None = None
+    logprobs: int | None = None  # the alternatives per token asked for; None: no log-probabilities
+    echo: bool = False  # the answer starts with the prompt
 
     @property
     def done(self) -> bool:
@@ -61,22 +66,54 @@ class Sample(Sequence):
     counted_tokens: int = 0  # tokens counted in the metrics
     last_delivery: float | None = None  # for the inter-token latency
     counted: bool = False  # in the finished-samples metric
+    # log-probabilities (``http.logprobs.RequestScoring`` fills them in the engine loop)
+    scored: int = 0  # tokens scored
+    scores: object = None  # ``Scores`` of the first ``scored`` tokens
+    echo_scores: object = None  # ``Scores`` of the prompt (its first token has none)
+    echoed: bool = False  # its first delta has gone out (with the prompt when echoing)
+    offset: int = 0  # where the next token's text starts in prompt + completion
 
     @property
     def cancelled(self) -> bool:
         return self.request.cancelled
 
-    def delta(self, decode: Callable[[list[int]], str | None]) -> Delta | None:
-        """Its news since the last delta, or None when there is none to send."""
+    def delta(self, decode: Callable[[list[int]], str | None], scoring=None) -> Delta | None:
+        """Its news since the last delta, or None when there is none to send (``scoring``:
+        the loop's ``RequestScoring``, for the log-probabilities)."""
         if self.reason == CANCELLED:
             return None
         if not self.request.stream:
             if self.reason is None:
                 return None
-            return Delta(self.index, self.text(decode) or "", list(self.tokens), self.reason)
-        new_ids = self.tokens[self.sent:]
+            whole = Delta(self.index, self.text(decode) or "", list(self.tokens), self.reason)
+            return self._with_logprobs(whole, decode, scoring, 0)
+        start, new_ids = self.sent, self.tokens[self.sent:]
         self.sent = len(self.tokens)
         piece = self.stream_piece(decode)  # only settled text: the pieces add up to the final text
-        if not new_ids and not piece and self.reason is None:
+        if not new_ids and not piece and self.reason is None and (self.echoed or not self.request.echo):
             return None
-        return Delta(self.index, piece, new_ids, self.reason)
+        return self._with_logprobs(Delta(self.index, piece, new_ids, self.reason), decode, scoring, start)
+
+    def _with_logprobs(self, delta: Delta, decode, scoring, start: int) -> Delta:
+        """``delta`` with the echoed prompt before its first one, and the log-probabilities
+        of what it carries (its ids are the tokens from ``start`` on)."""
+        r, first, self.echoed = self.request, not self.echoed, True
+        if first and (r.echo or r.logprobs is not None):
+            prompt_text = decode(self.prompt) or ""
+            self.offset = len(prompt_text)  # text offsets count in prompt + completion, as OpenAI's
+            if r.echo:
+                delta.text = prompt_text + delta.text
+        if r.logprobs is None or scoring is None:
+            return delta
+        out = []
+        if first:
+            if r.echo:
+                out += scoring.tokens(self.prompt, self.echo_scores, r.logprobs, (), 0, True, first_unscored=True)
+        if delta.ids:
+            end = start + len(delta.ids)
+            scores = self.scores.slice(start, end)
+            out += scoring.tokens(delta.ids, scores, r.logprobs, self.prompt + self.tokens[:start], self.offset,
+                                  self.reason is not None and end == len(self.tokens))
+            self.offset = out[-1].offset + len(out[-1].token)
+        delta.logprobs = out
+        return delta
