@@ -1,0 +1,214 @@
+"""Scoring speed: the engine's score path against its prefill, against a same-size Hugging
+Face Llama computing the same per-token log-probabilities, and sampled decode with
+``logprobs=5`` against without, in one run.
+
+    python -m bench.scoring [--batches 1 16 64] [--length 1000] [--repeats 3]
+                            [--decode-batch 16] [--decode-prompt 32] [--decode-new 64]
+
+The SRM of the benchmark size (d 256, 8 layers, 4 heads, n 1024, vocab 4096; random
+weights) on MAX, float32, on this machine's CPU; the Llama has its vocabulary, width,
+depth and heads and as many parameters (``common.llama_config_matching``), in PyTorch
+with all the CPU's threads. Per batch of ``--length``-token texts (best of
+``--repeats``, the rows interleaved in every repeat):
+
+    prefill          ``engine.prefill``: the parallel form, logits at the last position only
+    score            ``engine.score(top_n=5)``: the same layers, the output layer and the
+                     log-softmax at every position, the target's log-probability and the
+                     top 5 (only those reach the host)
+    hf               ``LlamaForCausalLM`` forward, full logits, log_softmax, the targets'
+                     gather and the top 5 (``torch.no_grad``)
+
+and score's FLOP/s (2 x the matmul parameters per token) against a large numpy matmul's.
+Then ``Generator.generate`` of ``--decode-batch`` prompts, sampled (temperature 0.8,
+top-p 0.95), with ``logprobs=5`` and without, alternating, tokens/s of each (median of
+``--repeats``) and their ratio; ``Generator.loglikelihood`` on a multiple-choice-like
+set (each context with 4 continuations), requests/s; and one GRPO update
+(``rl.grpo.grpo_step``, one epoch, ``--grpo-batch`` rollouts) with the old and reference
+log-probabilities from PyTorch and from the engines' scoring path, alternating.
+
+Writes bench/results/scoring.json (``--out``), naming the machine and its CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import (RESULTS, build_llama, build_srm_reference, command_line, fixed_prompts, machine_info,
+                          markdown_table, matmul_flops, num_params, quiet_transformers, set_torch_threads,
+                          srm_config, srm_matmul_params, srm_weights, write_json)
+
+TOP_N = 5
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def hf_scorer(model, ids: np.ndarray):
+    """The HF model's per-token log-probabilities of ``ids[:, 1:]`` after ``ids[:, :-1]`` and the top 5."""
+    import torch
+
+    x = torch.from_numpy(ids)
+
+    def run():
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x[:, :-1]).logits.float(), -1)
+            picked = logp.gather(-1, x[:, 1:, None])[..., 0]
+            top = torch.topk(logp, TOP_N, dim=-1)
+        return picked, top
+
+    return run
+
+
+def bench_batches(engine, llama, config, batches, length, repeats) -> list[dict]:
+    rows = []
+    for B in batches:
+        ids = fixed_prompts(B, length + 1, config.vocab_size)
+        inputs, targets = ids[:, :-1].tolist(), ids[:, 1:].tolist()
+        runs = {
+            "prefill": lambda: engine.prefill(inputs),
+            "score": lambda: engine.score(inputs, targets, top_n=TOP_N),
+            "hf": hf_scorer(llama, ids),
+        }
+        for fn in runs.values():  # warm up: graphs loaded, thread pools up
+            fn()
+        seconds = {name: [] for name in runs}
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                seconds[name].append(timed(fn))
+        tps = {name: B * length / min(s) for name, s in seconds.items()}
+        rows.append({"batch": B, "length": length, "seconds": seconds, "tokens_per_s": tps,
+                     "score_over_prefill": tps["score"] / tps["prefill"], "score_over_hf": tps["score"] / tps["hf"],
+                     "score_flops": 2.0 * srm_matmul_params(config) * tps["score"]})
+    return rows
+
+
+def bench_decode(gen, batch, prompt_len, new, repeats) -> dict:
+    prompts = fixed_prompts(batch, prompt_len, gen.config.vocab_size, seed=99).tolist()
+    options = dict(max_new_tokens=new, temperature=0.8, top_p=0.95, seed=5)
+    gen.generate(prompts, logprobs=TOP_N, **options)  # warm up
+    seconds = {"without": [], "logprobs": []}
+    tokens = {}
+    for _ in range(repeats):
+        for name, lp in (("without", None), ("logprobs", TOP_N)):
+            t = time.perf_counter()
+            outs = gen.generate(prompts, logprobs=lp, **options)
+            seconds[name].append(time.perf_counter() - t)
+            tokens[name] = sum(len(c.ids) for c in outs)
+    assert tokens["without"] == tokens["logprobs"], "the same seeds must give the same tokens"
+    tps = {name: tokens[name] / statistics.median(s) for name, s in seconds.items()}
+    # the ratio within each round (calls seconds apart), then the median: robust to a shared machine's drift
+    per_round = [w / lp for w, lp in zip(seconds["without"], seconds["logprobs"])]
+    return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new, "sampling": "temperature 0.8, top-p 0.95",
+            "tokens": tokens["without"], "seconds": seconds, "tokens_per_s": tps,
+            "logprobs_over_without": statistics.median(per_round)}
+
+
+def bench_loglikelihood(gen, contexts, context_len, repeats) -> dict:
+    rng = np.random.default_rng(7)
+    V = gen.config.vocab_size
+    requests = [(rng.integers(1, V, context_len).tolist(), rng.integers(1, V, int(rng.integers(1, 8))).tolist())
+                for _ in range(contexts)]
+    requests = [(ctx, rng.integers(1, V, len(cont)).tolist()) for ctx, cont in requests for _ in range(4)]
+    gen.loglikelihood(requests[:8])  # warm up
+    seconds = [timed(lambda: gen.loglikelihood(requests)) for _ in range(repeats)]
+    return {"requests": len(requests), "contexts": contexts, "context_tokens": context_len,
+            "continuations_per_context": 4, "seconds": seconds, "requests_per_s": len(requests) / min(seconds)}
+
+
+def bench_grpo(config, engine, batch, prompt_len, new, repeats) -> dict:
+    import copy
+
+    import torch
+
+    from srm_max.rl.grpo import grpo_step
+
+    policy = build_srm_reference(config).eval()
+    reference = copy.deepcopy(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    prompts = fixed_prompts(batch, prompt_len, config.vocab_size, seed=5).tolist()
+    completions = fixed_prompts(batch, new, config.vocab_size, seed=6).tolist()
+    advantages = np.linspace(-1, 1, batch)
+    ways = {"torch": None, "engine": (engine, engine)}  # the timing does not depend on the weights
+    seconds = {name: [] for name in ways}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, engines in ways.items():
+            seconds[name].append(timed(lambda: grpo_step(policy, reference, optimizer, prompts, completions,
+                                                         advantages, epochs=1, engines=engines)))
+    seconds = {name: s[1:] for name, s in seconds.items()}
+    return {"rollouts": batch, "prompt_tokens": prompt_len, "completion_tokens": new, "epochs": 1,
+            "seconds": seconds, "best_seconds": {name: min(s) for name, s in seconds.items()},
+            "torch_over_engine": min(seconds["torch"]) / min(seconds["engine"])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--length", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--decode-prompt", type=int, default=32)
+    ap.add_argument("--decode-new", type=int, default=64)
+    ap.add_argument("--contexts", type=int, default=64, help="loglikelihood: contexts of 4 continuations each")
+    ap.add_argument("--context-tokens", type=int, default=200)
+    ap.add_argument("--grpo-batch", type=int, default=64, help="GRPO: rollouts per update")
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch threads for the Llama")
+    ap.add_argument("--out", type=Path, default=RESULTS / "scoring.json")
+    args = ap.parse_args(argv)
+
+    from srm_max.models.srm.engine import Engine
+    from srm_max.runtime.cpu_target import current
+    from srm_max.serve.generator import Generator
+
+    quiet_transformers()
+    set_torch_threads(args.threads)
+    config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
+    engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu").warmup()
+    llama = build_llama(config)
+    gen = Generator.from_engine(engine)
+    rows = bench_batches(engine, llama, config, args.batches, args.length, args.repeats)
+    decode = bench_decode(gen, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
+    loglik = bench_loglikelihood(gen, args.contexts, min(args.context_tokens, config.context_length - 8),
+                                 args.repeats)
+    grpo = bench_grpo(config, engine, args.grpo_batch, args.decode_prompt, args.decode_new, args.repeats)
+    peak = matmul_flops()
+    for r in rows:
+        r["score_flops_over_numpy_matmul"] = r["score_flops"] / peak["flops"]
+    write_json(args.out, {
+        "command": command_line(), "machine": machine_info(), "cpu_target": current(),
+        "model": {"d_model": config.d_model, "layers": config.n_layers, "heads": config.n_heads,
+                  "vocab": config.vocab_size, "context": config.context_length,
+                  "srm_parameters": config.num_parameters(), "llama_parameters": num_params(llama)},
+        "torch_threads": args.threads, "numpy_matmul": peak, "batches": rows, "decode": decode,
+        "loglikelihood": loglik, "grpo": grpo})
+    print(markdown_table(
+        ["batch x tokens", "prefill tok/s", "score tok/s", "HF Llama tok/s", "score / prefill", "score / HF",
+         "score FLOP/s / numpy matmul"],
+        [[f"{r['batch']} x {r['length']}", f"{r['tokens_per_s']['prefill']:,.0f}",
+          f"{r['tokens_per_s']['score']:,.0f}", f"{r['tokens_per_s']['hf']:,.0f}", f"{r['score_over_prefill']:.2f}",
+          f"{r['score_over_hf']:.2f}", f"{r['score_flops_over_numpy_matmul']:.2f}"] for r in rows]))
+    print(f"\nsampled decode, batch {decode['batch']}: {decode['tokens_per_s']['without']:,.0f} tok/s without, "
+          f"{decode['tokens_per_s']['logprobs']:,.0f} with logprobs={TOP_N}: "
+          f"{decode['logprobs_over_without']:.2f}x")
+    print(f"loglikelihood: {loglik['requests']} requests, {loglik['requests_per_s']:,.1f} requests/s")
+    print(f"GRPO update of {grpo['rollouts']} rollouts: {grpo['best_seconds']['torch']:.2f} s with PyTorch's old and "
+          f"reference log-probabilities, {grpo['best_seconds']['engine']:.2f} s with the engine's")
+    print(f"machine: {machine_info()['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
