@@ -45,7 +45,7 @@ def checkpoint(tmp_path_factory, tiny_weights):
     return save_checkpoint(root / "tiny", TINY, tiny_weights, tokenizer=root / "tokenizer.json")
 
 
-CHOICE = dict(output_type="multiple_choice", doc_to_text="{{context}}", doc_to_choice="{{choices}}",
+CHOICE = dict(output_type="multiple_choice", doc_to_text="{{context}}", doc_to_choice="{{[c0, c1, c2, c3]}}",
               doc_to_target="{{answer}}", metric_list=[{"metric": "acc"}])
 ROLLING = dict(output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
                metric_list=[{"metric": "word_perplexity"}])
@@ -55,10 +55,19 @@ UNTIL = dict(output_type="generate_until", doc_to_text="{{context}}", doc_to_tar
 
 
 def write_task(folder, name: str, docs: list[dict], spec: dict) -> str:
-    """A task ``name`` over ``docs`` (a local JSON-lines file), as lm-eval reads it from YAML."""
-    data = folder / f"{name}.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+    """A task ``name`` over ``docs`` (a local CSV file; a list of choices as columns c0, c1, ...),
+    as lm-eval reads it from YAML. (Not JSON: the datasets library's JSON reader crashed the
+    test process, SIGSEGV, after the engines had run in it.)"""
+    import csv
+
+    rows = [{k: v for k, v in d.items() if k != "choices"} | {f"c{i}": c for i, c in enumerate(d.get("choices", []))}
+            for d in docs]
+    data = folder / f"{name}.csv"
+    with open(data, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    config = {"task": name, "dataset_path": "csv", "dataset_kwargs": {"data_files": {"test": str(data)}},
               "test_split": "test"} | spec
     (folder / f"{name}.yaml").write_text(json.dumps(config))  # JSON is YAML
     return name
