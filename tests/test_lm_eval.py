@@ -1,6 +1,6 @@
 """lm-evaluation-harness on the TINY model: the native ``srm-max`` model and ``srm-max eval``.
 
-Tasks are small YAML files over local JSON-lines data written by the tests (nothing is
+Tasks are small YAML files over local CSV data written by the tests (nothing is
 downloaded), run in-process by lm-eval's ``simple_evaluate``; the answers are checked
 against the PyTorch reference computing lm-eval's own rules.
 """
