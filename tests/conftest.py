@@ -52,7 +52,7 @@ def weights_of(model) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
 
 
-# the graphs of a CPU engine with the Mojo ops (Engine.graph_kinds)
+# every graph kind a CPU engine with the Mojo ops can build (the decode loop included)
 KERNEL_KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
 # the graphs such an engine loads by itself (``Engine.graph_kinds``: its decodes take
 # decode_steps; the decode graph's loop is compiled only for tests that compare the two)
