@@ -96,6 +96,21 @@ def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue,
     return linear(x, W.output()), (gss, keys, values)
 
 
+def _step_inputs(c, lay, device: DeviceRef) -> list:
+    """The inputs both decode graphs share: ids, positions, the states (written in place)
+    and the sampling parameters."""
+    return [
+        TensorType(I64, ["batch"], device),  # ids
+        TensorType(I64, ["batch"], device),  # positions
+        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
+        TensorType(F32, ["batch"], device),  # temperature
+        TensorType(I64, ["batch"], device),  # top_k
+        TensorType(F32, ["batch"], device),  # top_p
+        TensorType(U64, ["batch"], device),  # seed
+        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode
+    ]
+
+
 def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                            kernel_library=None, name: str | None = None) -> Graph:
     """One decode step for a batch (B symbolic), the states updated in place.
@@ -111,16 +126,7 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     device = device or DeviceRef.CPU()
     c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = [
-        TensorType(I64, ["batch"], device),  # ids
-        TensorType(I64, ["batch"], device),  # positions
-        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode
-    ]
+    input_types = _step_inputs(c, lay, device)
     with Graph(name or f"pha_decode_{dt}", input_types=input_types, custom_extensions=[kernel_library]) as g:
         ids, pos, states_buf, temperature, top_k, top_p, seed, mode = g.inputs
         ids, pos = ids.tensor, pos.tensor
@@ -156,15 +162,7 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
     device = DeviceRef.CPU()
     c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = [
-        TensorType(I64, ["batch"], device),  # ids
-        TensorType(I64, ["batch"], device),  # positions
-        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode
+    input_types = _step_inputs(c, lay, device) + [
         TensorType(I64, ["steps"], device),  # steps: only its length is read
     ]
     with Graph(name or f"pha_decode_steps_{dt}_kernels", input_types=input_types,
