@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", nargs="+", default=list(shipped_graphs.DEFAULT_TARGETS),
-                        choices=shipped_graphs.X86_LEVELS[1:], help="CPU targets to compile for")
+                        choices=cpu_target.X86_LEVELS[1:], help="CPU targets to compile for")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="compiles at once (default: one per core)")
     args = parser.parse_args(argv)
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{target}: compiled in {time.perf_counter() - t:.0f} s")
         for f in files:
             print(f"  {f.relative_to(shipped_graphs.SHIPPED_DIR)}  {f.stat().st_size / 2**20:.1f} MiB")
-        if host in shipped_graphs.X86_LEVELS and \
-                shipped_graphs.X86_LEVELS.index(target) <= shipped_graphs.X86_LEVELS.index(host):
+        if cpu_target.runs_on(target, host):
             problem = shipped_graphs.check(dict(zip(shipped_graphs.embedded_jobs(), files)))
             print(f"  known answer: {problem or 'ok'}")
             failed |= problem is not None

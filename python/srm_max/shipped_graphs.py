@@ -48,8 +48,6 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 DEFAULT_TARGETS = ("x86-64-v3",)
 # the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
 KINDS = ("prefill", "score", "sample", "regroup", "decode_steps")
-# x86-64 levels, lowest first: a CPU runs code compiled for its level or any below it
-X86_LEVELS = ("x86-64-v2", "x86-64-v3", "x86-64-v4")
 # relative to max(1, max |expected|): the float32 engine against the float64 reference
 RTOL = 1e-4
 
@@ -82,10 +80,8 @@ def usable_targets() -> list[str]:
     if virtual:
         return [virtual] if virtual in shipped else []
     host = cpu_target.host_x86_level()
-    if host not in X86_LEVELS:
-        return []
-    runnable = [t for t in shipped if t in X86_LEVELS and X86_LEVELS.index(t) <= X86_LEVELS.index(host)]
-    return sorted(runnable, key=X86_LEVELS.index, reverse=True)
+    runnable = [t for t in shipped if cpu_target.runs_on(t, host)]
+    return sorted(runnable, key=cpu_target.X86_LEVELS.index, reverse=True)
 
 
 def embedded_jobs() -> list[GraphJob]:

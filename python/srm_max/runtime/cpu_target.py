@@ -21,12 +21,14 @@ import platform
 
 ENV = "SRM_MAX_CPU_TARGET"
 
-# x86-64 micro-architecture levels by the CPU flags (Linux /proc/cpuinfo) that define them
-_X86_LEVELS = (
-    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
-    ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"}),
-    ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
-)
+# x86-64 micro-architecture levels, lowest first, by the CPU flags (Linux /proc/cpuinfo)
+# that define them: a CPU runs code compiled for its level or any below it
+_LEVEL_FLAGS = {
+    "x86-64-v2": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
+X86_LEVELS = tuple(_LEVEL_FLAGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,10 +57,15 @@ def host_x86_level() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     _, flags = _cpuinfo()
-    for level, needed in _X86_LEVELS:
-        if needed <= flags:
+    for level in reversed(X86_LEVELS):
+        if _LEVEL_FLAGS[level] <= flags:
             return level
     return None
+
+
+def runs_on(level: str, host_level: str | None) -> bool:
+    """Whether code compiled for the x86-64 ``level`` runs on a CPU of ``host_level``."""
+    return level in X86_LEVELS and host_level in X86_LEVELS and X86_LEVELS.index(level) <= X86_LEVELS.index(host_level)
 
 
 def requested() -> str:
@@ -89,4 +96,4 @@ def current() -> str:
     return f"host-{platform.machine()}-{digest}"
 
 
-__all__ = ["ENV", "apply_requested", "current", "host_x86_level", "requested"]
+__all__ = ["ENV", "X86_LEVELS", "apply_requested", "current", "host_x86_level", "requested", "runs_on"]
