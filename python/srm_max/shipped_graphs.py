@@ -36,7 +36,7 @@ from .models import registry
 from .models.srm.engine import Engine
 from .runtime import cpu_target
 from .runtime.compile_cache import graph_key
-from .runtime.compiled import SamplingArrays
+from .runtime.compiled import SamplingArrays, graph_kinds
 from .runtime.precompile import GraphJob
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ KNOWN_ANSWER = SHIPPED_DIR / "known_answer.npz"
 # what scripts/build_shipped_graphs.py builds by default: AVX2 + FMA, which most
 # x86-64 CPUs of the last decade have (x86-64-v4 would need an AVX-512 machine to check it)
 DEFAULT_TARGETS = ("x86-64-v3",)
-# the graphs the default CPU engine loads (Engine.graph_kinds with the Mojo ops)
-KINDS = ("prefill", "score", "sample", "regroup", "decode_steps")
+# the graphs the default CPU engine loads: with the Mojo ops every decode step runs in one op
+KINDS = graph_kinds(steps_in_one_op=True)
 # relative to max(1, max |expected|): the float32 engine against the float64 reference
 RTOL = 1e-4
 

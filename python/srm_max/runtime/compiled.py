@@ -33,6 +33,16 @@ from .device import cache_aligned, resolve_device, resolve_dtype, to_bfloat16_bi
 from .precompile import GraphJob, precompile
 
 
+# The graphs every engine runs besides its decode graph: a decode takes the ``decode_steps``
+# op where every step runs in one op, else the ``decode`` graph's loop (never both).
+NON_DECODE_KINDS = ("prefill", "score", "sample", "regroup")
+
+
+def graph_kinds(steps_in_one_op: bool) -> tuple[str, ...]:
+    """The graph kinds an engine runs, for a decode in one op or in the graph loop."""
+    return NON_DECODE_KINDS + (("decode_steps",) if steps_in_one_op else ("decode",))
+
+
 def check_shapes(expected: dict[str, tuple], weights: dict[str, np.ndarray]) -> None:
     """Every expected key is present with its shape (else GenerationError naming it)."""
     for key, shape in expected.items():
@@ -201,9 +211,8 @@ class CompiledGraphs:
         return self.kernels and isinstance(self.device, CPU)
 
     def graph_kinds(self) -> list[str]:
-        """The graphs this engine runs: a decode takes the decode_steps op where every step
-        runs in one op, else the decode graph's loop (never both)."""
-        return ["prefill", "score", "sample", "regroup"] + (["decode_steps"] if self.steps_in_one_op else ["decode"])
+        """The graphs this engine runs (``graph_kinds``)."""
+        return list(graph_kinds(self.steps_in_one_op))
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
@@ -361,5 +370,5 @@ class CompiledGraphs:
         return DecodeResult(self.host(toks), states, last, pos)
 
 
-__all__ = ["CompiledGraphs", "DecodeResult", "PrefillResult", "SamplingArrays", "ScoreResult", "check_shapes",
-           "registry_of", "right_padded"]
+__all__ = ["CompiledGraphs", "DecodeResult", "NON_DECODE_KINDS", "PrefillResult", "SamplingArrays", "ScoreResult",
+           "check_shapes", "graph_kinds", "registry_of", "right_padded"]
