@@ -20,3 +20,9 @@ def default_model_path(directory: Path = EMBEDDED_MODEL_DIR) -> Path:
             "or pass a model directory explicitly"
         )
     return directory
+
+
+def model_dir(path: str | Path | None) -> Path:
+    """The checkpoint directory a command or ``Generator.from_pretrained`` loads: ``path``,
+    or the embedded model's when it is None (the one place that fallback is decided)."""
+    return default_model_path() if path is None else Path(path)

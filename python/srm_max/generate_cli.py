@@ -27,11 +27,11 @@ class ProgressLine:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .embedded import default_model_path
+    from .embedded import model_dir
     from .serve.generator import Generator
     from .serve.sampling import resolve_seed
 
-    path = args.model if args.model is not None else default_model_path()
+    path = model_dir(args.model)
     generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype)
     if generator.tokenizer is None:
         print(f"srm-max generate: error: {path} has no tokenizer.json; text prompts need one", file=sys.stderr)

@@ -56,7 +56,7 @@ import numpy as np
 
 from .. import shipped_graphs
 from ..checkpoints.format import load_checkpoint
-from ..embedded import default_model_path
+from ..embedded import model_dir
 from ..errors import GenerationError
 from ..models import registry
 from ..models.srm.config import SRMConfig
@@ -190,11 +190,9 @@ class Generator:
         """
         cache_of(prefix_cache_mb)  # a bad budget fails here, before any loading
         resolve_device(device)
-        if path is None:
-            path = default_model_path()
         if dtype is not None:
             resolve_dtype(dtype)
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(model_dir(path))
         if dtype is None:
             dtype = ckpt.dtype if ckpt.dtype in ("float32", "bfloat16") else "float32"
         tok = tokenizer if tokenizer is not None else ckpt.tokenizer_path

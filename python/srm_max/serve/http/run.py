@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 SERVE_MAX_BATCH = 256  # "auto" caps the memory plan here: beyond it a step's latency grows, not throughput
 
@@ -58,11 +57,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"srm-max serve: error: {e.name} is missing; install the serve extra: pip install 'srm-max[serve]'",
               file=sys.stderr)
         return 2
-    from ...embedded import default_model_path
+    from ...embedded import model_dir
     from ..generator import Generator
     from .chat import find_chat_template
 
-    path = Path(args.model) if args.model is not None else default_model_path()
+    path = model_dir(args.model)
     name = args.model_name or ("srm-max" if args.model is None else path.resolve().name)
     generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype,
                                           prefix_cache_mb=args.prefix_cache_mb)
