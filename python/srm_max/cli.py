@@ -84,6 +84,8 @@ def _show_progress(on: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .runtime.device import add_device_arguments
+
     parser = argparse.ArgumentParser(prog="srm-max", description="Structured Recurrent Mixers on MAX")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress messages on stderr (such as what is being compiled)")
@@ -114,17 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None,
                    help="sampling seed (default: a fresh one, printed so the run can be replayed)")
     g.add_argument("--stop", action="append", default=None, help="stop string, repeatable")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    add_device_arguments(g)
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated (one prompt)")
 
     c = sub.add_parser("compile", parents=[quiet],
                        help="compile a model's graphs for this machine now, so its first generate starts at once")
     c.add_argument("path", nargs="?", default=None, metavar="DIR",
                    help="checkpoint directory (default: the embedded model)")
-    c.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="the dtype generate will run in (default: the checkpoint's)")
-    c.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    add_device_arguments(c, dtype_help="the dtype generate will run in (default: the checkpoint's)")
 
     v = sub.add_parser("verify", parents=[quiet], help="re-check a model directory: integrity, parity, MAX against the reference")
     v.add_argument("path", help="checkpoint directory")

@@ -9,14 +9,21 @@ from max.graph import DeviceRef
 
 from ..errors import GenerationError
 
+# the weight dtypes the engines run, the default first
 DTYPES = {"float32": DType.float32, "bfloat16": DType.bfloat16}
 DEVICES = ("auto", "cpu", "gpu")
+DEFAULT_DEVICE = "auto"  # a GPU when there is one, else the CPU
+
+
+def check_device_name(device) -> str:
+    """``device`` lower-cased if it is one of ``DEVICES`` (whether this machine has it or not)."""
+    if not isinstance(device, str) or device.lower() not in DEVICES:
+        raise GenerationError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+    return device.lower()
 
 
 def resolve_device(device: str) -> tuple[Device, DeviceRef]:
-    if not isinstance(device, str) or device.lower() not in DEVICES:
-        raise GenerationError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
-    device = device.lower()
+    device = check_device_name(device)
     if device == "auto":
         device = "gpu" if accelerator_count() > 0 else "cpu"
     if device == "gpu":
@@ -31,6 +38,18 @@ def resolve_dtype(dtype: str | None, default: str = "float32") -> str:
     if dtype not in DTYPES:
         raise GenerationError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return dtype
+
+
+def run_dtype(stored: str) -> str:
+    """The dtype a checkpoint stored in ``stored`` runs in when none is asked for: its own
+    where the engines take it, else float32 (a float16 checkpoint runs as float32)."""
+    return stored if stored in DTYPES else next(iter(DTYPES))
+
+
+def add_device_arguments(parser, dtype_help: str = "weight dtype to run in (default: the checkpoint's)") -> None:
+    """``--device`` and ``--dtype`` for a command that loads a model, with these choices."""
+    parser.add_argument("--device", default=DEFAULT_DEVICE, choices=DEVICES)
+    parser.add_argument("--dtype", default=None, choices=list(DTYPES), help=dtype_help)
 
 
 def to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
@@ -69,4 +88,5 @@ def bfloat16_round(a: np.ndarray) -> np.ndarray:
     return (to_bfloat16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
-__all__ = ["CACHE_LINE", "DEVICES", "DTYPES", "bfloat16_round", "cache_aligned", "resolve_device", "resolve_dtype", "to_bfloat16_bits"]
+__all__ = ["CACHE_LINE", "DEFAULT_DEVICE", "add_device_arguments", "check_device_name", "DEVICES", "DTYPES", "bfloat16_round", "cache_aligned", "resolve_device",
+           "resolve_dtype", "run_dtype", "to_bfloat16_bits"]

@@ -65,13 +65,14 @@ def perplexity(generator, ids: list[int], max_length: int | None = None, progres
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..runtime.device import add_device_arguments
+
     p.add_argument("path", metavar="DIR", nargs="?", default=None,
                    help="checkpoint directory (default: the embedded model)")
     p.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file, scored as one document")
     p.add_argument("--max-length", type=int, default=None, metavar="N",
                    help="tokens predicted per rolling window (default: the model's context length)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    add_device_arguments(p)
 
 
 def run_eval(args: argparse.Namespace) -> int:

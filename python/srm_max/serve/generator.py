@@ -61,7 +61,7 @@ from ..errors import GenerationError
 from ..models import registry
 from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
-from ..runtime.device import resolve_device, resolve_dtype
+from ..runtime.device import DEFAULT_DEVICE, resolve_device, resolve_dtype, run_dtype
 from .prefix_cache import cache_of
 from . import logprobs as scoring_api
 from .logprobs import Logprobs, TokenTexts
@@ -149,7 +149,7 @@ class Generator:
     """Batched text generation with an SRM or a PHA model on MAX."""
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], tokenizer=None,
-                 dtype: str | None = "float32", device: str = "auto", warmup: bool = True,
+                 dtype: str | None = "float32", device: str = DEFAULT_DEVICE, warmup: bool = True,
                  prefix_cache_mb: float | None = None):
         """``prefix_cache_mb``: the prefix-state cache's budget (``serve/prefix_cache.py``;
         None: 64 MiB, 0: off); used by engines that prefill from a state (the SRM)."""
@@ -180,7 +180,7 @@ class Generator:
         return self
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: str = "auto", dtype: str | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, device: str = DEFAULT_DEVICE, dtype: str | None = None,
                         tokenizer=None, warmup: bool = True, prefix_cache_mb: float | None = None) -> "Generator":
         """Load a checkpoint directory (config.json, model.safetensors, tokenizer.json).
 
@@ -194,7 +194,7 @@ class Generator:
             resolve_dtype(dtype)
         ckpt = load_checkpoint(model_dir(path))
         if dtype is None:
-            dtype = ckpt.dtype if ckpt.dtype in ("float32", "bfloat16") else "float32"
+            dtype = run_dtype(ckpt.dtype)
         tok = tokenizer if tokenizer is not None else ckpt.tokenizer_path
         return cls(ckpt.config, ckpt.weights, tokenizer=tok, dtype=dtype, device=device, warmup=warmup,
                    prefix_cache_mb=prefix_cache_mb)

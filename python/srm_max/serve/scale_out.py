@@ -87,15 +87,14 @@ class RaySampler:
         as ``Generator.from_pretrained``, on each worker; ``device="gpu"`` reserves one GPU per
         worker. Connects to Ray as ``ray.init()`` does unless Ray is already initialised.
         Waits until every worker has loaded the model; a worker that cannot load it raises here."""
-        from ..runtime.device import DEVICES, resolve_dtype
+        from ..runtime.device import check_device_name, resolve_dtype
 
         ray = _ray()
         if not isinstance(workers, int) or workers < 1:
             raise GenerationError(f"workers must be an integer >= 1, got {workers!r}")
         if not isinstance(queue_depth, int) or queue_depth < 1:
             raise GenerationError(f"queue_depth must be an integer >= 1, got {queue_depth!r}")
-        if not isinstance(device, str) or device.lower() not in DEVICES:
-            raise GenerationError(f"unknown device {device!r}: expected one of {', '.join(DEVICES)}")
+        check_device_name(device)
         if dtype is not None:
             resolve_dtype(dtype)
         if not ray.is_initialized():

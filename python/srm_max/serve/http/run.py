@@ -14,6 +14,8 @@ SERVE_MAX_BATCH = 256  # "auto" caps the memory plan here: beyond it a step's la
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ...runtime.device import add_device_arguments
+
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--model-name", default=None,
                    help="the model id clients send (default: the directory's name, or srm-max for the embedded one)")
@@ -30,8 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="memory for the prefix-state cache: a prompt that begins with a prompt (or a shared prefix) "
                         "seen before prefills only the rest; 0 turns it off (default 64; SRM models only)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    add_device_arguments(p)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every request (default: $SRM_MAX_API_KEY)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
