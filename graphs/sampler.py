@@ -15,9 +15,9 @@ from .ops import F32, I64, U64, const, floor_at
 # Widynski's "Squares" counter-based RNG (arXiv 2004.06278), written with
 # wrapping uint64 multiply/add and 32-bit rotations as floor division +
 # multiplication (MAX has no bitwise ops). ``srm_max.serve.sampling.uniform_np`` mirrors it
-# exactly in numpy.
-_K0 = 0xC8E4FD154CE32F6D
-_K1 = 0x9B2D67A3E8F15C47
+# exactly in numpy, and the whole-step op (mojo/row_sampler.mojo) keeps a copy of the keys
+# that a test holds equal to these.
+SQUARES_KEYS = (0xC8E4FD154CE32F6D, 0x9B2D67A3E8F15C47)  # the two keys of a seed's 64-bit key
 _2_32 = 1 << 32
 
 
@@ -41,7 +41,8 @@ def _squares(ctr: TensorValue, key: TensorValue, device: DeviceRef) -> TensorVal
 
 
 def _key_of(seed: TensorValue, device: DeviceRef) -> TensorValue:
-    k = _squares(seed, _u64(_K0, device), device) * _u64(_2_32, device) + _squares(seed, _u64(_K1, device), device)
+    k0, k1 = SQUARES_KEYS
+    k = _squares(seed, _u64(k0, device), device) * _u64(_2_32, device) + _squares(seed, _u64(k1, device), device)
     return ops.floor_div(k, _u64(2, device)) * _u64(2, device) + _u64(1, device)  # odd
 
 

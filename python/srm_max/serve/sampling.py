@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
+from ..graphs.sampler import SQUARES_KEYS
 
 _U64_MAX = (1 << 64) - 1
 _I64_MAX = (1 << 63) - 1
@@ -183,19 +184,6 @@ def check_text(text: str, name: str) -> str:
     return text
 
 
-def _token_ids(p) -> list[int] | None:
-    """``p`` as a new list of Python ints when it is a sequence of integers (a 1-D integer
-    array included; bools are not integers here), else None. Prompts run to thousands of
-    ids, so the common case (a list of ints) is checked by type in one pass."""
-    if isinstance(p, np.ndarray):
-        return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
-    if not isinstance(p, Sequence) or isinstance(p, (str, bytes)):
-        return None
-    if set(map(type, p)) <= {int}:
-        return list(p)
-    return [int(v) for v in p] if all(is_int(v) for v in p) else None
-
-
 def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], bool]:
     """Prompts (text, token ids, or a list of either) -> (one id list per prompt, single?).
 
@@ -207,8 +195,6 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     if isinstance(prompts, str):
         items, single = [prompts], True
     elif isinstance(prompts, np.ndarray):
-        if prompts.dtype.kind not in "iu":
-            raise GenerationError(f"prompts: expected an array of integer token ids, got an array of {prompts.dtype}")
         if prompts.ndim == 1:
             items, single = [prompts.tolist()], True
         elif prompts.ndim == 2:
@@ -218,9 +204,8 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     elif isinstance(prompts, Sequence):
         if len(prompts) == 0:
             raise GenerationError("prompt 0 is empty")
-        ids = _token_ids(prompts)
-        if ids is not None:
-            items, single = [ids], True
+        if all(is_int(v) for v in prompts):
+            items, single = [list(prompts)], True
         else:
             items = list(prompts)
     else:
@@ -230,19 +215,20 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     for i, p in enumerate(items):
         if isinstance(p, str):
             ids = encode(check_text(p, f"prompt {i}"))
+        elif isinstance(p, np.ndarray) and p.ndim == 1:
+            ids = p.tolist()
+        elif isinstance(p, Sequence) and all(is_int(v) for v in p):
+            ids = list(p)
         else:
-            ids = _token_ids(p)
-            if ids is None:
-                kind = f"an array of {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
-                raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {kind}")
+            raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {type(p).__name__}")
         if len(ids) == 0:
             raise GenerationError(f"prompt {i} is empty")
-        if min(ids) < 0 or max(ids) >= V:
-            bad = next(t for t in ids if not 0 <= t < V)
-            raise GenerationError(f"prompt {i}: token id {brief_repr(bad)} is outside the vocabulary [0, {V})")
+        bad = [t for t in ids if not (0 <= int(t) < V)]
+        if bad:
+            raise GenerationError(f"prompt {i}: token id {brief_repr(int(bad[0]))} is outside the vocabulary [0, {V})")
         if len(ids) > n:
             raise GenerationError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
-        out.append(ids)
+        out.append([int(t) for t in ids])
     return out, single
 
 
@@ -275,8 +261,7 @@ def check_stop(stop, vocab_size: int, has_tokenizer: bool) -> tuple[np.ndarray, 
 
 
 # ------------------------------------------------------------ numpy mirror
-_K0 = np.uint64(0xC8E4FD154CE32F6D)
-_K1 = np.uint64(0x9B2D67A3E8F15C47)
+_K0, _K1 = (np.uint64(k) for k in SQUARES_KEYS)
 _2_32 = np.uint64(1 << 32)
 
 

@@ -1,0 +1,61 @@
+"""Decisions written once: where a copy must exist (the Mojo side of a Python constant),
+a test holds the copies equal; where none need exist, a test fails if one is written again."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def mojo_uint64_constants(source: str) -> dict[str, int]:
+    """``comptime NAME: UInt64 = 0x...`` lines of a Mojo file -> {NAME: value}."""
+    return {name: int(value, 0) for name, value in
+            re.findall(r"^comptime (\w+): UInt64 = (0x[0-9A-Fa-f]+|\d+)\s*(?:#.*)?$", source, re.MULTILINE)}
+
+
+def test_the_mojo_constant_reader_sees_a_key():
+    assert mojo_uint64_constants("comptime K0: UInt64 = 0x10  # a key\ncomptime N = 3\n") == {"K0": 16}
+
+
+def test_the_sampler_keys_in_mojo_are_the_graphs():
+    """mojo/row_sampler.mojo draws the same uniforms as graphs/sampler.py only with the same
+    Squares keys; the Mojo side keeps its own copy, so the copies are compared here."""
+    from srm_max.graphs.sampler import SQUARES_KEYS
+
+    keys = mojo_uint64_constants((ROOT / "mojo" / "row_sampler.mojo").read_text())
+    assert (keys["K0"], keys["K1"]) == SQUARES_KEYS
+
+
+def test_a_changed_mojo_key_would_be_seen():
+    from srm_max.graphs.sampler import SQUARES_KEYS
+
+    source = (ROOT / "mojo" / "row_sampler.mojo").read_text().replace(f"0x{SQUARES_KEYS[1]:X}", "0x1234")
+    keys = mojo_uint64_constants(source)
+    assert (keys["K0"], keys["K1"]) != SQUARES_KEYS
+
+
+PYTHON_SOURCES = ("python/srm_max", "graphs", "bench", "scripts")
+
+
+def files_spelling(pattern: str, sources: dict[str, str]) -> list[str]:
+    """The files among ``sources`` (path -> text) in which ``pattern`` matches."""
+    return sorted(path for path, text in sources.items() if re.search(pattern, text))
+
+
+def python_sources() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for folder in PYTHON_SOURCES
+            for p in (ROOT / folder).rglob("*.py")}
+
+
+def test_the_spelling_check_sees_a_copy():
+    sources = {"graphs/sampler.py": "K = 0xC8E4FD154CE32F6D", "serve/x.py": "k = np.uint64(0xc8e4fd154ce32f6d)"}
+    assert files_spelling("(?i)0xC8E4FD154CE32F6D", sources) == ["graphs/sampler.py", "serve/x.py"]
+
+
+def test_the_sampler_keys_are_written_once_in_python():
+    from srm_max.graphs.sampler import SQUARES_KEYS
+
+    for key in SQUARES_KEYS:
+        assert files_spelling(f"(?i)0x{key:x}", python_sources()) == ["graphs/sampler.py"]
