@@ -231,7 +231,7 @@ class Generator:
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
         if top_n is not None:
             scores = score_continuations(self.engine, [s.prompt for s in sequences], [s.tokens for s in sequences],
-                                         top_n)
+                                         top_n, self.prefix_cache)
             texts = TokenTexts(self.decode)
             for r, s in zip(results, scores):
                 r.logprobs = texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
@@ -260,7 +260,7 @@ class Generator:
         top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, _, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                         steps_per_call, stream_text=self.tokenizer is not None)
-        scorer = None if top_n is None else ContinuationScorer(self.engine, top_n)
+        scorer = None if top_n is None else ContinuationScorer(self.engine, top_n, self.prefix_cache)
         return self._events(pool, scorer, TokenTexts(self.decode))
 
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,

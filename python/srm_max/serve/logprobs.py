@@ -240,7 +240,8 @@ def loglikelihood(generator, requests, max_length: int | None = None,
         while end < len(order) and contexts[order[end]] == contexts[order[end - 1]]:
             end += 1
         batch = order[start:end]
-        scores = score_continuations(generator.engine, [contexts[i] for i in batch], [pairs[i][1] for i in batch], 1)
+        scores = score_continuations(generator.engine, [contexts[i] for i in batch], [pairs[i][1] for i in batch], 1,
+                                     generator.prefix_cache)
         for i, s in zip(batch, scores):
             out[i] = (s.total, s.greedy)
         start = end

@@ -140,7 +140,7 @@ def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iter
         scores = [None] * len(turn.finished)
         if top_n is not None and turn.finished:  # the samples of this engine call, scored together
             scores = score_continuations(pool.engine, [s.prompt for s in turn.finished],
-                                         [s.tokens for s in turn.finished], top_n)
+                                         [s.tokens for s in turn.finished], top_n, pool.prefix_cache)
         for s, scored in zip(turn.finished, scores):
             text = s.text(decode)
             score = None if verifier is None else float(verifier(text if text is not None else s.tokens))

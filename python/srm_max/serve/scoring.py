@@ -11,9 +11,12 @@ alternatives, computed on the device; no [T, V] logits reach the host.
   the prompt. A prompt's state is computed once by a prefill and forked into each
   of its continuations (the engine's ``regroup``), so a context shared by several
   continuations is read once; a continuation scored in pieces (a stream) picks up
-  the state its last piece left. An engine whose ``score`` does not take start
-  states rescores prompt and continuation from the start instead (same numbers,
-  more work).
+  the state its last piece left. Given the generator's prefix cache
+  (``serve/prefix_cache.py``), that prefill starts from the longest cached prefix of
+  the prompt and leaves its states in the cache: the few-shot examples every lm-eval
+  document shares, or a prompt just generated from, are read once. An engine whose
+  ``score`` does not take start states rescores prompt and continuation from the
+  start instead (same numbers, more work).
 - ``rolling_windows``: lm-eval's ``loglikelihood_rolling`` windows for texts
   longer than the context.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
+from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 from .sampling import brief_repr, is_int
 
 MAX_TOP_N = 20  # the most alternatives per position (the score graph's width, OpenAI's limit)
@@ -179,15 +183,18 @@ def score_runs(engine, inputs: list[list[int]], targets: list[list[int]], top_n:
     return out, states
 
 
-def prompt_states(engine, prompts: list[list[int]]):
+def prompt_states(engine, prompts: list[list[int]], prefix_cache: PrefixCache | None = None):
     """The states after each prompt but its last token, for distinct prompts: one prefill
-    per batch of those of two tokens or more, empty states for one-token prompts;
-    -> (a device batch, the row of each prompt in it)."""
+    per batch of those of two tokens or more (through ``prefix_cache`` when the engine can
+    use it), empty states for one-token prompts; -> (a device batch, the row of each
+    prompt in it)."""
+    cache = usable_cache(engine, prefix_cache)
     longer = [i for i, p in enumerate(prompts) if len(p) > 1]
     parts, picks = [], [(0, 0)] * len(prompts)
     for call in _calls([len(prompts[i]) - 1 for i in longer], tokens_per_call(engine.config)):
         members = [longer[j] for j in call]
-        pre = engine.prefill([prompts[i][:-1] for i in members])
+        heads = [prompts[i][:-1] for i in members]
+        pre = engine.prefill(heads) if cache is None else prefill_cached(engine, cache, heads)[0]
         for row, i in enumerate(members):
             picks[i] = (len(parts), row)
         parts.append(pre.states)
@@ -218,11 +225,12 @@ class ContinuationScorer:
     ``score([(key, prompt, new_tokens), ...])``: the log-probabilities of each key's new
     tokens, after its prompt and the tokens its earlier calls scored. A key's first call
     starts from its prompt's state; later calls continue where it stopped. ``forget``
-    drops keys that are done.
+    drops keys that are done. ``prefix_cache``: the prompts' prefills go through it
+    (``prompt_states``).
     """
 
-    def __init__(self, engine, top_n: int):
-        self.engine, self.top_n = engine, top_n
+    def __init__(self, engine, top_n: int, prefix_cache: PrefixCache | None = None):
+        self.engine, self.top_n, self.prefix_cache = engine, top_n, prefix_cache
         self.from_states = continues_from_states(engine)
         self._states = None  # [L, R, ...]: each key's state before its last token (from_states)
         self._row: dict[Hashable, int] = {}
@@ -269,7 +277,7 @@ class ContinuationScorer:
             parts.append(self._states)
         if fresh:
             distinct = list(dict.fromkeys(tuple(p) for _, p in fresh))
-            states, rows = prompt_states(eng, [list(p) for p in distinct])
+            states, rows = prompt_states(eng, [list(p) for p in distinct], self.prefix_cache)
             prompt_row = {p: rows[j] for j, p in enumerate(distinct)}
             parts.append(states)
         for _, k, p, _ in work:
@@ -296,10 +304,11 @@ class ContinuationScorer:
         return scores
 
 
-def score_continuations(engine, prompts: list[list[int]], continuations: list[list[int]], top_n: int) -> list[Scores]:
+def score_continuations(engine, prompts: list[list[int]], continuations: list[list[int]], top_n: int,
+                        prefix_cache: PrefixCache | None = None) -> list[Scores]:
     """The log-probabilities of each continuation after its prompt (prompts shared by
     several continuations read once: see ``ContinuationScorer``)."""
-    return ContinuationScorer(engine, top_n).score(
+    return ContinuationScorer(engine, top_n, prefix_cache).score(
         [(i, list(p), list(c)) for i, (p, c) in enumerate(zip(prompts, continuations))])
 
 

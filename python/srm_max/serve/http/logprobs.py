@@ -38,11 +38,11 @@ class TokenLogprob:
 class RequestScoring:
     """The engine loop's scoring of the samples whose requests ask for log-probabilities."""
 
-    def __init__(self, engine, decode):
+    def __init__(self, engine, decode, prefix_cache=None):
         self.engine = engine
         self.decode = decode
         self.texts = TokenTexts(decode)
-        self.scorer = ContinuationScorer(engine, MAX_TOP_N)
+        self.scorer = ContinuationScorer(engine, MAX_TOP_N, prefix_cache)
 
     def update(self, samples) -> None:
         """Score what the next deltas of ``samples`` (a turn's samples with news) will carry."""
