@@ -59,3 +59,13 @@ def test_the_sampler_keys_are_written_once_in_python():
 
     for key in SQUARES_KEYS:
         assert files_spelling(f"(?i)0x{key:x}", python_sources()) == ["graphs/sampler.py"]
+
+
+def test_the_seed_arithmetic_is_written_once():
+    """seed + k mod 2**64 (the k-th sample's seed) is serve/sampling.py's nth_seed; a seed
+    masked or reduced by 2**64 elsewhere, or a second constant for it, would be a copy."""
+    copy = r"(?im)^.*seed.*(1 << 64|& 0xf{16}\b|& _U64)|^_?U64\w* = \(?1 << 64"
+    synthetic = {"serve/a.py": "seed = (s + k) & 0xFFFFFFFFFFFFFFFF", "serve/b.py": "_U64 = (1 << 64) - 1",
+                 "serve/c.py": "mask = (1 << 64) - 1  # a hash"}
+    assert files_spelling(copy, synthetic) == ["serve/a.py", "serve/b.py"]
+    assert files_spelling(copy, python_sources()) == ["python/srm_max/serve/sampling.py"]

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import GenerationError
 from ..graphs.sampler import SQUARES_KEYS
 
-_U64_MAX = (1 << 64) - 1
+SEED_LIMIT = 1 << 64  # seeds are uint64 in the graphs
 _I64_MAX = (1 << 63) - 1
 
 _brief = reprlib.Repr()
@@ -108,7 +108,7 @@ def check_top_k(value, name: str = "top_k") -> int:
 
 def check_seed(seed, name: str = "seed") -> int:
     """A seed as an int, or a GenerationError naming ``name``."""
-    if not is_int(seed) or not 0 <= int(seed) <= _U64_MAX:
+    if not is_int(seed) or not 0 <= int(seed) < SEED_LIMIT:
         raise GenerationError(f"{name} must be an integer in [0, 2**64), got {brief_repr(seed)}")
     return int(seed)
 
@@ -116,6 +116,12 @@ def check_seed(seed, name: str = "seed") -> int:
 def fresh_seed() -> int:
     # 63 bits: the seed also fits a signed int64 (numpy, JSON readers), so reporting it loses nothing.
     return secrets.randbits(63)
+
+
+def nth_seed(seed: int, k: int) -> int:
+    """The seed of sample k of a call or request seeded ``seed``: seed + k (mod 2**64), so
+    ``generate(prompt_k, seed=nth_seed(seed, k))`` replays it alone."""
+    return (seed + k) % SEED_LIMIT
 
 
 def resolve_seed(seed, name: str = "seed") -> int:
@@ -141,7 +147,7 @@ class SamplingParams:
             seeds = [check_seed(s, name) for name, s in _per_sample("seed", seed, batch)]
         else:
             base = resolve_seed(seed)
-            seeds = [(base + i) & _U64_MAX for i in range(batch)]
+            seeds = [nth_seed(base, i) for i in range(batch)]
         return cls(temps, ks, ps, seeds)
 
     def arrays(self):
@@ -332,4 +338,4 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
 __all__ = ["SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
            "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop", "check_temperature",
            "check_text", "check_top_k", "check_top_p", "draw_np", "filtered_probs", "fresh_seed", "is_int",
-           "resolve_seed", "uniform_np"]
+           "nth_seed", "resolve_seed", "uniform_np"]

@@ -112,7 +112,7 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
             mailbox.post(queue, deltas)
 
         req = Work(answer.id, job.stream, job.stop, sink, logprobs=job.logprobs, echo=job.echo)
-        req.samples = [Sample(p, job.temperature, job.top_k, job.top_p, job.sample_seed(i * job.n + j), job.max_new,
+        req.samples = [Sample(p, job.temperature, job.top_k, job.top_p, job.choice_seed(i * job.n + j), job.max_new,
                               stop_strings=tuple(job.stop), request=req, index=i * job.n + j)
                        for i, p in enumerate(job.prompts) for j in range(job.n)]
         answer.samples = req.samples

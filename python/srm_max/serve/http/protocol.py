@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from ...errors import GenerationError
 from ..sampling import brief_repr, check_prompts, check_stop, check_temperature, check_text, check_top_k, \
-    check_top_p, is_int, resolve_seed
+    check_top_p, is_int, nth_seed, resolve_seed
 from ..scoring import MAX_TOP_N
 from .chat import no_template_error, render
 from .errors import APIError, bad_request
@@ -44,7 +44,6 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; ``Generator`` takes any temperature a float32 holds
 MAX_TOP_LOGPROBS = MAX_TOP_N  # alternatives per token (OpenAI's chat bound; its legacy one is 5)
-_U64 = (1 << 64) - 1
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
            "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user"}
@@ -71,8 +70,8 @@ class Job:
     logprobs: int | None = None  # alternatives per token; None: no log-probabilities
     echo: bool = False
 
-    def sample_seed(self, choice: int) -> int:
-        return (self.seed + choice) & _U64
+    def choice_seed(self, choice: int) -> int:
+        return nth_seed(self.seed, choice)
 
 
 def parse_body(raw: bytes):
@@ -277,7 +276,7 @@ class Answer:
         if delta.finish_reason is None:
             return {"finish_reason": None}
         return {"finish_reason": public_reason(delta.finish_reason), "finish_detail": delta.finish_reason,
-                "seed": self.job.sample_seed(delta.index)}
+                "seed": self.job.choice_seed(delta.index)}
 
     def choice(self, delta: Delta) -> dict:
         body = {"index": delta.index}
