@@ -69,3 +69,15 @@ def test_the_seed_arithmetic_is_written_once():
                  "serve/c.py": "mask = (1 << 64) - 1  # a hash"}
     assert files_spelling(copy, synthetic) == ["serve/a.py", "serve/b.py"]
     assert files_spelling(copy, python_sources()) == ["python/srm_max/serve/sampling.py"]
+
+
+def test_the_default_steps_per_call_is_written_once():
+    """The package's default decode steps per engine call is serve/sampling.py's
+    DEFAULT_STEPS_PER_CALL; a literal default above 1 for steps_per_call (or --steps-per-call)
+    in the package would be a copy (1, a step per call, is stream's and SlotPool's own choice)."""
+    copy = r"steps_per_call: int = (?!1\b)\d|steps-per-call\", type=int, default=(?!1\b)\d"
+    synthetic = {"serve/a.py": "def f(steps_per_call: int = 8):", "serve/b.py": "def f(steps_per_call: int = S):",
+                 "serve/c.py": "def stream(steps_per_call: int = 1):"}
+    assert files_spelling(copy, synthetic) == ["serve/a.py"]
+    package = {path: text for path, text in python_sources().items() if not path.startswith(("bench/", "scripts/"))}
+    assert files_spelling(copy, package) == []

@@ -66,8 +66,8 @@ from .prefix_cache import cache_of
 from . import logprobs as scoring_api
 from .logprobs import Logprobs, TokenTexts
 from .sample_many import sample_many
-from .sampling import SamplingParams, check_max_new_tokens, check_prompts, check_steps_per_call, check_stop, \
-    check_text, resolve_seed
+from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, check_max_new_tokens, check_prompts, \
+    check_steps_per_call, check_stop, check_text, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
 from .scoring import ContinuationScorer, check_top_n, score_continuations
@@ -210,7 +210,7 @@ class Generator:
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, stop=None, steps_per_call: int = 8,
+                 seed=None, stop=None, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
                  progress: Callable[[int, int], None] | None = None, logprobs: int | None = None):
         """Generate for one prompt (-> Completion) or a list (-> list[Completion]).
 

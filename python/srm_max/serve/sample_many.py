@@ -3,7 +3,7 @@
 A fixed pool of B slots (``scheduler.SlotPool``) runs every decode step. When a
 sample finishes (stop, length or context), its slot is refilled with the next
 pending sample at the end of that engine call: no padding to the longest
-sequence. ``steps_per_call`` (default 8, as ``generate``) trades the slot-steps a
+sequence. ``steps_per_call`` (default ``DEFAULT_STEPS_PER_CALL``, as ``generate``) trades the slot-steps a
 finished sample idles until its call ends for fewer engine calls; with 1 no slot
 idles while work remains.
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..models import registry
-from .sampling import brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, check_steps_per_call, \
+from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, check_steps_per_call, \
     check_stop, is_int, resolve_seed
 from .logprobs import Logprobs, TokenTexts
 from .scheduler import PoolStats, Sequence, SlotPool
@@ -109,7 +109,7 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
 def sample_many(generator, prompts, n: int, verifier: Callable | None = None, max_batch="auto",
                 max_new_tokens: int = 64, temperature=1.0, top_k=0, top_p=1.0, seed: int | None = None, stop=None,
                 memory_budget_bytes: int = 4 << 30, stats: PoolStats | None = None,
-                steps_per_call: int = 8, logprobs: int | None = None) -> Iterator[Sample]:
+                steps_per_call: int = DEFAULT_STEPS_PER_CALL, logprobs: int | None = None) -> Iterator[Sample]:
     """Yield ``n`` samples of every prompt, in order of completion (see module docs).
 
     ``verifier(text)`` (or ``verifier(ids)`` without a tokenizer) scores each sample.
@@ -123,7 +123,7 @@ def sample_many(generator, prompts, n: int, verifier: Callable | None = None, ma
 
 
 def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
-              stats: PoolStats | None = None, steps_per_call: int = 8) -> Iterator[Sample]:
+              stats: PoolStats | None = None, steps_per_call: int = DEFAULT_STEPS_PER_CALL) -> Iterator[Sample]:
     """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
     sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
                           job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s))

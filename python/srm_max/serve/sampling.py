@@ -172,6 +172,11 @@ def check_max_new_tokens(max_new_tokens) -> int:
     return int(max_new_tokens)
 
 
+# Decode steps per engine call for generate, sample_many and the server: more amortise
+# each call's fixed cost, fewer let a finished sample's slot refill (and a request join) sooner.
+DEFAULT_STEPS_PER_CALL = 8
+
+
 def check_steps_per_call(steps_per_call) -> int:
     if not is_int(steps_per_call) or steps_per_call < 1:
         raise GenerationError(f"steps_per_call must be an integer >= 1, got {brief_repr(steps_per_call)}")
@@ -335,7 +340,7 @@ def draw_np(probs: np.ndarray, seed: int, counter: int) -> int:
     return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), np.flatnonzero(probs > 0)[-1]))
 
 
-__all__ = ["SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
+__all__ = ["DEFAULT_STEPS_PER_CALL", "SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
            "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop", "check_temperature",
            "check_text", "check_top_k", "check_top_p", "draw_np", "filtered_probs", "fresh_seed", "is_int",
            "nth_seed", "resolve_seed", "uniform_np"]

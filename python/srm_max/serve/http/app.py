@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from ..sampling import DEFAULT_STEPS_PER_CALL
 from .errors import APIError, error_body
 from .guard import Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -31,7 +32,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a context
 
 
 def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_waiting: int = 1024,
-               steps_per_call: int = 8, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               steps_per_call: int = DEFAULT_STEPS_PER_CALL, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                chat_template: str | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan.
 

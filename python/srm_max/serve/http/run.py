@@ -15,6 +15,7 @@ SERVE_MAX_BATCH = 256  # "auto" caps the memory plan here: beyond it a step's la
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ...runtime.device import add_device_arguments
+    from ..sampling import DEFAULT_STEPS_PER_CALL
 
     p.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--model-name", default=None,
@@ -25,10 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"most samples decoded together, or auto (what fits in memory, at most {SERVE_MAX_BATCH})")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="most samples waiting for a slot; beyond it requests get 429 (default 1024)")
-    p.add_argument("--steps-per-call", type=int, default=8,
+    p.add_argument("--steps-per-call", type=int, default=DEFAULT_STEPS_PER_CALL,
                    help="decode steps per engine call, so tokens per streamed chunk: more is faster (each chunk "
-                        "costs HTTP work on the engine's cores), fewer lets requests join sooner (default 8, as "
-                        "Generator.generate)")
+                        f"costs HTTP work on the engine's cores), fewer lets requests join sooner (default "
+                        f"{DEFAULT_STEPS_PER_CALL}, as Generator.generate)")
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="memory for the prefix-state cache: a prompt that begins with a prompt (or a shared prefix) "
                         "seen before prefills only the rest; 0 turns it off (default 64; SRM models only)")

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from ..sampling import DEFAULT_STEPS_PER_CALL
 from ..scheduler import SlotPool
 from .logprobs import RequestScoring
 from .metrics import Metrics
@@ -42,7 +43,7 @@ class SchedulerStopped(Exception):
 
 
 class Scheduler:
-    def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = 8,
+    def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
                  metrics: Metrics | None = None, flush: Callable[[], None] = lambda: None):
         if max_batch < 1 or max_waiting < 1 or steps_per_call < 1:
             raise ValueError("max_batch, max_waiting and steps_per_call must be >= 1")
