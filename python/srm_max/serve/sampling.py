@@ -195,6 +195,19 @@ def check_text(text: str, name: str) -> str:
     return text
 
 
+def _token_ids(p) -> list[int] | None:
+    """``p`` as a new list of Python ints when it is a sequence of integers (a 1-D integer
+    array included; bools are not integers here), else None. Prompts run to thousands of
+    ids, so the common case (a list of ints) is checked by type in one pass."""
+    if isinstance(p, np.ndarray):
+        return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
+    if not isinstance(p, Sequence) or isinstance(p, (str, bytes)):
+        return None
+    if set(map(type, p)) <= {int}:
+        return list(p)
+    return [int(v) for v in p] if all(is_int(v) for v in p) else None
+
+
 def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], bool]:
     """Prompts (text, token ids, or a list of either) -> (one id list per prompt, single?).
 
@@ -206,6 +219,8 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     if isinstance(prompts, str):
         items, single = [prompts], True
     elif isinstance(prompts, np.ndarray):
+        if prompts.dtype.kind not in "iu":
+            raise GenerationError(f"prompts: expected an array of integer token ids, got an array of {prompts.dtype}")
         if prompts.ndim == 1:
             items, single = [prompts.tolist()], True
         elif prompts.ndim == 2:
@@ -215,8 +230,9 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     elif isinstance(prompts, Sequence):
         if len(prompts) == 0:
             raise GenerationError("prompt 0 is empty")
-        if all(is_int(v) for v in prompts):
-            items, single = [list(prompts)], True
+        ids = _token_ids(prompts)
+        if ids is not None:
+            items, single = [ids], True
         else:
             items = list(prompts)
     else:
@@ -226,20 +242,19 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     for i, p in enumerate(items):
         if isinstance(p, str):
             ids = encode(check_text(p, f"prompt {i}"))
-        elif isinstance(p, np.ndarray) and p.ndim == 1:
-            ids = p.tolist()
-        elif isinstance(p, Sequence) and all(is_int(v) for v in p):
-            ids = list(p)
         else:
-            raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {type(p).__name__}")
+            ids = _token_ids(p)
+            if ids is None:
+                kind = f"an array of {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
+                raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {kind}")
         if len(ids) == 0:
             raise GenerationError(f"prompt {i} is empty")
-        bad = [t for t in ids if not (0 <= int(t) < V)]
-        if bad:
-            raise GenerationError(f"prompt {i}: token id {brief_repr(int(bad[0]))} is outside the vocabulary [0, {V})")
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if not 0 <= t < V)
+            raise GenerationError(f"prompt {i}: token id {brief_repr(bad)} is outside the vocabulary [0, {V})")
         if len(ids) > n:
             raise GenerationError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
-        out.append([int(t) for t in ids])
+        out.append(ids)
     return out, single
 
 
