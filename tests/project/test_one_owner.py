@@ -81,3 +81,14 @@ def test_the_default_steps_per_call_is_written_once():
     assert files_spelling(copy, synthetic) == ["serve/a.py"]
     package = {path: text for path, text in python_sources().items() if not path.startswith(("bench/", "scripts/"))}
     assert files_spelling(copy, package) == []
+
+
+def test_integer_but_not_bool_is_written_once():
+    """"An integer (or a number) but not a bool" is srm_max/scalars.py's; an isinstance check
+    for int paired with one for bool elsewhere would be a copy."""
+    copy = r"isinstance\([^)]*\bint\b[^)]*\)\)? (and not|or) isinstance\([^)]*\bbool"
+    synthetic = {"a.py": "ok = isinstance(v, int) and not isinstance(v, bool)",
+                 "b.py": "bad = not isinstance(v, (int, float)) or isinstance(v, bool)",
+                 "c.py": "flag = isinstance(v, bool)"}
+    assert files_spelling(copy, synthetic) == ["a.py", "b.py"]
+    assert files_spelling(copy, python_sources()) == ["python/srm_max/scalars.py"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from ..scalars import is_plain_int
 
 # safetensors dtype name -> numpy dtype of the stored bytes (bfloat16 as raw uint16)
 _STORED = {
@@ -89,12 +90,12 @@ class SafetensorsFile:
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _STORED:
             raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(is_plain_int(s) and s >= 0 for s in shape):
             raise CheckpointError(f"{where}: invalid shape {shape!r}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not all(is_plain_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1]
         ):
             raise CheckpointError(f"{where}: invalid data_offsets {offsets!r}")

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..scalars import is_plain_int
+
 TRANSFORMER_ARCHITECTURE = "transformer"
 
 
@@ -40,7 +42,7 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length", "ffn_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_plain_int(value) or value < 1:
                 raise ValueError(f"config: {name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"config: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..graphs.sampler import SQUARES_KEYS
+from ..scalars import is_int, is_real
 
 SEED_LIMIT = 1 << 64  # seeds are uint64 in the graphs
 _I64_MAX = (1 << 63) - 1
@@ -55,15 +56,6 @@ def _per_sample(name: str, value, batch: int) -> list[tuple[str, object]]:
     return [(name, value)] * batch
 
 
-def is_int(v) -> bool:
-    """An integer, not a bool."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-
-
 def _fits_float32(x: float) -> bool:
     with np.errstate(over="ignore", under="ignore"):
         y = np.float32(x)
@@ -74,7 +66,7 @@ def check_real(value, name: str, rule: str, accept: Callable[[float], bool]) -> 
     """``value`` as a float: a real number (not a bool), finite, that ``accept`` takes (else a
     GenerationError "``name`` must be ``rule``") and that the engine's float32 holds: no
     overflow to inf, no nonzero value rounded to 0 (else a GenerationError saying which)."""
-    if _is_real(value):
+    if is_real(value):
         try:
             x = float(value)
         except OverflowError:  # an int beyond every float

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
+from ...scalars import is_plain_int, is_plain_real
 from ..config_io import dataclass_from_dict, read_json
 from .schema import checkpoint_shapes
 
@@ -41,12 +42,8 @@ LIMITS = {
 }
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_plain_real(value) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -182,7 +179,7 @@ class PHAConfig:
 
     @staticmethod
     def _check_size(name: str, value) -> None:
-        if not _is_int(value) or value < 1:
+        if not is_plain_int(value) or value < 1:
             raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if value > LIMITS[name]:
             raise CheckpointError(f"config: {name} = {value} is above the supported maximum {LIMITS[name]}")

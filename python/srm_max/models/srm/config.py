@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
+from ...scalars import is_plain_int, is_plain_real
 from ..config_io import dataclass_from_dict, read_json
 
 SRM_ARCHITECTURE = "srm"
@@ -46,14 +47,14 @@ class SRMConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length", "ffn_expansion"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_plain_int(value) or value < 1:
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
             if value > LIMITS[name]:
                 raise CheckpointError(f"config: {name} = {value} is above the supported maximum {LIMITS[name]}")
         if not isinstance(self.decay, bool):
             raise CheckpointError(f"config: decay must be true or false, got {self.decay!r}")
         eps = self.layer_norm_eps
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 < eps < 1):
+        if not is_plain_real(eps) or not (0 < eps < 1):
             raise CheckpointError(f"config: layer_norm_eps must be in (0, 1), got {self.layer_norm_eps!r}")
         if self.architecture != SRM_ARCHITECTURE:
             raise CheckpointError(f"config: architecture {self.architecture!r} is not {SRM_ARCHITECTURE!r}")
