@@ -92,3 +92,11 @@ def test_integer_but_not_bool_is_written_once():
                  "c.py": "flag = isinstance(v, bool)"}
     assert files_spelling(copy, synthetic) == ["a.py", "b.py"]
     assert files_spelling(copy, python_sources()) == ["python/srm_max/scalars.py"]
+
+
+def test_bfloat16_rounding_is_written_once():
+    """float32 <-> bfloat16 bits (round to nearest even) is srm_max/bfloat16.py's; the
+    checkpoint files and the engines' weights both ask it."""
+    copy = r"0x7FFF|0x7fff|<< 16\)\.view\(np\.float32\)"
+    assert files_spelling(copy, {"a.py": "r = bits + 0x7FFF + ((bits >> 16) & 1)", "b.py": "x = 1 << 16"}) == ["a.py"]
+    assert files_spelling(copy, python_sources()) == ["python/srm_max/bfloat16.py"]

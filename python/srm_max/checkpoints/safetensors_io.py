@@ -4,7 +4,7 @@ The reader trusts nothing in the file: the header length, the JSON, every
 dtype, shape and offset are checked against the file's real size before any
 tensor is touched, so a truncated or hostile file fails with a message that
 names the file and the tensor, never with a crash or a huge allocation.
-bfloat16 (which numpy lacks) is converted to and from float32 here.
+bfloat16 (which numpy lacks) is read and written as float32 (``srm_max.bfloat16``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..bfloat16 import from_bfloat16_bits, to_bfloat16_bits
 from ..errors import CheckpointError
 from ..scalars import is_plain_int
 
@@ -35,18 +36,6 @@ _STORED = {
 }
 FLOAT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
-
-
-def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as torch does; NaN stays NaN."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))
-    out = (rounded >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), out)
 
 
 class SafetensorsFile:
@@ -134,7 +123,7 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: tensor {name!r} has dtype {self.dtype(name)}, expected a float type")
         data = self.read(name)
         if self.dtype(name) == "BF16":
-            return bfloat16_bits_to_float32(data)
+            return from_bfloat16_bits(data)
         return data.astype(np.float32, copy=False)
 
 
@@ -149,7 +138,7 @@ def write_safetensors(
     for name in sorted(tensors):
         array = np.asarray(tensors[name], dtype=np.float32)
         if code == "BF16":
-            data = float32_to_bfloat16_bits(array)
+            data = to_bfloat16_bits(array)
         else:
             data = array.astype(_STORED[code])
         raw = np.ascontiguousarray(data).tobytes()

@@ -25,11 +25,12 @@ from max.driver import CPU, Buffer, get_virtual_cpu_target
 from max.dtype import DType
 from max.engine import InferenceSession, Model
 
+from ..bfloat16 import to_bfloat16_bits
 from ..errors import GenerationError
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
 from .compile_cache import load_compiled
-from .device import cache_aligned, resolve_device, resolve_dtype, to_bfloat16_bits
+from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
 
 

@@ -52,18 +52,6 @@ def add_device_arguments(parser, dtype_help: str = "weight dtype to run in (defa
     parser.add_argument("--dtype", default=None, choices=list(DTYPES), help=dtype_help)
 
 
-def to_bfloat16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    bits = a.view(np.uint32)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
-
 # Bytes of a cache line. MAX reads the weights it is given in place, from wherever numpy put
 # them; a large numpy array usually starts 16 bytes past a page, so every 64-byte row of a
 # packed panel (mojo/decode_step.mojo) would straddle two cache lines.
@@ -83,10 +71,5 @@ def cache_aligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def bfloat16_round(a: np.ndarray) -> np.ndarray:
-    """What a float32 array looks like after a trip through bfloat16."""
-    return (to_bfloat16_bits(a).astype(np.uint32) << 16).view(np.float32)
-
-
-__all__ = ["CACHE_LINE", "DEFAULT_DEVICE", "add_device_arguments", "check_device_name", "DEVICES", "DTYPES", "bfloat16_round", "cache_aligned", "resolve_device",
-           "resolve_dtype", "run_dtype", "to_bfloat16_bits"]
+__all__ = ["CACHE_LINE", "DEFAULT_DEVICE", "DEVICES", "DTYPES", "add_device_arguments", "cache_aligned",
+           "check_device_name", "resolve_device", "resolve_dtype", "run_dtype"]
