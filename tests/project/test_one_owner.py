@@ -100,3 +100,13 @@ def test_bfloat16_rounding_is_written_once():
     copy = r"0x7FFF|0x7fff|<< 16\)\.view\(np\.float32\)"
     assert files_spelling(copy, {"a.py": "r = bits + 0x7FFF + ((bits >> 16) & 1)", "b.py": "x = 1 << 16"}) == ["a.py"]
     assert files_spelling(copy, python_sources()) == ["python/srm_max/bfloat16.py"]
+
+
+def test_the_tokenizer_is_read_and_checked_once():
+    """Reading a tokenizer.json and holding it to the model's vocabulary is
+    checkpoints/tokenizer.py's (convert and Generator both ask it)."""
+    copy = r"get_vocab_size\(\) >|Tokenizer\.from_file"
+    assert files_spelling(copy, {"a.py": "if tok.get_vocab_size() > V:", "b.py": "n = tok.get_vocab_size()"}) == ["a.py"]
+    package = {path: text for path, text in python_sources().items() if path.startswith("python/srm_max/")
+               and not path.startswith("python/srm_max/train/")}  # the trainer builds its own tokenizer
+    assert files_spelling(copy, package) == ["python/srm_max/checkpoints/tokenizer.py"]

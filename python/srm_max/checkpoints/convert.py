@@ -41,6 +41,7 @@ from ..errors import CheckpointError, ConvertError
 from .parity import SourceForward, compute_parity, reference_class
 from ..progress import Progress
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
+from .tokenizer import check_vocabulary, read_tokenizer
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 _PREFIXES = ("module.", "_orig_mod.")
@@ -198,8 +199,7 @@ def convert(
         raise ConvertError(f"{dst}: already exists (use --force to overwrite)")
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
-    if tokenizer is not None:
-        _check_tokenizer(Path(tokenizer))
+    tokenizer_read = read_tokenizer(tokenizer, ConvertError) if tokenizer is not None else None
     weights_path = resolve_source(src)
     if show_progress is None:
         show_progress = sys.stderr.isatty() and weights_path.stat().st_size > 64 * 2**20
@@ -213,8 +213,8 @@ def convert(
             check_finite(key, value, str(weights_path))
     except CheckpointError as e:
         raise ConvertError(str(e)) from None
-    if tokenizer is not None:
-        _check_tokenizer(Path(tokenizer), config.vocab_size)
+    if tokenizer_read is not None:
+        check_vocabulary(tokenizer_read, config.vocab_size, ConvertError, str(tokenizer))
     dtype = dtype or source_dtype
     source = source_forward(config, raw, dtype)
 
@@ -297,16 +297,3 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _check_tokenizer(path: Path, vocab_size: int | None = None) -> None:
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exception subclasses
-        raise ConvertError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
-    if vocab_size is not None and tok.get_vocab_size() > vocab_size:
-        raise ConvertError(
-            f"{path}: tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary is {vocab_size}"
-        )

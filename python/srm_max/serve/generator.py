@@ -56,9 +56,11 @@ import numpy as np
 
 from .. import shipped_graphs
 from ..checkpoints.format import load_checkpoint
+from ..checkpoints.tokenizer import check_vocabulary, read_tokenizer
 from ..embedded import model_dir
 from ..errors import GenerationError
 from ..models import registry
+from ..models.architecture import ModelConfig
 from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import DEFAULT_DEVICE, resolve_device, resolve_dtype, run_dtype
@@ -117,27 +119,14 @@ class SampleRun:
         self._samples.close()
 
 
-def _load_tokenizer(tokenizer):
+def _load_tokenizer(tokenizer, config: ModelConfig):
+    """A tokenizer (a Tokenizer, or a tokenizer.json path) checked against the vocabulary, or None."""
     if tokenizer is None:
         return None
     if isinstance(tokenizer, (str, Path)):
-        from tokenizers import Tokenizer
-
-        try:
-            return Tokenizer.from_file(str(tokenizer))
-        except Exception as e:  # noqa: BLE001
-            raise GenerationError(f"tokenizer {str(tokenizer)!r} cannot be loaded: {e}") from None
+        tokenizer = read_tokenizer(tokenizer, GenerationError)
+    check_vocabulary(tokenizer, config.vocab_size, GenerationError)
     return tokenizer
-
-
-def _check_tokenizer(tokenizer, config: SRMConfig) -> None:
-    if tokenizer is None:
-        return
-    size = tokenizer.get_vocab_size()
-    if size > config.vocab_size:
-        raise GenerationError(
-            f"tokenizer has {size} tokens but the model's vocabulary is {config.vocab_size}: "
-            "mismatched tokenizer")
 
 
 def _engine_for(config, weights: dict[str, np.ndarray], dtype: str, device: str):
@@ -156,8 +145,7 @@ class Generator:
         cache = cache_of(prefix_cache_mb)
         resolve_device(device)  # a bad device fails here, before any work
         dtype = resolve_dtype(dtype)
-        tok = _load_tokenizer(tokenizer)
-        _check_tokenizer(tok, config)
+        tok = _load_tokenizer(tokenizer, config)
         engine = _engine_for(config, weights, dtype, device)
         self._init(engine, tok, cache)
         shipped_graphs.install(engine.graph_jobs())  # the embedded model's: no compile on a first run
@@ -173,8 +161,7 @@ class Generator:
     @classmethod
     def from_engine(cls, engine: CompiledGraphs, tokenizer=None, prefix_cache_mb: float | None = None) -> "Generator":
         cache = cache_of(prefix_cache_mb)
-        tok = _load_tokenizer(tokenizer)
-        _check_tokenizer(tok, engine.config)
+        tok = _load_tokenizer(tokenizer, engine.config)
         self = cls.__new__(cls)
         self._init(engine, tok, cache)
         return self
