@@ -110,3 +110,13 @@ def test_the_tokenizer_is_read_and_checked_once():
     package = {path: text for path, text in python_sources().items() if path.startswith("python/srm_max/")
                and not path.startswith("python/srm_max/train/")}  # the trainer builds its own tokenizer
     assert files_spelling(copy, package) == ["python/srm_max/checkpoints/tokenizer.py"]
+
+
+def test_weight_shapes_are_checked_once():
+    """Holding weights to their schema is srm_max/weight_shapes.py's (the checkpoint reader
+    and the engines word it the same way)."""
+    copy = r"but the config implies|for \w+, \w+ in expected\w*\.items\(\):"
+    synthetic = {"a.py": "for key, shape in expected.items():\n    if key not in weights:",
+                 "b.py": 'raise E(f"{k!r} has shape {s} but the config implies {t}")', "c.py": "missing = []"}
+    assert files_spelling(copy, synthetic) == ["a.py", "b.py"]
+    assert files_spelling(copy, python_sources()) == ["python/srm_max/weight_shapes.py"]

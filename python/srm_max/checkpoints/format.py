@@ -20,6 +20,7 @@ from ..models.registry import load_config
 from ..models.architecture import ModelConfig
 from ..errors import CheckpointError
 from ..files import atomic_directory
+from ..weight_shapes import shape_problem
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, write_safetensors
 
 CONFIG_FILE = "config.json"
@@ -38,21 +39,9 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
 
 def check_weights(config: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
     """Keys and shapes against the config: missing, unexpected, or disagreeing."""
-    expected = expected_shapes(config)
-    missing = [k for k in expected if k not in shapes]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{source}: missing key {missing[0]!r}{more}")
-    unexpected = [k for k in shapes if k not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(f"{source}: unexpected key {unexpected[0]!r}{more}")
-    for key, shape in expected.items():
-        if tuple(shapes[key]) != shape:
-            raise CheckpointError(
-                f"{source}: {key!r} has shape {list(shapes[key])} but the config implies {list(shape)} "
-                f"(config and tensors disagree)"
-            )
+    problem = shape_problem(expected_shapes(config), shapes)
+    if problem:
+        raise CheckpointError(f"{source}: {problem}")
 
 
 def check_finite(name: str, array: np.ndarray, source: str) -> None:

@@ -29,6 +29,7 @@ from ..bfloat16 import to_bfloat16_bits
 from ..errors import GenerationError
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
+from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
@@ -46,12 +47,10 @@ def graph_kinds(steps_in_one_op: bool) -> tuple[str, ...]:
 
 def check_shapes(expected: dict[str, tuple], weights: dict[str, np.ndarray]) -> None:
     """Every expected key is present with its shape (else GenerationError naming it)."""
-    for key, shape in expected.items():
-        if key not in weights:
-            raise GenerationError(f"weights: missing key {key!r}")
-        got = tuple(np.shape(weights[key]))
-        if got != shape:
-            raise GenerationError(f"weights: {key!r} has shape {got}, expected {shape}")
+    given = {key: np.shape(weights[key]) for key in expected if key in weights}
+    problem = shape_problem(expected, given, allow_unexpected=True)
+    if problem:
+        raise GenerationError(f"weights: {problem}")
 
 
 def registry_of(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> dict:
