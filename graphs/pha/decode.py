@@ -18,13 +18,12 @@ import numpy as np
 from max.dtype import DType
 from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue, ops
 
+from ..op_names import OP_PHA_DECODE_STEPS, OP_WRITE_STATE_ROWS
 from ..ops import F32, I64, U64, clamp_max, const, linear
 from ..sampler import sample
 from .attention import attn_step
 from .gss import gss_step
 from .model import PHAWeights, StateLayout, _Consts, _block, _embed, _ffn
-
-OP_WRITE_STATE_ROWS = "srm_write_state_rows"
 
 
 def row_width(config) -> int:
@@ -142,9 +141,6 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     return g
 
 
-OP_DECODE_STEPS = "pha_decode_steps"
-
-
 def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: DType = DType.float32,
                                  name: str | None = None) -> Graph:
     """S steps as ONE op (mojo/pha_decode_step.mojo ``pha_decode_steps``), CPU, the
@@ -173,7 +169,7 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
         weights = [W.matrix(n, shape) if matrix else W.get(n, shape) for n, shape, matrix in packed["weights"]]
         B = ids.shape[0]
         tokens, last, next_pos = ops.inplace_custom(
-            OP_DECODE_STEPS, device=device,
+            OP_PHA_DECODE_STEPS, device=device,
             values=[states_buf.buffer, ids, W.embedding(), pos, *weights, const(packed["layout"], I64, device),
                     const(packed["dims"], I64, device), const(packed["scalars"], F32, device), steps, temperature.tensor, top_k.tensor, top_p.tensor,
                     seed.tensor, ops.reshape(mode.tensor, [1])],

@@ -37,6 +37,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as gops
 from ..loop import build_multistep_decode_graph
+from ..op_names import OP_DECODE_STEP, OP_DECODE_STEPS, OP_STEP_FUNCTIONAL
 from ..ops import F32, I64, U64
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
@@ -71,7 +72,7 @@ def _mixer_step_kernel(u: TensorValue, pos: TensorValue, state: TensorValue, p: 
     B = u.shape[0]
     head_type = TensorType(F32, [B, H, hd], device)
     y, new = ops.custom(
-        "srm_mixer_step_functional", device=device,
+        OP_STEP_FUNCTIONAL, device=device,
         values=[state, ops.reshape(u, [B, H, hd]), pos, ops.transpose(p["w"], 0, 1),
                 ops.transpose(p["beta"], 0, 1), ops.exp(p["loglam"])],
         out_types=[head_type, head_type])
@@ -113,7 +114,7 @@ def step_fused(W: SRMWeights, config, packed: list, ids: TensorValue, pos: Tenso
     B = ids.shape[0]
     # the op gathers the embedding rows and clamps the positions itself: fewer ops a step
     logits, new_states, _, _ = ops.custom(
-        "srm_decode_step", device=device, values=_op_inputs(W, c, packed, ids, pos, states, device),
+        OP_DECODE_STEP, device=device, values=_op_inputs(W, c, packed, ids, pos, states, device),
         out_types=[TensorType(F32, [B, c.vocab_size], device), TensorType(F32, states.shape, device),
                    TensorType(F32, [B, c.ffn_dim + 3 * c.d_model], device), TensorType(I64, [B], device)])
     return logits.tensor, new_states.tensor
@@ -144,7 +145,7 @@ def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path,
         W = SRMWeights(c, schema, wdtype, device)
         B = ids.shape[0]
         tokens, new_states, last, next_pos, _ = ops.custom(
-            "srm_decode_steps", device=device,
+            OP_DECODE_STEPS, device=device,
             values=[*_op_inputs(W, c, packed, ids, pos, states, device), steps, temperature, top_k, top_p, seed,
                     ops.reshape(mode, [1])],
             out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(F32, states.shape, device),

@@ -35,6 +35,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as gops
+from ..op_names import OP_SCAN
 from ..ops import F32, I64, U64
 from ..sampler import sample
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
@@ -111,7 +112,7 @@ def _mixer_scan_kernel(u: TensorValue, last: TensorValue, start: TensorValue, in
     u4 = ops.reshape(u, [B, -1, H, hd])  # [B, T, H, hd], T = N * C
     lengths = last[:, 0] * C + last[:, 1] + 1  # [B]
     y, final = ops.custom(
-        "srm_mixer_scan", device=device,
+        OP_SCAN, device=device,
         values=[u4, lengths, start, init, ops.transpose(p["w"], 0, 1), ops.transpose(p["beta"], 0, 1),
                 ops.exp(p["loglam"])],
         out_types=[TensorType(F32, u4.shape, device), TensorType(F32, [B, H, hd], device)])

@@ -3,6 +3,7 @@ a test holds the copies equal; where none need exist, a test fails if one is wri
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -120,3 +121,41 @@ def test_weight_shapes_are_checked_once():
                  "b.py": 'raise E(f"{k!r} has shape {s} but the config implies {t}")', "c.py": "missing = []"}
     assert files_spelling(copy, synthetic) == ["a.py", "b.py"]
     assert files_spelling(copy, python_sources()) == ["python/srm_max/weight_shapes.py"]
+
+
+def registered_ops(mojo_sources: dict[str, str]) -> set[str]:
+    """The op names ``@register("...")`` registers in the Mojo files (path -> text)."""
+    return {name for text in mojo_sources.values() for name in re.findall(r'^@register\("(\w+)"\)', text, re.MULTILINE)}
+
+
+def string_literals(source: str) -> set[str]:
+    """Every string constant of a Python file."""
+    return {node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)}
+
+
+def test_the_op_name_readers_see_names():
+    assert registered_ops({"a.mojo": '@register("srm_x")\nstruct X:\n    pass\n# @register("no")\n'}) == {"srm_x"}
+    assert "srm_x" in string_literals('ops.custom("srm_x", device=d)\n"""docs name `srm_x`"""\n')
+    assert "srm_y" not in string_literals('"""docs name srm_y in a sentence"""\n')
+
+
+def test_every_op_name_is_a_mojo_registration_and_back():
+    """graphs/op_names.py names exactly the ops mojo/ registers: a renamed op fails here, not
+    in a graph compile minutes later."""
+    from srm_max.graphs import op_names
+
+    registered = registered_ops({str(p): p.read_text() for p in (ROOT / "mojo").glob("*.mojo")})
+    assert len(op_names.ALL_OPS) == len(set(op_names.ALL_OPS))
+    assert set(op_names.ALL_OPS) == registered
+
+
+def test_op_names_are_spelled_only_in_their_owner():
+    """No graph or runtime module writes an op's name as a string of its own: each imports it
+    from graphs/op_names.py."""
+    from srm_max.graphs import op_names
+
+    spelled = sorted(path for path, text in python_sources().items()
+                     if path.startswith(("graphs/", "python/srm_max/")) and path != "graphs/op_names.py"
+                     and string_literals(text) & set(op_names.ALL_OPS))
+    assert spelled == []

@@ -55,16 +55,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..graphs.op_names import OP_DECODE_STEP, OP_DECODE_STEPS, OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL
 from .compile_cache import cache_dir
 
+# the op names are graphs/op_names.py's; these are imported from here by the GPU compile check and the tests
 __all__ = ["OP_DECODE_STEPS", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP", "OP_STEP_FUNCTIONAL", "kernel_library",
            "mojo_source_dir"]
-
-OP_STEP = "srm_mixer_step"
-OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"
-OP_SCAN = "srm_mixer_scan"
-OP_DECODE_STEP = "srm_decode_step"
-OP_DECODE_STEPS = "srm_decode_steps"
 
 _lock = threading.Lock()
 _library: Path | None = None

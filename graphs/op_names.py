@@ -1,0 +1,16 @@
+"""The Mojo custom ops' names, as ``mojo/*.mojo`` registers them (``@register("...")``):
+written once here for every graph that calls an op and for the runtime's kernel library
+(``srm_max.runtime.kernels``); tests/project/test_one_owner.py holds each equal to a
+registration in ``mojo/``."""
+
+OP_STEP = "srm_mixer_step"  # one mixer step, the state updated in place
+OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"  # one mixer step, state in -> new state out
+OP_SCAN = "srm_mixer_scan"  # the mixer over a whole prompt (prefill)
+OP_DECODE_STEP = "srm_decode_step"  # every layer of an SRM decode step and the logits
+OP_DECODE_STEPS = "srm_decode_steps"  # S SRM decode steps, each token chosen in the op
+OP_SAMPLE_ROWS = "srm_sample_rows"  # the decode op's draw on given logits
+OP_WRITE_STATE_ROWS = "srm_write_state_rows"  # the PHA decode's in-place state write
+OP_PHA_DECODE_STEPS = "pha_decode_steps"  # S PHA decode steps in one op
+
+ALL_OPS = (OP_STEP, OP_STEP_FUNCTIONAL, OP_SCAN, OP_DECODE_STEP, OP_DECODE_STEPS, OP_SAMPLE_ROWS,
+           OP_WRITE_STATE_ROWS, OP_PHA_DECODE_STEPS)
