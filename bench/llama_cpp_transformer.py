@@ -15,7 +15,7 @@ llama.cpp serves a slightly different function: ``with_ggml_gelu`` is the refere
 that GELU (``ggml_gelu``), which llama.cpp matches to float32 rounding on a small model (on a
 trained one, rounding can move a GELU input across a float16 step, and flash attention rounds
 differently); the difference from the exact reference is measured and reported, not hidden
-(``tests/test_accuracy_per_compute.py``, ``bench.accuracy_per_compute``).
+(``tests/bench/test_accuracy_per_compute.py``, ``bench.accuracy_per_compute``).
 
 **Sampling** (``sample``, the contract of ``bench.kv_decode.sample``): sequences of one prompt
 length share a ``llama_batch``, one llama.cpp sequence per row, up to ``n_seq_max`` rows

@@ -838,7 +838,7 @@ def report(result: dict, out: Path, gpu: bool = False, plot: bool = True) -> Non
     if bad:
         print("WARNING: srm-max and the PyTorch reference disagree on the first greedy token at prompt "
               f"{sorted({e['prompt_len'] for e in bad})}: the two do not compute the same model there, "
-              "so those srm-max numbers are not trustworthy (see tests/test_engine.py)")
+              "so those srm-max numbers are not trustworthy (see tests/models/srm/test_engine.py)")
     thr = g["torch_threads"]
     print("Threads: " + "; ".join(
         f"{n}: {d.get('threads') or ('torch ' + ','.join(map(str, thr)) + ', best shown')}"

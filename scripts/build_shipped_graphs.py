@@ -15,7 +15,7 @@ Writes ``python/srm_max/model/compiled/``:
   removed.
 
 Run it after any change to graphs/, mojo/, the graph-building code or MAX:
-tests/test_shipped_graphs.py fails until the shipped files match again. Each
+tests/runtime/test_shipped_graphs.py fails until the shipped files match again. Each
 target takes minutes per graph on a small CPU. The files are then checked
 against the known answer where this CPU can run them.
 """

@@ -4,7 +4,7 @@ The positions come in twice (``pos``, ``pos_cols``): with one vector on both sid
 ``pos[:, None] - pos[None, :]`` and ``pos[None, :] > pos[:, None]`` came out of a
 compiled graph as all zeros / all False (depending on what they fused with), although
 a small graph of just those ops computes them right. Built from two distinct inputs,
-both are right (tests/test_pha_engine.py).
+both are right (tests/models/pha/test_pha_engine.py).
 """
 
 from __future__ import annotations

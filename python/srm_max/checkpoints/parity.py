@@ -14,7 +14,7 @@ bound by torch from the keys as stored), that model runs on the same tokens and
 its logits are compared with the converted model's. This is what catches a
 wrong key mapping. It shows the mapping preserves the function the reference
 computes on the source's parameter names; that the reference computes what the
-paper's code computes is tested separately (``tests/test_reference.py``).
+paper's code computes is tested separately (``tests/reference/test_reference.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,201 @@
+"""The PHA's whole-step decode op (mojo/pha_decode_step.mojo, ``PHAEngine(kernels=True)``
+on a CPU) against the PyTorch reference and the plain-op decode graph.
+
+tests/models/pha/test_pha_engine.py's CONFIG and weights, so its prefill and decode graphs are
+shared; the op's graph is the one graph this file adds. The tests against the reference
+start from the reference's prefill (its cache in the engine's state layout) and need the
+op's graph alone; those against the plain graph (marked ``plain``) prefill with it. Context 160: the op's online
+softmax runs over blocks of 32 cached rows, and a batch of one splits the context into
+slices of at least 64 rows, so the prompts and steps here end inside, on and across
+those edges.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srm_max.runtime.compiled import SamplingArrays
+from tests.support.checks import assert_close_rel
+from tests.support.graphs import graphs
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
+
+# the op's engine runs its decode_steps graph only; the plain engine prefills and decodes
+# for the tests that compare the two
+pytestmark = graphs(CONFIG, ("decode_steps",), kernels=True)
+plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return random_pha()
+
+
+@pytest.fixture(scope="module")
+def weights(reference) -> dict[str, np.ndarray]:
+    return {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def plain(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    return PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def op(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=True)
+    assert engine.steps_in_one_op
+    return engine
+
+
+def reference_start(reference, prompts, engine):
+    """The reference's prefill of ``prompts``: (first tokens, its cache as the engine's
+    states [L, B, X] on the device)."""
+    logits, cache = ref_prefill(reference, prompts)
+    L, B = CONFIG.n_layers, len(prompts)
+    gss = cache.gss_state.numpy()
+    parts = [gss.real.reshape(L, B, -1), gss.imag.reshape(L, B, -1),
+             cache.keys.numpy().reshape(L, B, -1), cache.values.numpy().reshape(L, B, -1)]
+    states = np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
+    assert states.shape[2] == engine.layout.width
+    return logits.argmax(-1), engine.to_device(states)
+
+
+def decode_op(op, reference, prompts, calls):
+    """The op's greedy decode calls from the reference's prefill: (tokens, states, positions)."""
+    ids, states = reference_start(reference, prompts, op)
+    pos, tokens = np.array([len(p) for p in prompts]), []
+    for steps in calls:
+        res = op.decode(ids, pos, states, SamplingArrays.greedy(len(prompts)), steps)
+        assert res.tokens.shape == (len(prompts), steps)
+        np.testing.assert_array_equal(op.host(res.ids), res.tokens[:, -1])
+        tokens.append(res.tokens)
+        ids, pos, states = res.ids, op.host(res.positions), res.states
+    return np.concatenate(tokens, 1), states, pos
+
+
+def assert_same_states(op, plain, got, expected, filled, rel=1e-4):
+    """The op's states against the plain graph's: GSS states, and the KV caches up to
+    each sample's ``filled`` rows (later rows are padding or unused)."""
+    a, b = op.split_states(got), plain.split_states(expected)
+    assert_close_rel(a["gss_state"], b["gss_state"], rel)
+    for name in ("keys", "values"):
+        for s, f in enumerate(filled):
+            assert_close_rel(a[name][:, s, :, :f], b[name][:, s, :, :f], rel)
+
+
+def decode_both(op, plain, prompts, calls, sampling=None):
+    """Prefill (the plain engine's, shared), then the same decode calls on both engines:
+    -> (op tokens, plain tokens, op states, plain states, positions after)."""
+    pre = plain.prefill(prompts)
+    sampling = sampling or SamplingArrays.greedy(len(prompts))
+    out = []
+    for engine in (op, plain):
+        ids, pos, states, tokens = pre.next_ids, np.array([len(p) for p in prompts]), pre.states, []
+        for steps in calls:
+            res = engine.decode(ids, pos, states, sampling, steps)
+            assert res.tokens.shape == (len(prompts), steps)
+            tokens.append(res.tokens)
+            ids, pos, states = res.ids, res.positions, res.states
+        out.append((np.concatenate(tokens, 1), states, engine.host(pos), engine.host(ids)))
+    (t_op, s_op, p_op, i_op), (t_plain, s_plain, p_plain, _) = out
+    np.testing.assert_array_equal(p_op, p_plain)
+    np.testing.assert_array_equal(i_op, t_op[:, -1])
+    return t_op, t_plain, s_op, s_plain, p_op
+
+
+def test_greedy_batch_equals_the_reference(op, reference):
+    # prompts ending inside the first block of 32 rows, one short of the second edge,
+    # past 4 blocks, and near the context; 12 steps cross the edges at 64 and 160 = n
+    lengths = [1, 63, 148, 13]
+    prompts = prompts_of(lengths, seed=1)
+    calls = [4, 1, 7]
+    tokens, states, pos = decode_op(op, reference, prompts, calls)
+    np.testing.assert_array_equal(pos, np.array(lengths) + sum(calls))
+    expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
+    np.testing.assert_array_equal(tokens, expected[:, 1:])
+    assert_states_close(op, states, cache, pos)
+
+
+@pytest.mark.parametrize("length", [1, 31, 64, 97])
+def test_greedy_batch_of_one_across_blocks_and_slices(op, reference, length):
+    """Alone, a sample's context is cut into slices (two at this context): each length
+    puts the slices' and blocks' edges elsewhere, and the steps move them on."""
+    (prompt,) = prompts_of([length], seed=2 + length)
+    calls = [17, 23]
+    tokens, states, pos = decode_op(op, reference, [prompt], calls)
+    expected, cache = ref_greedy(reference, [prompt], 1 + sum(calls))
+    np.testing.assert_array_equal(tokens, expected[:, 1:])
+    assert_states_close(op, states, cache, pos)
+
+
+def test_a_sample_past_the_context_leaves_its_batch_mates_alone(op, reference):
+    """One call of 8 steps: the long prompt reaches n after 2 tokens and runs on past it
+    inside the call (writing its last cache row, reading no other sample's); the short
+    one's tokens and states are the reference's."""
+    short, long = prompts_of([3, 158], seed=8)
+    tokens, states, _ = decode_op(op, reference, [short, long], [8])
+    expected, cache = ref_greedy(reference, [short], 9)
+    np.testing.assert_array_equal(tokens[0], expected[0, 1:])
+    assert_states_close(op, op.host(states)[:, :1], cache, [11])
+    np.testing.assert_array_equal(tokens[1, :2], ref_greedy(reference, [long], 3)[0][0, 1:])
+
+
+@plain_graphs
+def test_greedy_tokens_and_states_equal_the_plain_graphs(op, plain):
+    lengths = [1, 63, 148, 13]
+    t_op, t_plain, s_op, s_plain, pos = decode_both(op, plain, prompts_of(lengths, seed=1), [4, 1, 7])
+    np.testing.assert_array_equal(t_op, t_plain)
+    assert_same_states(op, plain, s_op, s_plain, pos)
+
+
+@plain_graphs
+def test_sampled_tokens_equal_the_plain_graphs_draws(op, plain):
+    """Temperature, top-k and top-p per sample (greedy for one): the op draws with
+    row_sampler.mojo what the plain graph's sampler draws, at the same counters."""
+    prompts = prompts_of([5, 40, 77], seed=3)
+    sampling = SamplingArrays(np.array([0.8, 0.0, 1.1], np.float32), np.array([0, 0, 7], np.int64),
+                              np.array([0.9, 1.0, 1.0], np.float32), np.array([11, 12, 13], np.uint64))
+    t_op, t_plain, s_op, s_plain, pos = decode_both(op, plain, prompts, [6, 9], sampling)
+    np.testing.assert_array_equal(t_op, t_plain)
+    assert_same_states(op, plain, s_op, s_plain, pos)
+    plain_only = SamplingArrays(sampling.temperature, np.zeros(3, np.int64), np.ones(3, np.float32), sampling.seed)
+    t_op, t_plain, *_ = decode_both(op, plain, prompts, [5], plain_only)
+    np.testing.assert_array_equal(t_op, t_plain)
+
+
+def test_no_steps_returns_the_inputs_and_leaves_the_caller_states(op, reference):
+    prompts = prompts_of([9, 20], seed=4)
+    ids, states = reference_start(reference, prompts, op)
+    before = op.host(states).copy()
+    res = op.decode(ids, np.array([9, 20]), states, SamplingArrays.greedy(2), 0)
+    assert res.tokens.shape == (2, 0)
+    np.testing.assert_array_equal(op.host(res.ids), ids)
+    np.testing.assert_array_equal(op.host(res.positions), [9, 20])
+    op.decode(ids, np.array([9, 20]), states, SamplingArrays.greedy(2), 3)
+    np.testing.assert_array_equal(op.host(states), before)  # decode works on a copy
+
+
+def test_the_op_is_off_where_it_does_not_run(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    assert not PHAEngine(CONFIG, weights).steps_in_one_op  # off by default
+    assert not PHAEngine(CONFIG, weights, dtype="bfloat16", kernels=True).steps_in_one_op
+
+
+def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
+    """The op's engine loads its decode_steps graph alone here; the plain one, its prefill
+    and decode for the tests marked ``plain_graphs``."""
+    from tests.support.graphs import declared_graph_jobs
+
+    assert "decode_steps" in op.graph_kinds() and "decode" not in op.graph_kinds()
+    assert set(declared_graph_jobs([request.node])) == {op.graph_job("decode_steps")}
+    uses_plain = [item for item in request.session.items if item.module is request.module and
+                  item.name.startswith(("test_greedy_tokens_and_states_equal", "test_sampled_tokens_equal"))]
+    if uses_plain:
+        assert set(declared_graph_jobs(uses_plain)) == {op.graph_job("decode_steps"), plain.graph_job("prefill"),
+                                                         plain.graph_job("decode")}

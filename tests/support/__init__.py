@@ -1,0 +1,2 @@
+"""Helpers the tests share (imported as ``tests.support.<module>``); fixtures are in
+tests/conftest.py."""

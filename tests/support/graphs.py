@@ -1,0 +1,28 @@
+"""The ``graphs`` marker: a test module declares the compiled graphs it needs
+(``pytestmark = graphs(TINY)``) and the session compiles all of them up front, side by
+side (tests/conftest.py ``suite_graphs``)."""
+
+from __future__ import annotations
+
+import pytest
+
+# every graph kind a CPU engine with the Mojo ops can build (the decode loop included)
+KERNEL_KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
+# the graphs such an engine loads by itself (``Engine.graph_kinds``: its decodes take
+# decode_steps; the decode graph's loop is compiled only for tests that compare the two)
+ENGINE_KINDS = ("prefill", "score", "sample", "regroup", "decode_steps")
+
+
+def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):
+    """A marker naming compiled graphs that the marked tests need (CPU). The session
+    compiles every graph the selected tests declare up front, side by side."""
+    return pytest.mark.graphs(*[(kind, config, dtype, kernels) for kind in kinds])
+
+
+def declared_graph_jobs(items) -> list:
+    """The compile jobs of every graph the ``items`` declare (``graphs`` markers)."""
+    from srm_max.models import registry
+
+    specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
+    return [registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
+            for kind, config, dtype, kernels in specs]

@@ -1,0 +1,85 @@
+"""The test PHA: one config with every branch on, its random float32 reference, and
+comparisons of a MAX PHA engine's prefill, decode and states with that reference."""
+
+from __future__ import annotations
+
+import torch
+
+from srm_max.models.pha.config import PHAConfig
+from srm_max.reference.pha import PHA
+from tests.support.checks import assert_close_rel
+from tests.support.prompts import padded_batch, random_prompts
+
+
+def randomized(config: PHAConfig, dtype=torch.float64, seed=0) -> PHA:
+    """A model with unequal mixing weights, varied logit scales, non-trivial norms, O(1) logits."""
+    torch.manual_seed(seed)
+    model = PHA(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in ("embed.weight", "lm_head.weight"):
+                p.normal_()
+            elif name.endswith("mixing"):
+                p.normal_()
+            elif name.endswith("logit_scale"):
+                p.uniform_(1.0, 3.0)
+            elif "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+# Every branch on, GQA with 2 query heads per KV head, context 160 = 2.5 chunks.
+CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
+                   dss_state_size=8)
+
+
+def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
+    """Float32 reference with unequal mixing weights, varied logit scales, non-trivial
+    norms and biases, O(1) logits (``randomized``), and DSS modes
+    decaying from about 0.1 to 0.995 per token, so states carry across chunks."""
+    model = randomized(config, torch.float32, seed)
+    with torch.no_grad():
+        for block in model.blocks:
+            if "gss" in block.branches:
+                block.branches["gss"].dss.Lambda_real.copy_(torch.linspace(-5.3, 0.8, config.dss_state_size))
+    return model.eval()
+
+
+def prompts_of(lengths, seed=0):
+    return random_prompts(lengths, CONFIG.vocab_size, seed)
+
+
+def ref_prefill(reference, prompts):
+    """Reference prefill of right-padded prompts: (last-token logits [B, V], cache)."""
+    ids, lengths = padded_batch(prompts)
+    with torch.no_grad():
+        logits, cache = reference.prefill(ids, lengths)
+    return logits[torch.arange(len(prompts)), lengths - 1].numpy(), cache
+
+
+def assert_states_close(engine, states, cache, filled, rel=1e-4):
+    """MAX states against a reference PHACache: GSS states, and the KV caches up to
+    each sample's ``filled`` positions (later rows are padding or unused)."""
+    got = engine.split_states(states)
+    assert (got["gss_state"] is None) == (cache.gss_state is None)
+    if cache.gss_state is not None:
+        assert_close_rel(got["gss_state"], cache.gss_state.numpy(), rel)
+    for name, ref in (("keys", cache.keys), ("values", cache.values)):
+        assert (got[name] is None) == (ref is None)
+        for b, f in enumerate(filled if ref is not None else []):
+            assert_close_rel(got[name][:, b, :, :f], ref[:, b, :, :f].numpy(), rel)
+
+
+def ref_greedy(reference, prompts, new_tokens):
+    """Reference: padded prefill, then batched steps at per-sample positions (greedy)."""
+    logits, cache = ref_prefill(reference, prompts)
+    tok = torch.tensor(logits.argmax(-1))
+    pos = torch.tensor([len(p) for p in prompts])
+    out = [tok]
+    with torch.no_grad():
+        for _ in range(new_tokens - 1):
+            logits, cache = reference.step(tok, pos, cache)
+            tok, pos = logits.argmax(-1), pos + 1
+            out.append(tok)
+    return torch.stack(out, 1).numpy(), cache
+

@@ -1,0 +1,20 @@
+"""Random prompts and the right-padded batches the torch references take."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+
+
+def padded_batch(prompts):
+    """Right-padded torch ids [B, T] and lengths [B], as the references' prefill takes them."""
+    import torch
+
+    ids = torch.zeros(len(prompts), max(len(p) for p in prompts), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.tensor(p)
+    return ids, torch.tensor([len(p) for p in prompts])
