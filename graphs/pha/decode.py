@@ -150,7 +150,7 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
 
     Inputs: ``build_pha_decode_graph``'s, then steps [S] (its length is the step count).
     Outputs: tokens [B, S], ids = tokens[:, -1], positions + S. The same tokens and
-    states as S calls of ``build_pha_decode_graph`` (tests/test_pha_decode_op.py).
+    states as S calls of ``build_pha_decode_graph`` (tests/models/pha/test_pha_decode_op.py).
     ``packed`` (``srm_max.models.pha.packing.op_inputs``): the op's packed weights
     (name, shape, matrix?) and its constant layout, dims and scalars; the embedding
     is the graphs' own.

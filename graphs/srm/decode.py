@@ -130,7 +130,7 @@ def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path,
     mode [] (host), steps [S] (its length is the step count): ``build_decode_graph``'s
     without n_steps. Outputs as that graph's: tokens [B, S], states, ids =
     tokens[:, -1], positions + S. The same tokens and states as that graph in every
-    mode (tests/test_engine.py, tests/test_sampled_decode.py)."""
+    mode (tests/models/srm/test_engine.py, tests/models/srm/test_sampled_decode.py)."""
     device = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
