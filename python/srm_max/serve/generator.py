@@ -61,7 +61,6 @@ from ..embedded import model_dir
 from ..errors import GenerationError
 from ..models import registry
 from ..models.architecture import ModelConfig
-from ..models.srm.config import SRMConfig
 from ..runtime.compiled import CompiledGraphs
 from ..runtime.device import DEFAULT_DEVICE, resolve_device, resolve_dtype, run_dtype
 from .prefix_cache import cache_of
@@ -137,7 +136,7 @@ def _engine_for(config, weights: dict[str, np.ndarray], dtype: str, device: str)
 class Generator:
     """Batched text generation with an SRM or a PHA model on MAX."""
 
-    def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], tokenizer=None,
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], tokenizer=None,
                  dtype: str | None = "float32", device: str = DEFAULT_DEVICE, warmup: bool = True,
                  prefix_cache_mb: float | None = None):
         """``prefix_cache_mb``: the prefix-state cache's budget (``serve/prefix_cache.py``;
