@@ -25,12 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
 
 from .compile_cache import cache_dir, compile_to_cache, mef_path
-from .device import resolve_device
+from .device import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class GraphJob:
         return self.config.architecture
 
     def graph(self) -> Graph:
-        wdtype = {"float32": DType.float32, "bfloat16": DType.bfloat16}[self.dtype]
+        wdtype = DTYPES[self.dtype]
         device = DeviceRef.GPU() if self.device == "gpu" else DeviceRef.CPU()
         return self.build(self.kind, self.config, wdtype, device, self.kernels)
 
