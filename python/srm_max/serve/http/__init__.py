@@ -5,7 +5,7 @@
     # or: srm-max serve --model DIR --port 8000
 
 Modules: ``app`` (routes), ``protocol`` (request checks, response shapes),
-``scheduler`` (the engine loop), ``sequence`` (a request's samples),
+``engine_loop`` (the thread that runs the engine), ``sequence`` (a request's samples),
 ``guard`` (API key, body limit), ``metrics`` (Prometheus), ``chat``
 (chat templates), ``run`` (the command). Needs the ``serve`` extra.
 """

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over one ``Scheduler``.
+"""The OpenAI-compatible HTTP API over one ``EngineLoop``.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (with a chat template),
 GET /v1/models, GET /health, GET /metrics. A request is checked completely
@@ -24,8 +24,8 @@ from .errors import APIError, error_body
 from .guard import Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import Answer, Job, dumps, parse_body, parse_chat, parse_completion, queue_full
-from .scheduler import QueueFull, Scheduler, SchedulerStopped
-from .sequence import ERROR, Delta, Sample, Work
+from .engine_loop import EngineLoop, EngineLoopStopped, QueueFull
+from .sequence import ERROR, Delta, ServedRequest, ServedSample
 from .stream import EventStream, Mailbox, event
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # far above any prompt that fits a context
@@ -46,7 +46,7 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
         for mailbox in list(mailboxes.values()):
             mailbox.flush()
 
-    scheduler = Scheduler(generator, max_batch, max_waiting, steps_per_call, metrics, flush)
+    scheduler = EngineLoop(generator, max_batch, max_waiting, steps_per_call, metrics, flush)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -112,8 +112,8 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
         def sink(deltas: list[Delta]) -> None:  # called from the engine thread
             mailbox.post(queue, deltas)
 
-        req = Work(answer.id, job.stream, job.stop, sink, logprobs=job.logprobs, echo=job.echo)
-        req.samples = [Sample(p, job.temperature, job.top_k, job.top_p, job.choice_seed(i * job.n + j), job.max_new,
+        req = ServedRequest(answer.id, job.stream, job.stop, sink, logprobs=job.logprobs, echo=job.echo)
+        req.samples = [ServedSample(p, job.temperature, job.top_k, job.top_p, job.choice_seed(i * job.n + j), job.max_new,
                               stop_strings=tuple(job.stop), request=req, index=i * job.n + j)
                        for i, p in enumerate(job.prompts) for j in range(job.n)]
         answer.samples = req.samples
@@ -121,7 +121,7 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
             scheduler.submit(req)
         except QueueFull as e:
             raise queue_full(e.retry_after) from None
-        except SchedulerStopped as e:
+        except EngineLoopStopped as e:
             raise APIError(503, str(e)) from None
         if job.stream:
             def went_away():
@@ -131,7 +131,7 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
             return EventStream(_events(req, answer, queue), went_away)
         return await _collect(request, req, answer, queue)
 
-    async def _collect(request: Request, req: Work, answer: Answer, queue: asyncio.Queue):
+    async def _collect(request: Request, req: ServedRequest, answer: Answer, queue: asyncio.Queue):
         async def watch():
             # the body has been read: the next message is the client's disconnect
             while (await request.receive())["type"] != "http.disconnect":
@@ -154,7 +154,7 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
             watcher.cancel()
         return JSONResponse(answer.completion(list(finals.values())))
 
-    async def _events(req: Work, answer: Answer, queue: asyncio.Queue):
+    async def _events(req: ServedRequest, answer: Answer, queue: asyncio.Queue):
         """The SSE bytes of a streamed answer: one item per engine call that brought news."""
         finished, tokens = 0, 0
         try:

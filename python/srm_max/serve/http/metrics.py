@@ -2,7 +2,7 @@
 process, as in the tests, do not share counters).
 
 Counts of running and waiting requests and the slot occupancy are read from the
-scheduler when scraped, so they are exact at that moment.
+engine loop when scraped, so they are exact at that moment.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 
 @dataclass
 class Job:
-    """A checked request: what the scheduler needs, and what the answer needs."""
+    """A checked request: what the engine loop needs, and what the answer needs."""
 
     prompts: list[list[int]]
     n: int
@@ -267,7 +267,7 @@ class Answer:
         self.object = "chat.completion" if job.chat else "text_completion"
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.started: set[int] = set()  # chat chunks: the role goes in a choice's first one
-        self.samples: list = []  # the request's samples (sequence.Sample), for the cached prompt tokens
+        self.samples: list = []  # the request's samples (sequence.ServedSample), for the cached prompt tokens
         # the bytes every running completion chunk starts with (see ``chunk_json``)
         self._head = dumps({"id": self.id, "object": self.object, "created": self.created,
                             "model": self.model})[:-1].encode() + b',"choices":[{"index":'

@@ -1,7 +1,7 @@
 """What the engine loop keeps per request and per sample, and how a sample takes its tokens.
 
-A ``Work`` is one HTTP completion request: its prompts times ``n`` samples,
-each a ``Sample`` with its own sampling parameters and seed. Samples run in the
+A ``ServedRequest`` is one HTTP completion request: its prompts times ``n`` samples,
+each a ``ServedSample`` with its own sampling parameters and seed. Samples run in the
 same scheduler as ``Generator`` (``serve.scheduler``), so a served sample equals
 ``Generator.generate`` with the same prompt, parameters and seed.
 
@@ -37,12 +37,12 @@ class Delta:
 
 
 @dataclass(eq=False)
-class Work:
+class ServedRequest:
     id: str
     stream: bool
     stop_strings: list[str]
     sink: Callable[[list[Delta]], None]
-    samples: list["Sample"] = field(default_factory=list)
+    samples: list["ServedSample"] = field(default_factory=list)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     started: bool = False  # a sample has entered a slot
@@ -56,11 +56,11 @@ class Work:
 
 
 @dataclass(eq=False)
-class Sample(Sequence):
+class ServedSample(Sequence):
     """One sample of a request: a scheduler ``Sequence`` (which takes its tokens exactly
     as ``Generator`` does) plus what its response has been sent."""
 
-    request: Work | None = None
+    request: ServedRequest | None = None
     index: int = 0  # the choice index in the response
     sent: int = 0  # tokens the stream has sent
     counted_tokens: int = 0  # tokens counted in the metrics

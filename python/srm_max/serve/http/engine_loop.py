@@ -3,7 +3,7 @@
 The thread runs the package's one scheduler (``serve.scheduler.SlotPool``, at most
 ``max_batch`` slots) turn after turn: each turn it moves waiting samples into the
 free slots, drops cancelled ones, runs one decode call of a few steps and hands
-each request the tokens and text of its samples (``Work.sink``). So a request
+each request the tokens and text of its samples (``ServedRequest.sink``). So a request
 joins at the next turn, never waiting for the batch to drain, and a finished or
 disconnected sample's slot is reused at the next turn; the batching does not
 change what anyone gets (see the scheduler). After a round of ``sink`` calls the
@@ -26,7 +26,7 @@ from ..sampling import DEFAULT_STEPS_PER_CALL
 from ..scheduler import SlotPool
 from .logprobs import RequestScoring
 from .metrics import Metrics
-from .sequence import CANCELLED, ERROR, Delta, Sample, Work
+from .sequence import CANCELLED, ERROR, Delta, ServedRequest, ServedSample
 
 log = logging.getLogger("srm_max.serve.http")
 _TYPICAL_STEPS = 64  # the length of a completion, for Retry-After only
@@ -38,11 +38,11 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class SchedulerStopped(Exception):
+class EngineLoopStopped(Exception):
     pass
 
 
-class Scheduler:
+class EngineLoop:
     def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
                  metrics: Metrics | None = None, flush: Callable[[], None] = lambda: None):
         if max_batch < 1 or max_waiting < 1 or steps_per_call < 1:
@@ -57,8 +57,8 @@ class Scheduler:
         self.flush = flush
         self.metrics.watch(self.snapshot)
         self._cv = threading.Condition()
-        self._waiting: deque[Sample] = deque()  # guarded by _cv
-        self._live: dict[str, Work] = {}  # admitted and not done; guarded by _cv
+        self._waiting: deque[ServedSample] = deque()  # guarded by _cv
+        self._live: dict[str, ServedRequest] = {}  # admitted and not done; guarded by _cv
         self._busy = 0  # running samples (read by snapshot)
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -71,17 +71,17 @@ class Scheduler:
         self._seconds_per_token = 0.05  # a running estimate, for Retry-After
 
     # ------------------------------------------------------------ the HTTP side
-    def submit(self, request: Work) -> None:
+    def submit(self, request: ServedRequest) -> None:
         with self._cv:
             if self._stopping or not self.alive:
-                raise SchedulerStopped("the engine loop is not running")
+                raise EngineLoopStopped("the engine loop is not running")
             if len(self._waiting) + len(request.samples) > self.max_waiting:
                 raise QueueFull(self._retry_after())
             self._live[request.id] = request
             self._waiting.extend(request.samples)
             self._cv.notify()
 
-    def cancel(self, request: Work) -> None:
+    def cancel(self, request: ServedRequest) -> None:
         """The client went away: its samples leave their rows at the loop's next turn."""
         if request.done or request.cancelled:
             return
@@ -180,7 +180,7 @@ class Scheduler:
         if turn.steps:
             self.metrics.engine_calls.labels("decode").inc()
             self._seconds_per_token = 0.9 * self._seconds_per_token + 0.1 * turn.decode_seconds / turn.steps
-        touched: dict[Sample, object] = {}  # the samples with news, in order
+        touched: dict[ServedSample, object] = {}  # the samples with news, in order
         for tick in turn.ticks:
             touched.update(tick)
         touched.update(dict.fromkeys(turn.finished))
@@ -188,7 +188,7 @@ class Scheduler:
             self._scoring.update(list(touched))  # what their deltas carry: one scoring batch per turn
         self._deliver(list(touched))
 
-    def _fail_batch(self, samples: list[Sample], message: str) -> None:
+    def _fail_batch(self, samples: list[ServedSample], message: str) -> None:
         requests = {id(s.request): s.request for s in samples}
         for r in requests.values():
             for s in r.samples:
@@ -214,11 +214,11 @@ class Scheduler:
             for rid in [rid for rid, r in self._live.items() if r.done]:
                 del self._live[rid]
 
-    def _deliver(self, samples: list[Sample]) -> None:
+    def _deliver(self, samples: list[ServedSample]) -> None:
         """Send each request the news of its ``samples`` (one sink call per request), then flush."""
         now = time.perf_counter()
-        by_request: dict[str, tuple[Work, list[Delta]]] = {}
-        ended: list[Work] = []
+        by_request: dict[str, tuple[ServedRequest, list[Delta]]] = {}
+        ended: list[ServedRequest] = []
         generated = 0
         for s in samples:
             r, k = s.request, len(s.tokens) - s.counted_tokens
@@ -243,7 +243,7 @@ class Scheduler:
         self.flush()
         self._retire(ended)
 
-    def _finish(self, s: Sample, reason: str) -> None:
+    def _finish(self, s: ServedSample, reason: str) -> None:
         """Count a finished sample once."""
         if s.counted:
             return
@@ -251,7 +251,7 @@ class Scheduler:
         s.reason = reason
         self.metrics.samples_finished.labels(reason).inc()
 
-    def _retire(self, requests: Iterable[Work]) -> None:
+    def _retire(self, requests: Iterable[ServedRequest]) -> None:
         """Forget the requests among ``requests`` that are done."""
         with self._cv:
             for r in requests:
