@@ -14,9 +14,9 @@ from .ops import F32, I64, U64, const, floor_at
 # sample's tokens depend on nothing else in the batch. The generator is
 # Widynski's "Squares" counter-based RNG (arXiv 2004.06278), written with
 # wrapping uint64 multiply/add and 32-bit rotations as floor division +
-# multiplication (MAX has no bitwise ops). ``srm_max.serve.sampling.uniform_np`` mirrors it
-# exactly in numpy, and the whole-step op (mojo/row_sampler.mojo) keeps a copy of the keys
-# that a test holds equal to these.
+# multiplication (MAX has no bitwise ops). The tests' numpy mirror
+# (tests/support/sampler_mirror.py) draws exactly the same, and the whole-step op
+# (mojo/row_sampler.mojo) keeps a copy of the keys that a test holds equal to these.
 SQUARES_KEYS = (0xC8E4FD154CE32F6D, 0x9B2D67A3E8F15C47)  # the two keys of a seed's 64-bit key
 _2_32 = 1 << 32
 

@@ -19,7 +19,7 @@ from srm_max.errors import GenerationError
 from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
 from srm_max.runtime.compiled import SamplingArrays
-from srm_max.serve.sampling import draw_np, filtered_probs
+from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
@@ -123,7 +123,7 @@ def test_sampled_tokens_follow_the_seed_and_the_reference_distribution(generator
     other = generator.generate(prompts, seed=6, **options)
     assert [o.ids for o in first] == [o.ids for o in again]
     assert [o.ids for o in first] != [o.ids for o in other]
-    # each token is the documented draw (sampling.draw_np) from the reference's logits
+    # each token is the documented draw (sampler_mirror.draw_np) from the reference's logits
     for i, (p, out) in enumerate(zip(prompts, first)):
         seq = torch.tensor(p + out.ids)
         with torch.no_grad():

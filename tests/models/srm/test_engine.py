@@ -8,7 +8,7 @@ import torch
 
 from srm_max.graphs import sampler
 from srm_max.runtime.compiled import SamplingArrays
-from srm_max.serve.sampling import draw_np, filtered_probs
+from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.prompts import padded_batch, random_prompts
@@ -304,7 +304,7 @@ def test_decode_sampling_distribution(engine, reference):
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.7)])
 def test_sampler_draw_is_the_documented_inverse_cdf(engine, top_k, top_p):
-    """The in-graph draw is sampling.draw_np on filtered_probs (checked on MAX's logits)."""
+    """The in-graph draw is sampler_mirror.draw_np on filtered_probs (checked on MAX's logits)."""
     prompt = prompts_of([6], seed=3)[0]
     B = 64
     seeds = np.arange(B, dtype=np.uint64) * 7919 + 5

@@ -15,7 +15,7 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from srm_max.graphs import sampler
 from srm_max.runtime.compiled import SamplingArrays
 from srm_max.runtime.kernels import kernel_library
-from srm_max.serve.sampling import filtered_probs
+from tests.support.sampler_mirror import filtered_probs
 from tests.support.graphs import graphs
 from tests.support.prompts import random_prompts
 from tests.support.tiny import TINY
