@@ -7,7 +7,6 @@ against the PyTorch reference computing lm-eval's own rules.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -21,11 +20,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # and the tokenizer is a local dir
 from srm_max import Generator  # noqa: E402
 from srm_max.serve.scoring import rolling_windows  # noqa: E402
 from tests.support.graphs import ENGINE_KINDS, graphs  # noqa: E402
-from tests.support.lm_eval_tasks import by_doc, checkpoint, evaluate, random_words, tasks, words  # noqa: E402,F401  (fixtures)
-from tests.support.prompts import random_prompts  # noqa: E402
+from tests.support.lm_eval_tasks import by_doc, evaluate, random_words, words  # noqa: E402
 from tests.support.reference_scores import lm_eval_loglikelihood, ref_windows  # noqa: E402
 from tests.support.tiny import TINY  # noqa: E402
-from tests.support.tokenizers import word_tokenizer_with_eot  # noqa: E402
 
 pytestmark = graphs(TINY, ENGINE_KINDS)
 

@@ -1,7 +1,7 @@
 """The MAX PHA engine (graphs/pha/, PHAEngine) and the Generator serving PHA
 checkpoints, against the PyTorch reference (reference/pha.py) on the same weights.
 
-ONE tiny config for the whole file: its graphs (prefill, decode, the sampler;
+ONE tiny config for the whole file: its graphs (prefill, the decode op, the sampler;
 float32, CPU) are compiled once and cached as .mef files (see compile_cache), so
 later runs load them in milliseconds. Context 160 = 2.5 GSS prefill chunks of
 ``CHUNK`` = 64, so prompts cross chunks. The ablation configs and bfloat16 weights
@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
-from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
-from tests.support.prompts import padded_batch, random_prompts
 
-pytestmark = graphs(CONFIG, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
+# the engine's default on a CPU decodes through the op (decode_steps); the plain decode
+# graph is tests/models/pha/test_pha_decode_op.py's reference
+pytestmark = graphs(CONFIG, ("prefill", "score", "decode_steps", "sample", "regroup"))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 
 from srm_max import Generator  # noqa: E402
 from tests.support.graphs import ENGINE_KINDS, graphs  # noqa: E402
-from tests.support.lm_eval_tasks import by_doc, checkpoint, evaluate, tasks  # noqa: E402,F401  (fixtures)
+from tests.support.lm_eval_tasks import by_doc, evaluate  # noqa: E402
 from tests.support.tiny import TINY  # noqa: E402
 
 pytestmark = graphs(TINY, ENGINE_KINDS)
