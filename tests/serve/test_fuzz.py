@@ -169,7 +169,7 @@ def test_convert_of_damaged_sources_fails_cleanly(good_checkpoint, tmp_path, dat
 # ------------------------------------------------------------------ the server's request parser
 # Every field of both endpoints gets values of the wrong type and of hostile sizes (ints past
 # int64 and past every float, floats past float32 and below its smallest, NaN, text with lone
-# surrogates, long strings, long and nested lists); the parser answers with a Job whose values
+# surrogates, long strings, long and nested lists); the parser answers with a CheckedRequest whose values
 # the engine can take, or a 4xx APIError, never another exception.
 SERVER_MODEL = "tiny"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -214,7 +214,7 @@ def parsing_generator():
 
 
 def assert_refused_or_runnable(parse):
-    """``parse()`` gives a Job the engine can run as asked, or raises a 4xx APIError."""
+    """``parse()`` gives a CheckedRequest the engine can run as asked, or raises a 4xx APIError."""
     try:
         job = parse()
     except APIError as e:

@@ -16,13 +16,13 @@ import pytest
 
 pytest.importorskip("starlette")
 
-from srm_max.serve.http.protocol import Answer, Job, dumps  # noqa: E402
+from srm_max.serve.http.protocol import Answer, CheckedRequest, dumps  # noqa: E402
 from srm_max.serve.http.sequence import Delta  # noqa: E402
 from srm_max.serve.http.stream import PING, EventStream, Mailbox, event  # noqa: E402
 
 
-def job(chat: bool = False) -> Job:
-    return Job(prompts=[[1, 2]], n=2, max_new=8, temperature=1.0, top_k=0, top_p=1.0, seed=(1 << 64) - 1,
+def job(chat: bool = False) -> CheckedRequest:
+    return CheckedRequest(prompts=[[1, 2]], n=2, max_new=8, temperature=1.0, top_k=0, top_p=1.0, seed=(1 << 64) - 1,
                stop=[], stream=True, include_usage=False, chat=chat)
 
 

@@ -25,7 +25,7 @@ from ..sampling import DEFAULT_STEPS_PER_CALL
 from .errors import APIError, error_body
 from .guard import Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import Answer, Job, dumps, parse_body, parse_chat, parse_completion, queue_full
+from .protocol import Answer, CheckedRequest, dumps, parse_body, parse_chat, parse_completion, queue_full
 from .engine_loop import EngineLoop, EngineLoopStopped, QueueFull
 from .sequence import ERROR, Delta, ServedRequest, ServedSample
 from .stream import EventStream, Mailbox, event
@@ -144,7 +144,7 @@ async def chat_completions(request: Request):
     return await _run(request, server, job)
 
 
-async def _run(request: Request, server: Server, job: Job):
+async def _run(request: Request, server: Server, job: CheckedRequest):
     """Queue the checked request's samples in the engine loop; answer as they finish (or
     stream their news)."""
     answer = Answer(job, server.model_name)

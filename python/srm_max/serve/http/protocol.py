@@ -1,4 +1,4 @@
-"""The OpenAI request and response shapes: a body checked into a ``Job``, and the JSON
+"""The OpenAI request and response shapes: a body checked into a ``CheckedRequest``, and the JSON
 the server answers with (a completion, or the chunks of a streamed one).
 
 Every parameter is checked before any work, and a bad one is a 400 naming it.
@@ -53,7 +53,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
 
 
 @dataclass
-class Job:
+class CheckedRequest:
     """A checked request: what the engine loop needs, and what the answer needs."""
 
     prompts: list[list[int]]
@@ -89,8 +89,8 @@ def parse_body(raw: bytes):
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def parse_completion(body, generator, model_name: str, max_samples: int) -> Job:
-    """A /v1/completions body checked into a ``Job``, or an ``APIError`` (400) naming the problem."""
+def parse_completion(body, generator, model_name: str, max_samples: int) -> CheckedRequest:
+    """A /v1/completions body checked into a ``CheckedRequest``, or an ``APIError`` (400) naming the problem."""
     body = check_fields(body, COMPLETION_FIELDS)
     check_model(body, model_name)
     refuse_unsupported(body)
@@ -105,8 +105,8 @@ def parse_completion(body, generator, model_name: str, max_samples: int) -> Job:
     return job
 
 
-def parse_chat(body, generator, model_name: str, template: str | None, max_samples: int) -> Job:
-    """A /v1/chat/completions body checked into a ``Job`` (its messages rendered by ``template``)."""
+def parse_chat(body, generator, model_name: str, template: str | None, max_samples: int) -> CheckedRequest:
+    """A /v1/chat/completions body checked into a ``CheckedRequest`` (its messages rendered by ``template``)."""
     body = check_fields(body, CHAT_FIELDS)
     check_model(body, model_name)
     if template is None:
@@ -170,7 +170,7 @@ def refuse_unsupported(body: dict) -> None:
 
 
 def parse_job(body: dict, generator, prompts, max_samples: int, *, chat: bool = False,
-              max_tokens_field: str = "max_tokens") -> Job:
+              max_tokens_field: str = "max_tokens") -> CheckedRequest:
     """Check the sampling fields of ``body`` for ``prompts`` (text or ids, as the request gave them)."""
     ids = _checked("messages" if chat else "prompt", check_prompts, prompts, generator.config, generator.encode)[0]
     n = body.get("n")
@@ -200,7 +200,7 @@ def parse_job(body: dict, generator, prompts, max_samples: int, *, chat: bool = 
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad_request(f"parallel_tool_calls must be a boolean, got {brief_repr(parallel)}", "parallel_tool_calls")
-    return Job(ids, n, max_new, temperature, top_k, top_p, seed, _stop(body.get("stop"), generator), stream,
+    return CheckedRequest(ids, n, max_new, temperature, top_k, top_p, seed, _stop(body.get("stop"), generator), stream,
                bool(options.get("include_usage")), chat)
 
 
@@ -260,7 +260,7 @@ def public_reason(reason: str) -> str:
 class Answer:
     """The response and chunk bodies of one request (completion or chat shape)."""
 
-    def __init__(self, job: Job, model: str):
+    def __init__(self, job: CheckedRequest, model: str):
         self.job, self.model = job, model
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
