@@ -26,8 +26,8 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..models import registry
-from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, check_steps_per_call, \
-    check_stop, is_int, resolve_seed
+from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, \
+    check_steps_per_call, check_stop, is_int, resolve_seed
 from .logprobs import Logprobs, TokenTexts
 from .scheduler import PoolStats, Sequence, SlotPool
 from .scoring import check_top_n, score_continuations
@@ -71,7 +71,7 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class SampleJob:
+class SamplingPlan:
     """A checked ``sample_many`` call: what every (prompt, sample) pair of it shares."""
 
     prompts: list[list[int]]
@@ -88,7 +88,7 @@ class SampleJob:
 
 def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64, temperature=1.0, top_k=0,
          top_p=1.0, seed: int | None = None, stop=None, memory_budget_bytes: int = 4 << 30,
-         logprobs: int | None = None) -> SampleJob:
+         logprobs: int | None = None) -> SamplingPlan:
     """Check a ``sample_many`` call (its errors, its defaults) without running anything."""
     seed = resolve_seed(seed)
     ids, _ = check_prompts(prompts if isinstance(prompts, list) else [prompts], generator.config, generator.encode)
@@ -102,7 +102,7 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
         max_batch = plan_max_batch(generator.config, memory_budget_bytes)
     if not is_int(max_batch) or max_batch < 1:
         raise GenerationError(f"max_batch must be 'auto' or an integer >= 1, got {brief_repr(max_batch)}")
-    return SampleJob(ids, int(max_batch), max_new, temperature, top_k, top_p, seed,
+    return SamplingPlan(ids, int(max_batch), max_new, temperature, top_k, top_p, seed,
                      tuple(int(t) for t in stop_ids), tuple(stop_strings), logprobs)
 
 
@@ -122,7 +122,7 @@ def sample_many(generator, prompts, n: int, verifier: Callable | None = None, ma
     return run_pairs(generator, job, pairs, verifier, stats, steps_per_call)
 
 
-def run_pairs(generator, job: SampleJob, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
+def run_pairs(generator, job: SamplingPlan, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
               stats: PoolStats | None = None, steps_per_call: int = DEFAULT_STEPS_PER_CALL) -> Iterator[Sample]:
     """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
     sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
@@ -148,4 +148,4 @@ def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iter
             yield Sample(*s.tag, list(s.tokens), text, s.reason, s.seed, score, lp)
 
 
-__all__ = ["Sample", "SampleJob", "plan", "plan_max_batch", "run_pairs", "sample_many", "sample_seed"]
+__all__ = ["Sample", "SamplingPlan", "plan", "plan_max_batch", "run_pairs", "sample_many", "sample_seed"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..errors import GenerationError
 from .sampling import resolve_seed
-from .sample_many import Sample, SampleJob, plan, run_pairs
+from .sample_many import Sample, SamplingPlan, plan, run_pairs
 from .scheduler import PoolStats
 
 
@@ -68,11 +68,11 @@ class _Worker:
     def pid(self) -> int:
         return os.getpid()
 
-    def plan(self, prompts, n, max_batch, options: dict) -> SampleJob:
+    def plan(self, prompts, n, max_batch, options: dict) -> SamplingPlan:
         """Check the call exactly as the local ``sample_many`` does (its errors, its defaults)."""
         return plan(self.generator, prompts, n, max_batch, **options)
 
-    def run(self, job: SampleJob, verifier, pairs: list[tuple[int, int]]) -> tuple[list[Sample], PoolStats]:
+    def run(self, job: SamplingPlan, verifier, pairs: list[tuple[int, int]]) -> tuple[list[Sample], PoolStats]:
         stats = PoolStats()
         samples = list(run_pairs(self.generator, job, pairs, verifier, stats))
         return samples, stats
