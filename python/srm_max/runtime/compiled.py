@@ -53,7 +53,7 @@ def check_shapes(expected: dict[str, tuple], weights: dict[str, np.ndarray]) -> 
         raise GenerationError(f"weights: {problem}")
 
 
-def registry_of(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> dict:
+def session_weights(full: dict[str, np.ndarray], matrices: set[str], dtype: str) -> dict:
     """name -> array/Buffer for ``session.init``: float32, except that with
     ``dtype="bfloat16"`` the names in ``matrices`` are stored as bfloat16; each starts on
     a cache line (``cache_aligned``: MAX reads them in place). Empties ``full`` as it goes,
@@ -371,4 +371,4 @@ class CompiledGraphs:
 
 
 __all__ = ["CompiledGraphs", "DecodeResult", "NON_DECODE_KINDS", "PrefillResult", "SamplingArrays", "ScoreResult",
-           "check_shapes", "graph_kinds", "registry_of", "right_padded"]
+           "check_shapes", "graph_kinds", "right_padded", "session_weights"]

@@ -26,7 +26,7 @@ from max.driver import CPU, Buffer
 
 from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
-from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, registry_of,
+from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, session_weights,
                                  right_padded)
 from . import build, packing
 from .config import PHAConfig
@@ -51,7 +51,7 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
     if packed:
         full |= packing.decode_step_weights(config, full)
         matrices |= packing.matrix_names()
-    return registry_of(full, matrices, dtype)
+    return session_weights(full, matrices, dtype)
 
 
 class PHAEngine(CompiledGraphs):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 from max.driver import CPU, Buffer
 
-from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, registry_of, right_padded
+from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, right_padded, \
+    session_weights
 from ...graphs.srm import CHUNK
 from . import build, packing, schema
 from .config import SRMConfig
@@ -34,7 +35,7 @@ def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: s
     if packed:
         full |= packing.decode_step_weights(config, full)
         matrices |= packing.matrix_names()
-    return registry_of(full, matrices, dtype)
+    return session_weights(full, matrices, dtype)
 
 
 class Engine(CompiledGraphs):
