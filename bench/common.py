@@ -64,7 +64,7 @@ def unfused_engine(config, weights, dtype: str = "float32"):
     norms, adds) instead of the whole-step op of mojo/decode_step.mojo: the graph before it."""
     from srm_max.graphs.srm.decode import build_decode_graph
     from srm_max.models.srm import schema
-    from srm_max.models.srm.build import GRAPH_KEY
+    from srm_max.models.srm.build import GRAPH_SALT
     from srm_max.models.srm.engine import Engine
     from srm_max.runtime.compile_cache import load_compiled
     from srm_max.runtime.device import DTYPES
@@ -79,7 +79,7 @@ def unfused_engine(config, weights, dtype: str = "float32"):
             dt = "f32" if dtype == "float32" else "bf16"
             graph = build_decode_graph(self.config, schema, DTYPES[dtype], kernel_library=kernel_library(),
                                        name=f"srm_decode_{dt}_kernels_unfused")
-            return load_compiled(self.session, graph, self.weights, extra_key=GRAPH_KEY)
+            return load_compiled(self.session, graph, self.weights, graph_salt=GRAPH_SALT)
 
     return Unfused(config, weights, dtype, kernels=True)
 

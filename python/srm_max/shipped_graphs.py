@@ -93,7 +93,7 @@ def embedded_jobs() -> list[GraphJob]:
 def shipped_file(job: GraphJob, target: str) -> Path:
     """Where the graph of ``job`` compiled for ``target`` is (or would be) shipped."""
     graph = job.graph()
-    return version_dir() / target / f"{graph.name}-{graph_key(graph, job.salt, target)}.mef"
+    return version_dir() / target / f"{graph.name}-{graph_key(graph, job.graph_salt, target)}.mef"
 
 
 def install(jobs: list[GraphJob]) -> list[GraphJob]:

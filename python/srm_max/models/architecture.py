@@ -29,7 +29,7 @@ class Architecture:
     engine: type  # (config, weights, dtype, device) -> a runtime.compiled.CompiledGraphs
     reference: str  # "module:Class" of the PyTorch reference (imported on demand: torch is optional)
     build_graph: Callable  # (kind, config, weight DType, DeviceRef, kernels) -> max.graph.Graph
-    graph_key: bytes  # salt of its compiled graphs' cache keys
+    graph_salt: bytes  # salt of its compiled graphs' cache keys (compile_cache.graph_key)
     # the reference's forms that must agree (``checkpoints.parity``), and how to run one:
     # (reference model, ids [B, T], form) -> logits [B, T, V]
     parity_forms: tuple[str, ...]
@@ -44,7 +44,7 @@ class Architecture:
     def graph_job(self, kind: str, config, dtype: str = "float32", device: str = "cpu",
                   kernels: bool = False) -> GraphJob:
         """The compile job of one of this architecture's graphs."""
-        return GraphJob(kind, config, dtype, device, kernels, self.build_graph, self.graph_key)
+        return GraphJob(kind, config, dtype, device, kernels, self.build_graph, self.graph_salt)
 
     def reference_class(self) -> type:
         """The PyTorch reference model class (needs torch)."""

@@ -52,7 +52,7 @@ def _library_identity(lib: Path) -> bytes:
     return lib.read_bytes()
 
 
-def graph_key(graph: Graph, extra: bytes = b"", target: str | None = None) -> str:
+def graph_key(graph: Graph, graph_salt: bytes = b"", target: str | None = None) -> str:
     """The cache key of ``graph`` compiled for the CPU ``target`` (default: what
     this process compiles for, ``cpu_target.current()``)."""
     digest = hashlib.sha256(engine.__version__.encode())
@@ -64,18 +64,18 @@ def graph_key(graph: Graph, extra: bytes = b"", target: str | None = None) -> st
     digest.update(text.encode())
     for lib in libs:
         digest.update(_library_identity(Path(lib)))
-    digest.update(extra)
+    digest.update(graph_salt)
     return digest.hexdigest()[:24]
 
 
-def mef_path(graph: Graph, extra_key: bytes = b"") -> Path:
+def mef_path(graph: Graph, graph_salt: bytes = b"") -> Path:
     """Where the compiled ``graph`` is (or would be) cached."""
-    return cache_dir() / "mef" / f"{graph.name}-{graph_key(graph, extra_key)}.mef"
+    return cache_dir() / "mef" / f"{graph.name}-{graph_key(graph, graph_salt)}.mef"
 
 
-def compile_to_cache(session: InferenceSession, graph: Graph, extra_key: bytes = b""):
+def compile_to_cache(session: InferenceSession, graph: Graph, graph_salt: bytes = b""):
     """Compile ``graph`` and export it to its ``.mef`` path (atomically); -> the compiled model."""
-    mef = mef_path(graph, extra_key)
+    mef = mef_path(graph, graph_salt)
     compiled = session.compile(graph)
     mef.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(mef) as tmp:  # concurrent processes never see half a file
@@ -87,7 +87,7 @@ def load_compiled(
     session: InferenceSession,
     graph: Graph | Callable[[], Graph],
     weights_registry: Mapping | None = None,
-    extra_key: bytes = b"",
+    graph_salt: bytes = b"",
     mef: Path | None = None,
 ) -> Model:
     """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss.
@@ -97,7 +97,7 @@ def load_compiled(
     """
     if mef is None:
         graph = graph if isinstance(graph, Graph) else graph()
-        mef = mef_path(graph, extra_key)
+        mef = mef_path(graph, graph_salt)
     compiled = None
     if mef.exists():
         try:
@@ -105,5 +105,5 @@ def load_compiled(
         except Exception:  # a stale or damaged cache entry: rebuild it
             mef.unlink(missing_ok=True)
     if compiled is None:
-        compiled = compile_to_cache(session, graph if isinstance(graph, Graph) else graph(), extra_key)
+        compiled = compile_to_cache(session, graph if isinstance(graph, Graph) else graph(), graph_salt)
     return session.init(compiled, weights_registry=weights_registry)

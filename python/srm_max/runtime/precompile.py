@@ -44,7 +44,7 @@ class GraphJob:
     device: str  # "cpu" | "gpu"
     kernels: bool  # the Mojo ops
     build: Callable  # the architecture's (kind, config, weight DType, DeviceRef, kernels) -> Graph
-    salt: bytes  # the architecture's graph-key salt (see compile_cache.graph_key)
+    graph_salt: bytes  # the architecture's salt of its graphs' cache keys (compile_cache.graph_key)
 
     @property
     def architecture(self) -> str:
@@ -66,14 +66,14 @@ class GraphJob:
 
 @functools.lru_cache(maxsize=None)
 def _mef_path(job: GraphJob, directory: str) -> Path:  # directory: part of the memo key only
-    return mef_path(job.graph(), job.salt)
+    return mef_path(job.graph(), job.graph_salt)
 
 
 def _compile(job: GraphJob) -> float:
     """Compile ``job`` into the cache (in this process); -> seconds."""
     t = time.perf_counter()
     device, _ = resolve_device(job.device)
-    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.salt)
+    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.graph_salt)
     return time.perf_counter() - t
 
 

@@ -59,7 +59,7 @@ class PHAEngine(CompiledGraphs):
 
     preload_under_virtual_target = True
     build_graph = staticmethod(build.build_graph)
-    graph_salt = build.GRAPH_KEY
+    graph_salt = build.GRAPH_SALT
 
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):

@@ -14,7 +14,7 @@ from . import packing, schema
 from .config import SRMConfig
 
 # bumped when a compiled model must not be reused although its MLIR text is the same
-GRAPH_KEY = b"srm-graphs-v2"
+GRAPH_SALT = b"srm-graphs-v2"
 
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
@@ -37,4 +37,4 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     raise ValueError(f"unknown SRM graph kind {kind!r} (kernels={kernels}, device {device})")
 
 
-__all__ = ["GRAPH_KEY", "build_graph"]
+__all__ = ["GRAPH_SALT", "build_graph"]

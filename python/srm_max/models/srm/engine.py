@@ -42,7 +42,7 @@ class Engine(CompiledGraphs):
     """Compiled SRM graphs for one config, weight dtype and device."""
 
     build_graph = staticmethod(build.build_graph)
-    graph_salt = build.GRAPH_KEY
+    graph_salt = build.GRAPH_SALT
     supports_start_state = True  # its prefill and score graphs take each sample's start state
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
