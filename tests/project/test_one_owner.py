@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as ROOT
 
 
 def mojo_uint64_constants(source: str) -> dict[str, int]:
