@@ -84,6 +84,7 @@ def _show_progress(on: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .checkpoints.safetensors_io import FLOAT_DTYPES as STORED_DTYPES
     from .runtime.device import add_device_arguments
 
     parser = argparse.ArgumentParser(prog="srm-max", description="Structured Recurrent Mixers on MAX")
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", parents=[quiet], help="convert a PyTorch/safetensors SRM checkpoint, with a parity certificate")
     p.add_argument("src", help="state-dict file (.pt/.bin), .safetensors file, or Trainer checkpoint folder")
     p.add_argument("dst", help="output checkpoint directory")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weights dtype (default: the source's)")
+    p.add_argument("--dtype", choices=list(STORED_DTYPES), help="weights dtype (default: the source's)")
     p.add_argument("--tokenizer", help="tokenizer.json to copy into the checkpoint")
     p.add_argument("--config", help="config.json to use instead of inferring it (required for PHA)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",

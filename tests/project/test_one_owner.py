@@ -158,3 +158,22 @@ def test_op_names_are_spelled_only_in_their_owner():
                      if path.startswith(("graphs/", "python/srm_max/")) and path != "graphs/op_names.py"
                      and string_literals(text) & set(op_names.ALL_OPS))
     assert spelled == []
+
+
+def test_choices_are_written_by_their_owners():
+    """The embedded-model fallback (embedded.py), the device and dtype names (runtime/device.py,
+    and the stored dtypes of checkpoints/safetensors_io.py) and the x86-64 levels
+    (runtime/cpu_target.py) are each spelled by their owner only."""
+    copies = {
+        r"default_model_path\(\)": ["python/srm_max/embedded.py"],
+        r"\"auto\", \"cpu\"|\"cpu\", \"gpu\"": ["python/srm_max/runtime/device.py"],
+        r"\[\"float32\", \"bfloat16\"|\(\"float32\", \"bfloat16\"\)": [],
+        r"\"x86-64-v2\"": ["python/srm_max/runtime/cpu_target.py"],
+    }
+    synthetic = {"cli.py": 'g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])',
+                 "run.py": 'if dtype in ("float32", "bfloat16"):', "gen.py": "path = default_model_path()"}
+    assert files_spelling(r"\"auto\", \"cpu\"", synthetic) == ["cli.py"]
+    assert files_spelling(r"\(\"float32\", \"bfloat16\"\)", synthetic) == ["run.py"]
+    assert files_spelling(r"default_model_path\(\)", synthetic) == ["gen.py"]
+    package = {path: text for path, text in python_sources().items() if path.startswith(("python/", "graphs/"))}
+    assert {copy: files_spelling(copy, package) for copy in copies} == copies
