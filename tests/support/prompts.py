@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.support.tiny import TINY
+
 
 def random_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
@@ -18,3 +20,8 @@ def padded_batch(prompts):
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.tensor(p)
     return ids, torch.tensor([len(p) for p in prompts])
+
+
+def random_prompt(n: int, seed: int = 0, vocab_size: int = TINY.vocab_size) -> list[int]:
+    """One random prompt of ``n`` tokens of the TINY vocabulary."""
+    return random_prompts([n], vocab_size, seed)[0]
