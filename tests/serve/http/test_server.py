@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +29,7 @@ from srm_max import Generator  # noqa: E402
 from tests.support.graphs import graphs  # noqa: E402
 from tests.support.tiny import TINY  # noqa: E402
 from tests.support.tokenizers import byte_level_tokenizer  # noqa: E402
+from tests.support.uvicorn_server import serving  # noqa: E402
 
 pytestmark = graphs(TINY)
 
@@ -80,26 +80,14 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(engine):
-    import uvicorn
-
     from srm_max.serve.http import create_app
 
     engine.warmup()  # a cold compile happens here, not inside a client's timeout
     gen = Generator.from_engine(engine, tokenizer=byte_level_tokenizer())
     app = create_app(gen, model_name=MODEL, max_batch=SLOTS, max_waiting=WAITING, steps_per_call=4, api_key=KEY,
                      max_body_bytes=MAX_BODY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", gen, app)
-    server.should_exit = True
-    thread.join(30)
+    with serving(app) as url:
+        yield Served(url, gen, app)
 
 
 @contextmanager

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 import urllib.request
 
 import numpy as np
@@ -27,6 +24,7 @@ from srm_max import Generator  # noqa: E402
 from tests.support.graphs import ENGINE_KINDS, graphs  # noqa: E402
 from tests.support.lm_eval_tasks import by_doc, evaluate  # noqa: E402
 from tests.support.tiny import TINY  # noqa: E402
+from tests.support.uvicorn_server import serving  # noqa: E402
 
 pytestmark = graphs(TINY, ENGINE_KINDS)
 
@@ -70,25 +68,13 @@ def loaded_tasks(tasks):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def served(engine, checkpoint, loaded_tasks):  # noqa: F811
-    import uvicorn
-
     from srm_max.serve.http import create_app
 
     engine.warmup()
     gen = Generator.from_engine(engine, tokenizer=str(checkpoint / "tokenizer.json"))
     app = create_app(gen, model_name=MODEL, max_batch=4, steps_per_call=3, chat_template=TEMPLATE)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", gen)
-    server.should_exit = True
-    thread.join(30)
+    with serving(app) as url:
+        yield Served(url, gen)
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(served):
