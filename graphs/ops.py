@@ -17,6 +17,12 @@ I64 = DType.int64
 U64 = DType.uint64
 
 
+def cpu_ops_run(kernels: bool, device: DeviceRef) -> bool:
+    """Whether a graph takes the Mojo ops that are CPU code only (the whole decode step in
+    one op, and the loop of decode steps around it): the Mojo ops asked for, on a CPU."""
+    return kernels and device.is_cpu()
+
+
 class NamedWeights:
     """A graph's named weights for one config (created once per graph): each name
     becomes one ``Weight``; the big matrices take ``wdtype``."""

@@ -38,7 +38,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from .. import ops as gops
 from ..loop import build_multistep_decode_graph
 from ..op_names import OP_DECODE_STEP, OP_DECODE_STEPS, OP_STEP_FUNCTIONAL
-from ..ops import F32, I64, U64
+from ..ops import F32, I64, U64, cpu_ops_run
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
 
@@ -167,7 +167,7 @@ def build_decode_graph(config, schema, wdtype: DType = DType.float32, device: De
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_decode_{dt}" + ("_kernels" if kernels else "")
     state_type = TensorType(F32, [c.n_layers, "batch", c.n_heads, c.head_dim], device)
-    whole_step = kernels and packed is not None and device.is_cpu()
+    whole_step = packed is not None and cpu_ops_run(kernels, device)
 
     def make_step():
         W = SRMWeights(c, schema, wdtype, device)

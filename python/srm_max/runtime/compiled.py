@@ -27,6 +27,7 @@ from max.engine import InferenceSession, Model
 
 from ..bfloat16 import to_bfloat16_bits
 from ..errors import GenerationError
+from ..graphs.ops import cpu_ops_run
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
 from ..weight_shapes import shape_problem
@@ -208,7 +209,7 @@ class CompiledGraphs:
     def steps_in_one_op(self) -> bool:
         """Whether a decode runs the ``decode_steps`` graph (every step in one op, greedy
         or sampled) instead of the decode graph's loop: the Mojo ops on a CPU."""
-        return self.kernels and isinstance(self.device, CPU)
+        return cpu_ops_run(self.kernels, self.device_ref)
 
     def graph_kinds(self) -> list[str]:
         """The graphs this engine runs (``graph_kinds``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import DeviceRef, Graph
 
+from ...graphs.ops import cpu_ops_run
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
 from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph, build_score_graph
@@ -29,7 +30,7 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
     if kind == "score":
         return build_score_graph(config, schema, wdtype, device, kernel_library=library)
-    packed = packing.packed_inputs(config) if kernels and device.is_cpu() else None
+    packed = packing.packed_inputs(config) if cpu_ops_run(kernels, device) else None
     if kind == "decode":
         return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
     if kind == "decode_steps" and packed is not None:

@@ -58,7 +58,7 @@ class Engine(CompiledGraphs):
         self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
         check_shapes(schema.checkpoint_shapes(config), weights)
         self._open(weights_registry(config, weights, self.dtype,
-                                    packed=self.kernels and isinstance(self.device, CPU)))
+                                    packed=self.steps_in_one_op))
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
