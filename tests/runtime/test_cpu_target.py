@@ -25,12 +25,14 @@ from tests.support.paths import REPO_ROOT as ROOT
 
 GUARD_TARGET = "x86-64-v3"
 PHA = "tests/models/pha/test_pha_engine.py::"
+PHA_OP = "tests/models/pha/test_pha_decode_op.py::"
 # Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
 # faults at random calls once a model has been loaded into a process after another has run
 # (docs/avx2_crash.md; the same graphs run natively on AVX2 CPUs). A PHAEngine loads all
 # its graphs at its first use there, but a second engine would load after the first has
 # run, so each PHA engine's tests run in a child of their own: the engine's, then the
-# Generator's.
+# Generator's (both decode through the op, the default on a CPU), then the op's tests
+# against the reference (the op's engine alone).
 ENGINE_TESTS = (
     ("tests/models/srm/test_engine.py",),
     (PHA + "test_prefill_logits_and_states_match_reference", PHA + "test_multi_step_greedy_decode_matches_reference"),
@@ -39,6 +41,10 @@ ENGINE_TESTS = (
         "test_sampled_tokens_follow_the_seed_and_the_reference_distribution",
         "test_slot_pool_refills_pha_states", "test_a_sample_past_the_context_does_not_disturb_its_batch_mates",
         "test_stream_yields_the_generated_tokens")),
+    tuple(PHA_OP + name for name in (
+        "test_greedy_batch_equals_the_reference", "test_greedy_batch_of_one_across_blocks_and_slices",
+        "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
+        "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
 )
 # A child that dies by a signal runs again, up to this many times in all: that runtime
 # fault strikes a child now and then, while a fault of the graphs' own AVX2 code strikes

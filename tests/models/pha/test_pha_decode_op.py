@@ -1,5 +1,5 @@
-"""The PHA's whole-step decode op (mojo/pha_decode_step.mojo, ``PHAEngine(kernels=True)``
-on a CPU) against the PyTorch reference and the plain-op decode graph.
+"""The PHA's whole-step decode op (mojo/pha_decode_step.mojo, the ``PHAEngine`` default on
+a CPU) against the PyTorch reference and the plain-op decode graph (``kernels=False``).
 
 tests/models/pha/test_pha_engine.py's CONFIG and weights, so its prefill and decode graphs are
 shared; the op's graph is the one graph this file adds. The tests against the reference
@@ -7,14 +7,18 @@ start from the reference's prefill (its cache in the engine's state layout) and 
 op's graph alone; those against the plain graph (marked ``plain``) prefill with it. Context 160: the op's online
 softmax runs over blocks of 32 cached rows, and a batch of one splits the context into
 slices of at least 64 rows, so the prompts and steps here end inside, on and across
-those edges.
+those edges. The ablations (the GSS branch alone, attention alone, each with the FFNs)
+run through the op on configs of their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from srm_max.errors import GenerationError
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
@@ -24,6 +28,9 @@ from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_ph
 # for the tests that compare the two
 pytestmark = graphs(CONFIG, ("decode_steps",), kernels=True)
 plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
+# the ablations, each through the op (one small graph each)
+ABLATIONS = {"gss_alone": dataclasses.replace(CONFIG, branches=("gss", "ffn")),
+             "attention_alone": dataclasses.replace(CONFIG, branches=("attn", "ffn"))}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +47,16 @@ def weights(reference) -> dict[str, np.ndarray]:
 def plain(weights):
     from srm_max.models.pha.engine import PHAEngine
 
-    return PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
+    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
+    assert not engine.steps_in_one_op
+    return engine
 
 
 @pytest.fixture(scope="module")
 def op(weights):
     from srm_max.models.pha.engine import PHAEngine
 
-    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=True)
+    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")  # the default
     assert engine.steps_in_one_op
     return engine
 
@@ -56,10 +65,13 @@ def reference_start(reference, prompts, engine):
     """The reference's prefill of ``prompts``: (first tokens, its cache as the engine's
     states [L, B, X] on the device)."""
     logits, cache = ref_prefill(reference, prompts)
-    L, B = CONFIG.n_layers, len(prompts)
-    gss = cache.gss_state.numpy()
-    parts = [gss.real.reshape(L, B, -1), gss.imag.reshape(L, B, -1),
-             cache.keys.numpy().reshape(L, B, -1), cache.values.numpy().reshape(L, B, -1)]
+    L, B = engine.config.n_layers, len(prompts)
+    parts = []
+    if cache.gss_state is not None:
+        gss = cache.gss_state.numpy()
+        parts += [gss.real.reshape(L, B, -1), gss.imag.reshape(L, B, -1)]
+    if cache.keys is not None:
+        parts += [cache.keys.numpy().reshape(L, B, -1), cache.values.numpy().reshape(L, B, -1)]
     states = np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
     assert states.shape[2] == engine.layout.width
     return logits.argmax(-1), engine.to_device(states)
@@ -180,11 +192,43 @@ def test_no_steps_returns_the_inputs_and_leaves_the_caller_states(op, reference)
     np.testing.assert_array_equal(op.host(states), before)  # decode works on a copy
 
 
-def test_the_op_is_off_where_it_does_not_run(weights):
+@pytest.mark.parametrize("name", [pytest.param(name, marks=graphs(config, ("decode_steps",), kernels=True))
+                                  for name, config in ABLATIONS.items()])
+def test_the_ablations_through_the_op_equal_the_reference(name):
+    """The GSS branch alone (no KV cache in the state) and attention alone (no GSS state),
+    greedy from prompts crossing the blocks and slices, in calls of several steps."""
     from srm_max.models.pha.engine import PHAEngine
 
-    assert not PHAEngine(CONFIG, weights).steps_in_one_op  # off by default
-    assert not PHAEngine(CONFIG, weights, dtype="bfloat16", kernels=True).steps_in_one_op
+    config = ABLATIONS[name]
+    reference = random_pha(config, seed=5)
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+    engine = PHAEngine(config, weights, dtype="float32", device="cpu")
+    assert engine.steps_in_one_op
+    lengths = [1, 33, 97, 140]
+    prompts = prompts_of(lengths, seed=6)
+    calls = [5, 1, 6]
+    tokens, states, pos = decode_op(engine, reference, prompts, calls)
+    expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
+    np.testing.assert_array_equal(tokens, expected[:, 1:])
+    assert_states_close(engine, states, cache, pos)
+
+
+def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
+    """On by default on a CPU; ``kernels=False`` gives the plain graph; bfloat16 weights
+    and the sequential block keep the plain graph by default and are refused by
+    ``kernels=True``, naming why (no graph is compiled here)."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    assert PHAEngine(CONFIG, weights).steps_in_one_op
+    assert not PHAEngine(CONFIG, weights, kernels=False).steps_in_one_op
+    assert not PHAEngine(CONFIG, weights, dtype="bfloat16").steps_in_one_op
+    with pytest.raises(GenerationError, match="float32 weights only, not bfloat16"):
+        PHAEngine(CONFIG, weights, dtype="bfloat16", kernels=True)
+    sequential = dataclasses.replace(CONFIG, mode="sequential")
+    weights = {k: v.detach().numpy() for k, v in random_pha(sequential).state_dict().items()}
+    assert not PHAEngine(sequential, weights).steps_in_one_op
+    with pytest.raises(GenerationError, match="parallel block only"):
+        PHAEngine(sequential, weights, kernels=True)
 
 
 def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):

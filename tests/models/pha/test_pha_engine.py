@@ -16,26 +16,15 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
-from srm_max.reference.pha import PHA
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, ref_greedy, ref_prefill
 
 # the engine's default on a CPU decodes through the op (decode_steps); the plain decode
 # graph is tests/models/pha/test_pha_decode_op.py's reference
 pytestmark = graphs(CONFIG, ("prefill", "score", "decode_steps", "sample", "regroup"))
-
-
-@pytest.fixture(scope="module")
-def reference() -> PHA:
-    return random_pha()
-
-
-@pytest.fixture(scope="module")
-def weights(reference) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,11 @@
 Three compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``,
 ``pha_score_*`` and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
 weights bound at load time by name; compiled models cached as ``.mef`` files
-(``compile_cache``). The decode graph runs one step per ``execute`` and writes
-the state in place, so ``decode`` copies the caller's states once per call and
-steps that copy. With ``kernels=True`` on a CPU one more graph, ``pha_decode_steps_*``,
-runs every step of a decode call in one Mojo op (mojo/pha_decode_step.mojo) on that copy.
+(``compile_cache``). ``decode`` copies the caller's states once per call and steps
+that copy. On a CPU (the default, ``kernels``) the graph ``pha_decode_steps_*`` runs
+every step of a decode call in one Mojo op (mojo/pha_decode_step.mojo); elsewhere, and
+where the op cannot run the model (``op_refusal``), the decode graph ``pha_decode_*`` runs
+one step per ``execute`` and writes the state in place.
 
 States: one float32 Buffer ``[L, B, X]`` on the device per batch, holding every
 per-sample state (the GSS state as real pairs, the preallocated KV caches); see
@@ -54,6 +55,19 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
     return session_weights(full, matrices, dtype)
 
 
+def op_refusal(config: PHAConfig, dtype: str, device) -> str | None:
+    """Why the decode op (mojo/pha_decode_step.mojo) cannot run ``config`` with ``dtype``
+    weights on ``device`` (None: it can)."""
+    if not isinstance(device, CPU):
+        return "the PHA decode op runs on a CPU only"
+    if dtype != "float32":
+        # the plain graph rounds every product's input and output to bfloat16; the op
+        # computes in float32 and would give other tokens
+        return (f"the PHA decode op runs float32 weights only, not {dtype} (the plain graph rounds "
+                "each product's input and output to the weight dtype, which the op does not)")
+    return packing.supported(config)
+
+
 class PHAEngine(CompiledGraphs):
     """Compiled PHA graphs for one config, weight dtype and device."""
 
@@ -63,19 +77,22 @@ class PHAEngine(CompiledGraphs):
 
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):
-        """``kernels``: on a CPU, decode every step of a call in one Mojo op
-        (mojo/pha_decode_step.mojo, on copies of the matrices packed at load: they take
-        as much memory again) instead of one decode-graph call per step. Default: off.
-        The op runs the parallel block with float32 weights; elsewhere it is off
-        whatever ``kernels`` says."""
+        """``kernels``: decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo,
+        on copies of the matrices packed at load: they take as much memory again) instead
+        of one decode-graph call per step. Default (None): on wherever the op can run the
+        model (a CPU, ``op_refusal``), as bench/pha_long_context.py measured it several
+        times faster; False: the plain graph, the GPU path and the op's reference; True
+        where the op cannot run raises ``GenerationError`` naming why."""
         if not isinstance(config, PHAConfig):
             raise GenerationError(f"PHAEngine needs a PHAConfig, got {type(config).__name__}")
         self.config = config
         self._start(dtype, device)
         check_weights(config, weights)
         self.layout = pha_graphs.StateLayout.of(config)
-        self.kernels = bool(kernels) and isinstance(self.device, CPU) and self.dtype == "float32" and (
-            packing.supported(config) is None)
+        refusal = op_refusal(config, self.dtype, self.device)
+        if kernels and refusal:
+            raise GenerationError(f"PHAEngine(kernels=True): {refusal}; pass kernels=None or False for the plain graph")
+        self.kernels = refusal is None and kernels is not False
         self._open(weights_registry(config, weights, self.dtype, packed=self.kernels))
 
     def empty_states(self, batch: int) -> Buffer:
@@ -164,4 +181,4 @@ class PHAEngine(CompiledGraphs):
         return DecodeResult(toks, states, ids, positions)
 
 
-__all__ = ["PHAEngine", "check_weights", "weights_registry"]
+__all__ = ["PHAEngine", "check_weights", "op_refusal", "weights_registry"]
