@@ -1,44 +1,53 @@
-"""PHA at long context on the MAX engines: PHA vs the same model without its GSS branch
-(attention alone) vs the SRM, at contexts 512 .. 8,192 (docs/pha_engine.md).
+"""PHA at long context on the MAX engines against llama.cpp: the PHA, the same model
+without its GSS branch (attention alone) and the SRM, at contexts 512 .. 8,192
+(docs/pha_engine.md).
 
 Per model and context n (each engine built at context n, random weights: speed and
 memory depend only on shapes):
   - decode state bytes per sample (the engine's state tensor for one sample),
-  - prefill tokens/s at batch 1 (one prompt of n tokens),
+  - prefill tokens/s at batch 1 (one prompt of n tokens; the plain prefill graph),
   - decode tokens/s at batch 1 and 16: ``--steps`` tokens per call from states at
     position n - steps - 1 (zero states from ``empty_states``: a step's cost does not
-    depend on what the state holds, and the PHA's attention reads all n cache rows),
-    for the PHA models on each ``--paths``: "graph", one plain-op decode graph call per
-    step (graphs/pha/decode.py), and "op", every step of a call in one Mojo op
-    (mojo/pha_decode_step.mojo, ``PHAEngine(kernels=True)``);
+    depend on what the state holds), for the PHA models on each ``--paths``: "op", every
+    step of a call in one Mojo op (mojo/pha_decode_step.mojo, the engine's default on a
+    CPU), and "graph", one plain-op decode graph call per step (graphs/pha/decode.py);
   - against the memory-streaming limit: the bytes a step must read (every matrix it
-    multiplies by, once per step whatever the batch; per sample its GSS state, read and
-    written, and the KV rows before its position) over the read bandwidth measured in
-    the same run (the best 2-thread torch sum over a 256 MiB array, before and after
-    each context's engines): ``percent_of_streaming_b{B}`` = that time / the step's.
-Best of ``--repeats`` timed calls after one warm-up call; graphs are compiled (or
-loaded from the cache) before anything is timed, and the PHA's are compiled per
-context (the KV cache length is a static shape). Writes
-bench/results/pha_long_context_max[-quick].json and .png.
+    multiplies by once per call, i.e. 1 / steps of them per step; per sample its GSS
+    state, read and written, and the KV rows before its position) over the read
+    bandwidth measured in the same run (the best 2-thread torch sum over a 256 MiB
+    array, before and after each context's engines): ``percent_of_streaming_b{B}``;
+  - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
+    GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
+    n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
+Every timing is run ``--repeats`` times after one warm-up; the JSON keeps every run
+(``*_runs``), the best, and the spread (slowest / fastest - 1). Graphs are compiled (or
+loaded from the cache) before anything is timed, per context (the KV cache length is a
+static shape). ``--append`` adds this run to the JSON's earlier ones (a run of other
+contexts or parts), each with its own machine load. Writes
+bench/results/pha_long_context[-quick].json.
 
     python -m bench.pha_long_context            # d 256, 4 blocks, contexts 512, 2048, 8192
     python -m bench.pha_long_context --quick    # d 64, 2 blocks, context 128: a smoke run
     python -m bench.pha_long_context --state-only   # state bytes only: no compile, no timing
-    python -m bench.pha_long_context --models pha --no-prefill --contexts 512 2048   # decode paths only
+    python -m bench.pha_long_context --models pha --no-prefill --no-llama-cpp --paths op graph
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench import pha_llama_cpp
 from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
 
 MODELS = ("pha", "pha-attn", "srm")
-PATHS = ("graph", "op")
+PATHS = ("op", "graph")
 STREAM_BYTES = 256 << 20  # far beyond the caches
 
 
@@ -58,7 +67,7 @@ def configs(name: str, n: int, quick: bool):
     return SRMConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=4, context_length=n)
 
 
-def engine_of(name: str, config, path: str = "graph"):
+def engine_of(name: str, config, path: str = "op"):
     """A MAX engine with random weights (the PyTorch references' initialisation); a PHA
     one decodes on ``path`` (see the module docs)."""
     import torch
@@ -67,17 +76,15 @@ def engine_of(name: str, config, path: str = "graph"):
         from srm_max.models.srm.engine import Engine
         from srm_max.reference.srm import random_srm
 
-        model, cls = random_srm(config, 0, decay_low=0.9, bias_scale=0.02), Engine
-    else:
-        from srm_max.models.pha.engine import PHAEngine
-        from srm_max.reference.pha import PHA
+        model = random_srm(config, 0, decay_low=0.9, bias_scale=0.02)
+        return Engine(config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()})
+    from srm_max.models.pha.engine import PHAEngine
+    from srm_max.reference.pha import PHA
 
-        torch.manual_seed(0)
-        model, cls = PHA(config), PHAEngine
-    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    if name == "srm":
-        return cls(config, weights, dtype="float32", device="cpu")
-    engine = cls(config, weights, dtype="float32", device="cpu", kernels=path == "op")
+    torch.manual_seed(0)
+    weights = {k: v.detach().float().numpy() for k, v in PHA(config).state_dict().items()}
+    # "op": the engine's default on a CPU
+    engine = PHAEngine(config, weights, dtype="float32", device="cpu", kernels=None if path == "op" else False)
     assert engine.steps_in_one_op == (path == "op")
     return engine
 
@@ -110,6 +117,13 @@ def sample_bytes(name: str, config, position: int) -> int:
     return 4 * c.n_layers * (2 * gss + kv)
 
 
+def step_bytes(name: str, config, batch: int, start: int, steps: int) -> float:
+    """The bytes one step of a ``steps``-step call from ``start`` must read: the matrices
+    once per call, each sample's state every step (KV rows before start .. start + steps - 1)."""
+    per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
+    return matrix_bytes(name, config) / steps + batch * per_sample
+
+
 def stream_bytes_per_s(repeats: int = 5) -> float:
     """The best read bandwidth of 2-thread torch sums over STREAM_BYTES."""
     import torch
@@ -131,150 +145,175 @@ def graphs_used(engine, prefill: bool = True) -> list:
     return ([engine.graph_job("prefill")] if prefill else []) + [engine.graph_job(greedy)]
 
 
-def best_of(repeats: int, run) -> float:
-    run()  # warm-up
+def timed(repeats: int, run) -> list[float]:
+    """Seconds of ``repeats`` calls of ``run`` after a warm-up call."""
+    run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
 
 
-def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed: bool = True,
-            prefill: bool = True, path: str = "graph") -> dict:
+def spread(values: list[float]) -> float:
+    """Slowest over fastest, minus 1."""
+    return max(values) / min(values) - 1
+
+
+def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed_run: bool = True,
+            prefill: bool = True, path: str = "op") -> dict:
     from srm_max.runtime.compiled import SamplingArrays
 
     c = engine.config
     row = {"model": name, "path": path, "context": n,
            "state_bytes_per_sample": int(engine.host(engine.empty_states(1)).nbytes)}
-    if not timed:
+    if not timed_run:
         return row
     if prefill:
         prompt = [rng.integers(0, c.vocab_size, n).tolist()]
-        row["prefill_seconds"] = best_of(repeats, lambda: engine.prefill(prompt))
-        row["prefill_tokens_per_s"] = n / row["prefill_seconds"]
+        runs = timed(repeats, lambda: engine.prefill(prompt))
+        row |= {"prefill_seconds_runs": runs, "prefill_seconds": min(runs), "prefill_spread": spread(runs),
+                "prefill_tokens_per_s": n / min(runs)}
     for B in batches:
         ids = rng.integers(0, c.vocab_size, B).astype(np.int64)
         start = n - steps - 1
         pos = np.full(B, start, np.int64)
         states = engine.empty_states(B)
         greedy = SamplingArrays.greedy(B)
-        t = best_of(repeats, lambda: engine.decode(ids, pos, states, greedy, steps))
-        row[f"decode_tokens_per_s_b{B}"] = B * steps / t
-        row[f"step_ms_b{B}"] = 1e3 * t / steps
-        # the steps read the KV rows before positions start .. start + steps - 1
-        step_bytes = matrix_bytes(name, c) + B * sum(sample_bytes(name, c, start + s) for s in range(steps)) / steps
-        row[f"bytes_per_step_b{B}"] = int(step_bytes)
+        runs = timed(repeats, lambda: engine.decode(ids, pos, states, greedy, steps))
+        row[f"step_ms_runs_b{B}"] = [1e3 * t / steps for t in runs]
+        row[f"step_ms_b{B}"] = 1e3 * min(runs) / steps
+        row[f"spread_b{B}"] = spread(runs)
+        row[f"decode_tokens_per_s_b{B}"] = B * steps / min(runs)
+        row[f"bytes_per_step_b{B}"] = int(step_bytes(name, c, B, start, steps))
     return row
 
 
-def ratios(rows: list[dict], n: int) -> list[dict]:
-    """At context n, PHA over attention alone for every measured quantity (the paper's
+def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, pha_config_of) -> list[dict]:
+    """llama.cpp's same-shape Llama at each context: best decode and prompt tokens/s of
+    ``repeats`` runs, per batch, every run kept."""
+    binary = pha_llama_cpp.build()
+    rows = []
+    for n in contexts:
+        gguf, params = pha_llama_cpp.write_gguf(pha_config_of(n), workdir / str(n))
+        runs = [pha_llama_cpp.run(gguf, n, steps, batches, binary=binary) for _ in range(repeats)]
+        for i, B in enumerate(batches):
+            decode = [r[i]["decode_tokens_per_s"] for r in runs]
+            prompt = [r[i]["prompt_tokens_per_s"] for r in runs]
+            rows.append({"model": "llama.cpp", "context": n, "batch": B, "parameters": params,
+                         "prompt_tokens": runs[0][i]["pp"], "decode_steps": steps,
+                         "decode_tokens_per_s_runs": decode, "decode_tokens_per_s": max(decode),
+                         "decode_spread": spread(decode), "prompt_tokens_per_s_runs": prompt,
+                         "prompt_tokens_per_s": max(prompt), "step_ms": 1e3 * B / max(decode)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def pha_vs_attention(rows: list[dict], n: int) -> list[dict]:
+    """At context n, PHA over attention alone for every measured number (the paper's
     claims at 8,192: state 0.78x, throughput 1.239x)."""
-    at = {r["model"]: r for r in rows if r["context"] == n and r.get("path", "graph") == "graph"}
+    at = {r["model"]: r for r in rows if r["context"] == n and r.get("path") == "op"}
     if "pha" not in at or "pha-attn" not in at:
         return []
     pha, attn = at["pha"], at["pha-attn"]
-    return [{"context": n} | {k: pha[k] / attn[k] for k in pha
-                              if k not in ("model", "path", "context", "prefill_seconds") and k in attn and attn[k]}]
+    return [{"context": n} | {k: pha[k] / attn[k] for k in pha if isinstance(pha[k], (int, float))
+                              and k != "context" and isinstance(attn.get(k), (int, float)) and attn[k]}]
 
 
-def plot(rows: list[dict], path: Path, title: str) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    keys = [("state_bytes_per_sample", "decode state per sample (MiB)", 1 / (1 << 20)),
-            ("prefill_tokens_per_s", "prefill tokens/s, batch 1", 1.0),
-            ("decode_tokens_per_s_b1", "decode tokens/s, batch 1", 1.0),
-            ("decode_tokens_per_s_b16", "decode tokens/s, batch 16", 1.0)]
-    keys = [k for k in keys if any(k[0] in r for r in rows)]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
-    axes = axes[0]
-    for ax, (key, label, scale) in zip(axes, keys):
-        for name in MODELS:
-            for path in PATHS:
-                pts = sorted((r["context"], r[key] * scale) for r in rows
-                             if r["model"] == name and r.get("path", "graph") == path and key in r)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name if path == "graph" else f"{name} ({path})")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
+    """The MAX engines' decode (per batch) and prefill (batch 1) over llama.cpp's at the
+    same context: > 1 is faster than llama.cpp."""
+    out = []
+    for r in rows:
+        for ll in llama:
+            if ll["context"] != r["context"]:
+                continue
+            B = ll["batch"]
+            entry = {"model": r["model"], "path": r.get("path"), "context": r["context"], "batch": B}
+            if f"decode_tokens_per_s_b{B}" in r:
+                entry["decode"] = r[f"decode_tokens_per_s_b{B}"] / ll["decode_tokens_per_s"]
+            if B == 1 and "prefill_tokens_per_s" in r:
+                entry["prefill"] = r["prefill_tokens_per_s"] / ll["prompt_tokens_per_s"]
+            if len(entry) > 4:
+                out.append(entry)
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, context 128")
     ap.add_argument("--contexts", type=int, nargs="*", help="default: 512 2048 8192")
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--paths", nargs="*", default=list(PATHS), choices=PATHS,
+    ap.add_argument("--models", nargs="*", default=["pha", "pha-attn"], choices=MODELS)
+    ap.add_argument("--paths", nargs="*", default=["op"], choices=PATHS,
                     help="the PHA models' decode paths (the SRM has one)")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--no-prefill", action="store_true", help="time decode only")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--steps", type=int, default=16, help="decode tokens per call")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--state-only", action="store_true",
                     help="only the decode state per sample (nothing compiled or timed)")
-    ap.add_argument("--out", type=Path, help="the JSON path (the plot goes next to it)")
+    ap.add_argument("--out", type=Path, help="the JSON path")
+    ap.add_argument("--append", action="store_true", help="add this run to the JSON's earlier runs")
     ap.add_argument("--note", default="", help="a remark stored in the JSON (e.g. why repeats were reduced)")
     args = ap.parse_args(argv)
     contexts = args.contexts or ([128] if args.quick else [512, 2048, 8192])
     batches = tuple(args.batches)
     suffix = ("-quick" if args.quick else "") + ("-state" if args.state_only else "")
-    out = args.out or RESULTS / f"pha_long_context_max{suffix}.json"
+    out = args.out or RESULTS / f"pha_long_context{suffix}.json"
     from srm_max.runtime.precompile import precompile
 
     rng = np.random.default_rng(0)
-    result = {"command": command_line(), "machine": machine_info(), "quick": args.quick,
-              "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
-              "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
-              "stream_bytes_per_s": {}, "rows": [], "pha_vs_attention": []}
+    run = {"command": command_line(), "machine": machine_info(), "quick": args.quick,
+           "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
+           "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
+           "stream_bytes_per_s": {}, "rows": [], "llama_cpp": []}
+    earlier = json.loads(out.read_text())["runs"] if args.append and out.exists() else []
+    result = {"runs": earlier + [run]}
     prefill = not args.no_prefill
     for n in contexts:
         engines = {(name, path): engine_of(name, configs(name, n, args.quick), path)
-                   for name in args.models for path in (["graph"] if name == "srm" else args.paths)}
+                   for name in args.models for path in (["op"] if name == "srm" else args.paths)}
         if not args.state_only:
             t0 = time.perf_counter()
-            precompile([job for e in engines.values() for job in graphs_used(e, prefill)])
-            result["compile_seconds"][str(n)] = round(time.perf_counter() - t0, 1)
+            precompile([job for (_, path), e in engines.items()
+                        for job in graphs_used(e, prefill and path == args.paths[0])])
+            run["compile_seconds"][str(n)] = round(time.perf_counter() - t0, 1)
             print(f"context {n}: graphs ready in {time.perf_counter() - t0:.0f} s", flush=True)
         bandwidth = 0.0 if args.state_only else stream_bytes_per_s()
         rows = []
         for (name, path), engine in engines.items():
-            result["configs"][name] = {k: v for k, v in vars(engine.config).items()}
-            row = measure(name, engine, n, args.steps, batches, args.repeats, rng, timed=not args.state_only,
-                          prefill=prefill and path == "graph", path=path)
-            rows.append(row)
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+            run["configs"][name] = {k: v for k, v in vars(engine.config).items()}
+            rows.append(measure(name, engine, n, args.steps, batches, args.repeats, rng,
+                                timed_run=not args.state_only, prefill=prefill and path == args.paths[0], path=path))
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                   if not k.endswith("_runs")}, flush=True)
         if not args.state_only:
             # the best bandwidth of the minutes around the engines
             bandwidth = max(bandwidth, stream_bytes_per_s())
-            result["stream_bytes_per_s"][str(n)] = bandwidth
+            run["stream_bytes_per_s"][str(n)] = bandwidth
             for row in rows:
                 for B in batches:
                     limit = 1e3 * row[f"bytes_per_step_b{B}"] / bandwidth
                     row[f"streaming_limit_ms_b{B}"] = limit
                     row[f"percent_of_streaming_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]
-        result["rows"] += rows
+        run["rows"] += rows
+        run["load_average_after"] = list(os.getloadavg())
         write_json(out, result)  # partial results survive an interrupted run
         del engines
-        result["pha_vs_attention"] += ratios(result["rows"], n)
+    if not (args.state_only or args.no_llama_cpp):
+        with tempfile.TemporaryDirectory() as tmp:
+            run["llama_cpp"] = llama_cpp_rows(contexts, batches, args.steps, args.repeats, Path(tmp),
+                                              lambda n: configs("pha", n, args.quick))
+        run["load_average_after"] = list(os.getloadavg())
+    rows = [r for past in result["runs"] for r in past["rows"]]
+    llama = [r for past in result["runs"] for r in past["llama_cpp"]]
+    result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
+    result["against_llama_cpp"] = against_llama_cpp(rows, llama)
     write_json(out, result)
-    png = plot(result["rows"], out.with_suffix(".png"), f"MAX engines, CPU: {result['machine']['processor']}")
-    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    print(json.dumps(result["against_llama_cpp"], indent=1))
+    print(f"wrote {out}")
     return result
 
 
