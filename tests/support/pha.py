@@ -8,7 +8,7 @@ import torch
 from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
 from tests.support.checks import assert_close_rel
-from tests.support.prompts import padded_batch, random_prompts
+from tests.support.prompts import random_prompts, reference_prefill
 
 
 def randomized(config: PHAConfig, dtype=torch.float64, seed=0) -> PHA:
@@ -49,14 +49,6 @@ def prompts_of(lengths, seed=0):
     return random_prompts(lengths, CONFIG.vocab_size, seed)
 
 
-def ref_prefill(reference, prompts):
-    """Reference prefill of right-padded prompts: (last-token logits [B, V], cache)."""
-    ids, lengths = padded_batch(prompts)
-    with torch.no_grad():
-        logits, cache = reference.prefill(ids, lengths)
-    return logits[torch.arange(len(prompts)), lengths - 1].numpy(), cache
-
-
 def assert_states_close(engine, states, cache, filled, rel=1e-4):
     """MAX states against a reference PHACache: GSS states, and the KV caches up to
     each sample's ``filled`` positions (later rows are padding or unused)."""
@@ -72,7 +64,7 @@ def assert_states_close(engine, states, cache, filled, rel=1e-4):
 
 def ref_greedy(reference, prompts, new_tokens):
     """Reference: padded prefill, then batched steps at per-sample positions (greedy)."""
-    logits, cache = ref_prefill(reference, prompts)
+    logits, cache = reference_prefill(reference, prompts)
     tok = torch.tensor(logits.argmax(-1))
     pos = torch.tensor([len(p) for p in prompts])
     out = [tok]

@@ -25,3 +25,14 @@ def padded_batch(prompts):
 def random_prompt(n: int, seed: int = 0, vocab_size: int = TINY.vocab_size) -> list[int]:
     """One random prompt of ``n`` tokens of the TINY vocabulary."""
     return random_prompts([n], vocab_size, seed)[0]
+
+
+def reference_prefill(reference, prompts):
+    """A torch reference's prefill of right-padded ``prompts``: (the last token's logits
+    [B, V] as numpy, the reference's states or cache)."""
+    import torch
+
+    ids, lengths = padded_batch(prompts)
+    with torch.no_grad():
+        logits, states = reference.prefill(ids, lengths)
+    return logits[torch.arange(len(prompts)), lengths - 1].numpy(), states

@@ -22,7 +22,8 @@ from srm_max.errors import GenerationError
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy
+from tests.support.prompts import reference_prefill
 
 # the op's engine runs its decode_steps graph only; the plain engine prefills and decodes
 # for the tests that compare the two
@@ -31,16 +32,6 @@ plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
 # the ablations, each through the op (one small graph each)
 ABLATIONS = {"gss_alone": dataclasses.replace(CONFIG, branches=("gss", "ffn")),
              "attention_alone": dataclasses.replace(CONFIG, branches=("attn", "ffn"))}
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return random_pha()
-
-
-@pytest.fixture(scope="module")
-def weights(reference) -> dict[str, np.ndarray]:
-    return {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +55,7 @@ def op(weights):
 def reference_start(reference, prompts, engine):
     """The reference's prefill of ``prompts``: (first tokens, its cache as the engine's
     states [L, B, X] on the device)."""
-    logits, cache = ref_prefill(reference, prompts)
+    logits, cache = reference_prefill(reference, prompts)
     L, B = engine.config.n_layers, len(prompts)
     parts = []
     if cache.gss_state is not None:

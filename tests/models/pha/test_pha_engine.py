@@ -20,7 +20,8 @@ from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, ref_greedy, ref_prefill
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, ref_greedy
+from tests.support.prompts import reference_prefill
 
 # the engine's default on a CPU decodes through the op (decode_steps); the plain decode
 # graph is tests/models/pha/test_pha_decode_op.py's reference
@@ -56,7 +57,7 @@ def test_prefill_logits_and_states_match_reference(engine, reference):
     lengths = [1, 64, 100, 160]
     prompts = prompts_of(lengths)
     res = engine.prefill(prompts)
-    ref_logits, cache = ref_prefill(reference, prompts)
+    ref_logits, cache = reference_prefill(reference, prompts)
     logits = engine.host(res.logits)
     assert logits.shape == (len(prompts), CONFIG.vocab_size)
     assert_close_rel(logits, ref_logits)

@@ -18,7 +18,8 @@ from srm_max.models.pha.config import PHAConfig
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import assert_states_close, prompts_of, random_pha, ref_greedy, ref_prefill
+from tests.support.pha import assert_states_close, prompts_of, random_pha, ref_greedy
+from tests.support.prompts import reference_prefill
 
 ABLATION = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
                      dss_state_size=8, branches=("gss", "ffn"), mode="sequential", tie_embeddings=False)
@@ -60,7 +61,7 @@ def test_ablation_with_bfloat16_weights_matches_the_reference_across_chunks(engi
     lengths = [2, CHUNK, 70, 150]
     prompts = prompts_of(lengths, seed=11)
     res = engine.prefill(prompts)
-    ref_logits, cache = ref_prefill(rounded_reference, prompts)
+    ref_logits, cache = reference_prefill(rounded_reference, prompts)
     assert_close_rel(engine.host(res.logits), ref_logits, 3e-2)
     assert (res.next_ids == ref_logits.argmax(-1)).all()
     assert_states_close(engine, res.states, cache, lengths, 3e-2)

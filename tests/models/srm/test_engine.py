@@ -11,7 +11,7 @@ from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.prompts import padded_batch, random_prompts
+from tests.support.prompts import random_prompts, reference_prefill
 from tests.support.tiny import TINY
 
 # the Mojo-op graphs (float32 and bfloat16) and the plain-op ones
@@ -26,11 +26,9 @@ def prompts_of(lengths, seed=0):
 
 
 def ref_prefill(reference, prompts):
-    ids, lengths = padded_batch(prompts)
-    with torch.no_grad():
-        logits, states = reference.prefill(ids, lengths)
-    last = logits[torch.arange(len(prompts)), lengths - 1]
-    return last.numpy(), states.numpy()
+    """The reference's last-token logits and states of right-padded prompts, as numpy."""
+    logits, states = reference_prefill(reference, prompts)
+    return logits, states.numpy()
 
 
 def test_prefill_logits_and_states_match_reference(engine, reference):
