@@ -18,10 +18,9 @@ import torch
 from srm_max.errors import GenerationError
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
-from tests.support.checks import assert_close_rel
+from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, prompts_of, ref_greedy
-from tests.support.prompts import reference_prefill
 
 # the engine's default on a CPU decodes through the op (decode_steps); the plain decode
 # graph is tests/models/pha/test_pha_decode_op.py's reference
@@ -56,12 +55,7 @@ def test_prefill_logits_and_states_match_reference(engine, reference):
     # mixed, right-padded in one batch: inside chunk 0, on its last token, in chunk 1, the full context
     lengths = [1, 64, 100, 160]
     prompts = prompts_of(lengths)
-    res = engine.prefill(prompts)
-    ref_logits, cache = reference_prefill(reference, prompts)
-    logits = engine.host(res.logits)
-    assert logits.shape == (len(prompts), CONFIG.vocab_size)
-    assert_close_rel(logits, ref_logits)
-    assert (res.next_ids == ref_logits.argmax(-1)).all()
+    res, logits, cache = assert_prefill_matches_reference(engine, reference, prompts, CONFIG.vocab_size)
     assert engine.host(res.states).shape == (CONFIG.n_layers, len(prompts), engine.layout.width)
     assert_states_close(engine, res.states, cache, lengths)
     # a prompt alone gives what it gives in the padded batch

@@ -9,7 +9,7 @@ import torch
 from srm_max.graphs import sampler
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
-from tests.support.checks import assert_close_rel
+from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs
 from tests.support.prompts import random_prompts, reference_prefill
 from tests.support.tiny import TINY
@@ -33,16 +33,11 @@ def ref_prefill(reference, prompts):
 
 def test_prefill_logits_and_states_match_reference(engine, reference):
     prompts = prompts_of(PROMPT_LENGTHS)
-    res = engine.prefill(prompts)
-    ref_logits, ref_states = ref_prefill(reference, prompts)
-    logits = engine.host(res.logits)
-    assert logits.shape == (len(prompts), TINY.vocab_size)
-    assert_close_rel(logits, ref_logits)
+    # the logits, and the greedy first token = their argmax
+    res, _, ref_states = assert_prefill_matches_reference(engine, reference, prompts, TINY.vocab_size)
     states = engine.host(res.states)
     assert states.shape == (TINY.n_layers, len(prompts), TINY.n_heads, TINY.head_dim)
-    assert_close_rel(states, ref_states)
-    # greedy first token = argmax of the logits
-    assert (res.next_ids == ref_logits.argmax(-1)).all()
+    assert_close_rel(states, ref_states.numpy())
 
 
 def test_prefill_is_independent_of_batch_padding(engine):
