@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from tests.support.paths import REPO_ROOT as ROOT
 
 PACKAGE_DIRS = {"srm_max": ROOT / "python" / "srm_max", "srm_max.graphs": ROOT / "graphs"}
