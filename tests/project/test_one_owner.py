@@ -162,13 +162,15 @@ def test_op_names_are_spelled_only_in_their_owner():
 
 def test_choices_are_written_by_their_owners():
     """The embedded-model fallback (embedded.py), the device and dtype names (runtime/device.py,
-    and the stored dtypes of checkpoints/safetensors_io.py) and the x86-64 levels
-    (runtime/cpu_target.py) are each spelled by their owner only."""
+    and the stored dtypes of checkpoints/safetensors_io.py), the x86-64 levels
+    (runtime/cpu_target.py) and the list of graph kinds (runtime/compiled.py) are each
+    spelled by their owner only."""
     copies = {
         r"default_model_path\(\)": ["python/srm_max/embedded.py"],
         r"\"auto\", \"cpu\"|\"cpu\", \"gpu\"": ["python/srm_max/runtime/device.py"],
         r"\[\"float32\", \"bfloat16\"|\(\"float32\", \"bfloat16\"\)": [],
         r"\"x86-64-v2\"": ["python/srm_max/runtime/cpu_target.py"],
+        r"\"prefill\", \"score\", \"sample\"": ["python/srm_max/runtime/compiled.py"],  # the graph kinds
     }
     synthetic = {"cli.py": 'g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])',
                  "run.py": 'if dtype in ("float32", "bfloat16"):', "gen.py": "path = default_model_path()"}
