@@ -131,23 +131,24 @@ class DecodeResult:
 
 
 class CompiledGraphs:
-    """The base of every engine (see the module docs). Subclasses set ``config``
-    (whose ``architecture`` names its graph builders, see ``precompile.register``) and
-    ``kernels``, call ``_start`` then ``_open`` with their weights registry."""
+    """The base of every engine (see the module docs). Subclasses set ``config``,
+    ``kernels``, and as class attributes ``build_graph`` and ``graph_salt`` (their
+    architecture's, ``models/<arch>/build.py``); they call ``_start``, then ``_open`` with
+    their ``session_weights``."""
 
     def _start(self, dtype: str, device: str) -> None:
         self.dtype = resolve_dtype(dtype)
         self.device, self.device_ref = resolve_device(device)
 
-    def _open(self, registry: dict) -> None:
-        self.weights = registry  # name -> array/Buffer: what the compiled graphs bind
+    def _open(self, weights: dict) -> None:
+        self.weights = weights  # name -> array/Buffer: what the compiled graphs bind
         self.session = InferenceSession(devices=[self.device])
         self._models: dict[str, Model] = {}
         self.compile_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
 
     # -- compiled models
-    # the architecture's graph builder and graph-key salt (set by each engine class)
+    # the architecture's graph builder and the salt of its graphs' cache keys (set by each engine class)
     build_graph: Callable
     graph_salt: bytes
 
