@@ -4,11 +4,22 @@ Scoring outputs, per position, the log-probability of a given target token and t
 ``TOP_N`` most likely tokens with their log-probabilities: [.., TOP_N] values and ids
 instead of [.., V] logits, so only a few numbers per position cross to the host. The
 host keeps the first n <= TOP_N of them (``runtime.compiled.ScoreResult``).
+
+Two ways to the same numbers: on a CPU with the kernel library, the Mojo op
+``srm_score_rows`` (mojo/score_rows.mojo) reduces each row of logits in two passes
+(the K largest by a lane-wise bound, then the sum of exponentials), rows split between
+the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
+``ops.top_k``. The op exists because ``ops.top_k`` sorts each row: at V = 4,096 that
+alone cost more than the whole prefill of the same tokens on a 2-core CPU
+(bench/scoring.py).
 """
 
 from __future__ import annotations
 
-from max.graph import TensorValue, ops
+from max.dtype import DType
+from max.graph import DeviceRef, TensorType, TensorValue, ops
+
+from .op_names import OP_SCORE_ROWS
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 TOP_N = 20
@@ -19,16 +30,37 @@ def top_width(vocab_size: int) -> int:
     return min(TOP_N, vocab_size)
 
 
-def token_logprobs(logits: TensorValue, targets: TensorValue) -> tuple[TensorValue, TensorValue, TensorValue]:
+def token_logprobs(logits: TensorValue, targets: TensorValue,
+                   row_op_device: DeviceRef | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
     """logits [..., V] f32, targets [...] int64 -> (log-probability of each target [...],
     top values [..., K] (descending), top ids [..., K] int64); K = ``top_width(V)``.
 
     log_softmax of the raw logits (no temperature): logits - logsumexp, with the
-    logsumexp shifted by the row's maximum so that nothing overflows.
+    logsumexp shifted by the row's maximum so that nothing overflows. With
+    ``row_op_device`` (a CPU device; the graph must load the kernel library) the Mojo op
+    does it, else the graph's ops.
     """
+    if row_op_device is not None:
+        return _by_row_op(logits, targets, row_op_device)
     V = int(logits.shape[-1])
     top = ops.max(logits, axis=-1)  # [..., 1]
     lse = ops.log(ops.sum(ops.exp(logits - top), axis=-1)) + top  # [..., 1]
     picked = ops.gather_nd(logits, ops.unsqueeze(targets, -1), batch_dims=targets.rank)  # [...]
     values, ids = ops.top_k(logits, k=top_width(V), axis=-1)
     return picked - ops.squeeze(lse, -1), values - lse, ids
+
+
+def _by_row_op(logits: TensorValue, targets: TensorValue,
+               device: DeviceRef) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """``token_logprobs`` through ``srm_score_rows`` on the logits as rows [R, V]."""
+    V = int(logits.shape[-1])
+    K = top_width(V)
+    rows = ops.reshape(logits, [-1, V])
+    R = rows.shape[0]
+    picked, values, ids = ops.custom(
+        OP_SCORE_ROWS, device=device, values=[rows, ops.reshape(targets, [-1])],
+        out_types=[TensorType(DType.float32, [R], device), TensorType(DType.float32, [R, K], device),
+                   TensorType(DType.int64, [R, K], device)])
+    shape = list(targets.shape)
+    return (ops.reshape(picked.tensor, shape), ops.reshape(values.tensor, shape + [K]),
+            ops.reshape(ids.tensor, shape + [K]))

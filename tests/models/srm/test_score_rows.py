@@ -1,0 +1,101 @@
+"""The score graph's row op (mojo/score_rows.mojo, ``srm_score_rows``) on rows the tests
+make, against numpy's float64 log_softmax: the target's log-probability within 1e-4 and
+the K largest in order, ties to the lower id; rows whose width is not a multiple of the
+vector width, K up to the whole row and past the op's lane bound, ties across the K-th
+place, huge logits, and a target outside the row refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srm_max.runtime.compile_cache import load_compiled
+from srm_max.runtime.kernels import kernel_library
+from graphs.op_names import OP_SCORE_ROWS
+from tests.support.mojo_ops import session
+
+ATOL = 1e-4
+_models: dict[int, object] = {}
+
+
+def score_rows(logits: np.ndarray, targets: np.ndarray, K: int):
+    """The op on [R, V] logits -> (logprobs [R], top_values [R, K], top_ids [R, K])."""
+    if K not in _models:
+        from max.dtype import DType
+        from max.graph import DeviceRef, Graph, TensorType, ops
+
+        dev = DeviceRef.CPU()
+        f32, i64 = DType.float32, DType.int64
+        types = [TensorType(f32, ["R", "V"], dev), TensorType(i64, ["R"], dev)]
+        with Graph(f"score_rows_k{K}", input_types=types, custom_extensions=[kernel_library()]) as g:
+            rows, tg = (v.tensor for v in g.inputs)
+            R = rows.shape[0]
+            out = ops.custom(OP_SCORE_ROWS, device=dev, values=[rows, tg],
+                             out_types=[TensorType(f32, [R], dev), TensorType(f32, [R, K], dev),
+                                        TensorType(i64, [R, K], dev)])
+            g.output(*(o.tensor for o in out))
+        _models[K] = load_compiled(session(), g)
+    outs = _models[K].execute(np.ascontiguousarray(logits, np.float32), np.ascontiguousarray(targets, np.int64))
+    return tuple(o.to_numpy() for o in outs)
+
+
+def check(logits: np.ndarray, targets: np.ndarray, K: int):
+    lp, values, ids = score_rows(logits, targets, K)
+    x = logits.astype(np.float64)
+    ref = x - x.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp, ref[np.arange(len(x)), targets], rtol=0, atol=ATOL)
+    expected = np.argsort(-logits, axis=-1, kind="stable")[:, :K]  # ties: the lower id first
+    np.testing.assert_array_equal(ids, expected)
+    np.testing.assert_allclose(values, np.take_along_axis(ref, expected, -1), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("V", [4096, 1000, 37, 20])
+def test_random_rows(V):
+    rng = np.random.default_rng(V)
+    logits = (rng.standard_normal((300, V)) * 3).astype(np.float32)
+    check(logits, rng.integers(0, V, 300), K=min(20, V))
+
+
+def test_peaked_and_ascending_rows():
+    """A language model's peaked rows, and rows whose values grow along the ids (every
+    vector beats the list kept so far) or fall (none does after the first)."""
+    rng = np.random.default_rng(1)
+    V = 512
+    peaked = rng.standard_normal((8, V)).astype(np.float32)
+    peaked[np.arange(8), rng.integers(0, V, 8)] += 25
+    ramp = np.linspace(-5, 5, V, dtype=np.float32)
+    logits = np.concatenate([peaked, np.stack([ramp, ramp[::-1]])])
+    check(logits, rng.integers(0, V, len(logits)), K=20)
+
+
+def test_ties_keep_the_lower_ids():
+    """Values from a small set: many ties inside the K and across the K-th place."""
+    rng = np.random.default_rng(2)
+    logits = rng.integers(0, 4, (64, 100)).astype(np.float32)
+    logits[0] = 1.0  # a flat row: the K lowest ids
+    check(logits, rng.integers(0, 100, 64), K=20)
+
+
+@pytest.mark.parametrize("K", [1, 5, 40, 64])
+def test_any_width(K):
+    """K from 1 to the whole row; past the op's lane bound (W x DEPTH values) it keeps
+    the K largest without the bound."""
+    rng = np.random.default_rng(K)
+    logits = rng.standard_normal((50, 64)).astype(np.float32)
+    check(logits, rng.integers(0, 64, 50), K=K)
+
+
+def test_huge_logits_do_not_overflow():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((10, 300)) * 50 + 1e4).astype(np.float32)
+    lp, values, _ = score_rows(logits, np.zeros(10, np.int64), 20)
+    assert np.isfinite(lp).all() and np.isfinite(values).all()
+    check(logits, np.zeros(10, np.int64), K=20)
+
+
+def test_a_target_outside_the_row_is_refused():
+    logits = np.zeros((3, 50), np.float32)
+    with pytest.raises(Exception, match="row 1 has target 50 outside"):
+        score_rows(logits, np.array([0, 50, 1]), 20)
