@@ -126,7 +126,7 @@ class CountingEngine:
 
 def test_loglikelihood_equals_lm_evals_rule_and_reads_each_context_once(engine, ref):
     counting = CountingEngine(engine)
-    gen = Generator.from_engine(counting)
+    gen = Generator.from_engine(counting, prefix_cache_mb=0)  # the cache's reuse: test_scoring_prefix_cache.py
     contexts = random_prompts([20, 1, 90], TINY.vocab_size, seed=4)
     conts = random_prompts([1, 5, 12], TINY.vocab_size, seed=5)
     greedy = gen.generate(contexts[0], max_new_tokens=6).ids  # a continuation the model would write
