@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from bench.common import RESULTS, build_srm_reference, command_line, machine_info, markdown_table, srm_config, write_json
+from srm_max.graphs.op_names import OP_SAMPLE_ROWS
 
 PROMPT_TOKENS = 100
 # name -> (temperature, top_k, top_p, graphs/sampler.py's mode)
@@ -66,7 +67,7 @@ def sample_rows_model(V: int):
              TensorType(DType.int64, [1], dev)]
     with Graph("row_sampler_bench", input_types=types, custom_extensions=[kernel_library()]) as g:
         values = [v.tensor for v in g.inputs]
-        (op,) = ops.custom("srm_sample_rows", device=dev, values=values,
+        (op,) = ops.custom(OP_SAMPLE_ROWS, device=dev, values=values,
                            out_types=[TensorType(DType.int64, [values[0].shape[0]], dev)])
         g.output(op.tensor)
     return InferenceSession(devices=[CPU()]).load(g)

@@ -13,6 +13,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph, TensorType, ops
 
 from srm_max.graphs import sampler
+from srm_max.graphs.op_names import OP_SAMPLE_ROWS
 from srm_max.runtime.compiled import SamplingArrays
 from srm_max.runtime.kernels import kernel_library
 from tests.support.sampler_mirror import filtered_probs
@@ -136,7 +137,7 @@ def sample_rows_graph(V: int) -> Graph:
              TensorType(DType.int64, [], dev)]
     with Graph("sample_rows_vs_graph", input_types=types, custom_extensions=[kernel_library()]) as g:
         logits, t, k, p, seed, counter, mode = (v.tensor for v in g.inputs)
-        (op,) = ops.custom("srm_sample_rows", device=dev, values=[logits, t, k, p, seed, counter,
+        (op,) = ops.custom(OP_SAMPLE_ROWS, device=dev, values=[logits, t, k, p, seed, counter,
                                                                    ops.reshape(mode, [1])],
                            out_types=[TensorType(DType.int64, [logits.shape[0]], dev)])
         g.output(sampler.sample(logits, t, k, p, seed, counter, mode, dev), op.tensor)
