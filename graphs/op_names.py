@@ -3,7 +3,6 @@ written once here for every graph that calls an op and for the runtime's kernel 
 (``srm_max.runtime.kernels``); tests/project/test_one_owner.py holds each equal to a
 registration in ``mojo/``."""
 
-OP_STEP = "srm_mixer_step"  # one mixer step, the state updated in place
 OP_STEP_FUNCTIONAL = "srm_mixer_step_functional"  # one mixer step, state in -> new state out
 OP_SCAN = "srm_mixer_scan"  # the mixer over a whole prompt (prefill)
 OP_DECODE_STEP = "srm_decode_step"  # every layer of an SRM decode step and the logits
@@ -13,5 +12,5 @@ OP_WRITE_STATE_ROWS = "srm_write_state_rows"  # the PHA decode's in-place state 
 OP_PHA_DECODE_STEPS = "pha_decode_steps"  # S PHA decode steps in one op
 OP_SCORE_ROWS = "srm_score_rows"  # a score graph's log-probabilities and top-K per row of logits
 
-ALL_OPS = (OP_STEP, OP_STEP_FUNCTIONAL, OP_SCAN, OP_DECODE_STEP, OP_DECODE_STEPS, OP_SAMPLE_ROWS,
+ALL_OPS = (OP_STEP_FUNCTIONAL, OP_SCAN, OP_DECODE_STEP, OP_DECODE_STEPS, OP_SAMPLE_ROWS,
            OP_WRITE_STATE_ROWS, OP_PHA_DECODE_STEPS, OP_SCORE_ROWS)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from srm_max.runtime.compile_cache import load_compiled
-from srm_max.runtime.kernels import (OP_DECODE_STEPS, OP_DECODE_STEP, OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL, kernel_library)
+from srm_max.runtime.kernels import OP_DECODE_STEPS, OP_DECODE_STEP, OP_SCAN, OP_STEP_FUNCTIONAL, kernel_library
 
 _session = None
 _models: dict = {}
@@ -19,9 +19,9 @@ _models: dict = {}
 # --------------------------------------------------------------------------- #
 
 
-def _types(dev, *, inplace: bool | None = None, scan: bool = False):
+def _types(dev, *, scan: bool = False):
     from max.dtype import DType
-    from max.graph import BufferType, TensorType
+    from max.graph import TensorType
 
     f32, i64 = DType.float32, DType.int64
     params = [
@@ -37,43 +37,28 @@ def _types(dev, *, inplace: bool | None = None, scan: bool = False):
             TensorType(f32, ["B", "H", "hd"], dev),  # init
             *params,
         ]
-    state_t = (BufferType if inplace else TensorType)(f32, ["B", "H", "hd"], dev)
     return [
-        state_t,
+        TensorType(f32, ["B", "H", "hd"], dev),  # state
         TensorType(f32, ["B", "H", "hd"], dev),
         TensorType(i64, ["B"], dev),
         *params,
     ]
 
 
-def build_step_graph(dev=None, *, inplace: bool = True, library: Path | None = None):
-    """Graph (state, u, positions, w, beta, lam) -> y (in place) or (y, new_state).
-
-    All dims symbolic: one compiled model serves every B, H, hd, n.
-    """
+def build_step_graph(dev=None, *, library: Path | None = None):
+    """Graph (state, u, positions, w, beta, lam) -> (y, new_state); all dims symbolic:
+    one compiled model serves every B, H, hd, n."""
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType, ops
 
     dev = dev or DeviceRef.CPU()
     lib = library or kernel_library()
-    name = "srm_mixer_step_inplace" if inplace else "srm_mixer_step_functional"
-    with Graph(name, input_types=_types(dev, inplace=inplace), custom_extensions=[lib]) as g:
-        state = g.inputs[0].buffer if inplace else g.inputs[0].tensor
-        u, positions, w, beta, lam = (v.tensor for v in g.inputs[1:])
+    with Graph("srm_mixer_step_functional", input_types=_types(dev), custom_extensions=[lib]) as g:
+        state, u, positions, w, beta, lam = (v.tensor for v in g.inputs)
         y_t = TensorType(DType.float32, u.shape, dev)
-        if inplace:
-            (y,) = ops.inplace_custom(
-                OP_STEP, device=dev, values=[state, u, positions, w, beta, lam], out_types=[y_t]
-            )
-            g.output(y.tensor)
-        else:
-            y, new_state = ops.custom(
-                OP_STEP_FUNCTIONAL,
-                device=dev,
-                values=[state, u, positions, w, beta, lam],
-                out_types=[y_t, y_t],
-            )
-            g.output(y.tensor, new_state.tensor)
+        y, new_state = ops.custom(OP_STEP_FUNCTIONAL, device=dev, values=[state, u, positions, w, beta, lam],
+                                  out_types=[y_t, y_t])
+        g.output(y.tensor, new_state.tensor)
     return g
 
 
@@ -120,7 +105,7 @@ def _model(kind: str):
         if kind == "scan":
             g = build_scan_graph()
         else:
-            g = build_step_graph(inplace=(kind == "step_inplace"))
+            g = build_step_graph()
         m = load_compiled(session(), g)
         _models[kind] = m
     return m
@@ -147,16 +132,10 @@ def _check_params(w, beta, lam, H: int) -> None:
         )
 
 
-def mixer_step(u, positions, w, beta, lam, state, *, inplace: bool = True):
-    """One decode step. Returns ``(y, new_state)`` as new float32 arrays.
-
-    u, state [B, H, hd]; positions [B] (each in [0, n)); w, beta [H, n]; lam [H].
-    ``inplace=True`` runs ``srm_mixer_step`` on a copy of ``state`` (the op
-    mutates its buffer); ``inplace=False`` runs ``srm_mixer_step_functional``.
-    The caller's ``state`` is never modified.
-    """
-    from max.driver import Buffer
-
+def mixer_step(u, positions, w, beta, lam, state):
+    """One decode step (``srm_mixer_step_functional``). Returns ``(y, new_state)`` as
+    new float32 arrays. u, state [B, H, hd]; positions [B] (each in [0, n)); w, beta
+    [H, n]; lam [H]."""
     u, state = _f32(u), _f32(state)
     positions, w, beta, lam = _i64(positions), _f32(w), _f32(beta), _f32(lam)
     if u.ndim != 3 or state.shape != u.shape or positions.shape != (u.shape[0],):
@@ -165,11 +144,6 @@ def mixer_step(u, positions, w, beta, lam, state, *, inplace: bool = True):
     n = w.shape[1]
     if positions.size and (positions.min() < 0 or positions.max() >= n):
         raise ValueError(f"positions must lie in [0, {n}); got {positions.tolist()}")
-    if inplace:
-        new_state = state.copy()
-        buf = Buffer.from_numpy(new_state)  # shares memory with new_state
-        (y,) = _model("step_inplace").execute(buf, u, positions, w, beta, lam)
-        return y.to_numpy().copy(), buf.to_numpy().copy()
     y, new_state = _model("step_functional").execute(state, u, positions, w, beta, lam)
     return y.to_numpy().copy(), new_state.to_numpy().copy()
 

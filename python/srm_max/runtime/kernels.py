@@ -2,7 +2,8 @@
 kernel library they are precompiled into.
 
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
-package ``srm_max.mojo``. Three mixer ops are registered, plus the whole decode
+package ``srm_max.mojo``. Two mixer ops are registered (one step, for the GPU decode
+graph; the scan, for prefill and scoring), plus the whole decode
 step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
 in one op; ``srm_decode_steps``: S steps in one op, each token chosen greedily
 or drawn; CPU only, used by graphs/srm/decode.py), ``srm_sample_rows`` (that
@@ -11,15 +12,6 @@ decode's in-place state write, graphs/pha/decode.py); see the ``.mojo`` files
 for the exact semantics; all tensors are float32 except positions/lengths (int64).
 Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
 per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
-
-``srm_mixer_step`` (decode, state updated IN PLACE; ``state`` must be a BufferValue)::
-
-    (y,) = ops.inplace_custom(
-        "srm_mixer_step", device=dev,
-        values=[state_buf, u, positions, w, beta, lam],
-        out_types=[TensorType(DType.float32, u.shape, dev)])
-    # state_buf [B,H,hd] f32 (BufferValue), u [B,H,hd] f32, positions [B] i64,
-    # w, beta [H,n] f32, lam [H] f32  ->  y [B,H,hd]
 
 ``srm_mixer_step_functional`` (decode, state in -> new state out)::
 
@@ -55,11 +47,11 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..graphs.op_names import OP_DECODE_STEP, OP_DECODE_STEPS, OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL
+from ..graphs.op_names import OP_DECODE_STEP, OP_DECODE_STEPS, OP_SCAN, OP_STEP_FUNCTIONAL
 from .compile_cache import cache_dir
 
 # the op names are graphs/op_names.py's; these are imported from here by the GPU compile check and the tests
-__all__ = ["OP_DECODE_STEPS", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP", "OP_STEP_FUNCTIONAL", "kernel_library",
+__all__ = ["OP_DECODE_STEPS", "OP_DECODE_STEP", "OP_SCAN", "OP_STEP_FUNCTIONAL", "kernel_library",
            "mojo_source_dir"]
 
 _lock = threading.Lock()

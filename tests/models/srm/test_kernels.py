@@ -1,6 +1,6 @@
 """Mojo custom ops of the SRM token mixer vs a float64 numpy loop.
 
-Three CPU graphs (in-place step, functional step, scan) with all dims symbolic,
+Two CPU graphs (one step, scan) with all dims symbolic,
 each compiled once per cache (``srm_max.runtime.compile_cache``). The GPU-path compile check runs in a subprocess
 (virtual device mode) and can be skipped with SRM_MAX_SKIP_GPU_COMPILE=1 or
 ``-k "not virtual_gpu"``.
@@ -18,14 +18,10 @@ import pytest
 from srm_max.runtime import kernels as library
 from tests.support import mojo_ops as K
 from tests.support.mixer_reference import close, closed_form_state, make_params, ref_scan, ref_step
+from tests.support.paths import REPO_ROOT
 
 
 # ----------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="session")
-def step_inplace_model():
-    return K._model("step_inplace")
 
 
 @pytest.fixture(scope="session")
@@ -54,8 +50,7 @@ def test_ops_registered():
     from max.graph import DeviceRef
 
     # building the graphs checks that every op is registered in the library
-    K.build_step_graph(DeviceRef.CPU(), inplace=True)
-    K.build_step_graph(DeviceRef.CPU(), inplace=False)
+    K.build_step_graph(DeviceRef.CPU())
     K.build_scan_graph(DeviceRef.CPU())
 
 
@@ -147,12 +142,11 @@ def test_scan_kernel_raises_when_t_exceeds_n(scan_model):
 # ----------------------------------------------------------------- step
 
 
-@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "functional"])
 @pytest.mark.parametrize(
     "B,H,hd,n",
     [(1, 2, 3, 8), (3, 4, 5, 10), (2, 4, 16, 6), (5, 6, 37, 20)],
 )
-def test_step_several_steps(step_inplace_model, step_functional_model, inplace, B, H, hd, n):
+def test_step_several_steps(step_functional_model, B, H, hd, n):
     rng = np.random.default_rng(B * 100 + hd)
     w, beta, lam = make_params(rng, H, n)
     pos = rng.integers(0, n // 2, B)  # mixed per-sample positions
@@ -160,7 +154,7 @@ def test_step_several_steps(step_inplace_model, step_functional_model, inplace, 
     ref_state = state.astype(np.float64)
     for _ in range(n - n // 2):  # several steps in a row, up to position n-1
         u = rng.standard_normal((B, H, hd)).astype(np.float32)
-        y, new_state = K.mixer_step(u, pos, w, beta, lam, state, inplace=inplace)
+        y, new_state = K.mixer_step(u, pos, w, beta, lam, state)
         y_ref, ref_state = ref_step(u, pos, w, beta, lam, ref_state)
         assert y.shape == (B, H, hd) and new_state.shape == (B, H, hd)
         close(y, y_ref, rtol=1e-4, atol=1e-4)
@@ -169,28 +163,7 @@ def test_step_several_steps(step_inplace_model, step_functional_model, inplace, 
         pos = pos + 1
 
 
-def test_step_inplace_mutates_buffer(step_inplace_model):
-    """The in-place op updates the caller's Buffer; feed it back for 10 steps."""
-    from max.driver import Buffer
-
-    rng = np.random.default_rng(11)
-    B, H, hd, n = 3, 4, 13, 16
-    w, beta, lam = make_params(rng, H, n)
-    host = np.zeros((B, H, hd), np.float32)
-    buf = Buffer.from_numpy(host)
-    ref_state = np.zeros((B, H, hd))
-    pos = np.array([0, 3, 5], np.int64)
-    for _ in range(10):
-        u = rng.standard_normal((B, H, hd)).astype(np.float32)
-        (y,) = step_inplace_model.execute(buf, u, pos, w, beta, lam)
-        y_ref, ref_state = ref_step(u, pos, w, beta, lam, ref_state)
-        close(y.to_numpy(), y_ref, rtol=1e-4, atol=1e-4)
-        close(buf.to_numpy(), ref_state, rtol=1e-4, atol=1e-4)
-        pos += 1
-    close(host, ref_state, rtol=1e-4, atol=1e-4)  # numpy memory shared with the Buffer
-
-
-def test_step_continues_scan(scan_model, step_inplace_model, step_functional_model):
+def test_step_continues_scan(scan_model, step_functional_model):
     """prefill(prompt) then decode steps == one scan over the whole sequence."""
     rng = np.random.default_rng(5)
     B, T, H, hd, n = 3, 10, 4, 9, 12
@@ -202,13 +175,12 @@ def test_step_continues_scan(scan_model, step_inplace_model, step_functional_mod
     for b, L in enumerate(lengths):
         close(y_pre[b, :L], y_full[b, :L])
     pos = lengths.copy()
-    for inplace in (True, False):
-        s, p = state.copy(), pos.copy()
-        while (p < T).all():
-            u_t = u[np.arange(B), p]
-            y_t, s = K.mixer_step(u_t, p, w, beta, lam, s, inplace=inplace)
-            close(y_t, y_full[np.arange(B), p], rtol=1e-4, atol=1e-4)
-            p = p + 1
+    s, p = state.copy(), pos.copy()
+    while (p < T).all():
+        u_t = u[np.arange(B), p]
+        y_t, s = K.mixer_step(u_t, p, w, beta, lam, s)
+        close(y_t, y_full[np.arange(B), p], rtol=1e-4, atol=1e-4)
+        p = p + 1
 
 
 def test_step_out_of_range_position(step_functional_model):
@@ -230,7 +202,7 @@ def test_step_out_of_range_position(step_functional_model):
 
 @pytest.mark.slow
 def test_gpu_path_compiles_virtual_sm90a():
-    """Compile all three ops for sm_90a in MAX virtual-device mode (no GPU needed).
+    """Compile the GPU ops (the mixer step and scan) for sm_90a in MAX virtual-device mode (no GPU needed).
 
     Runs in a subprocess: virtual device mode must be set before any device
     exists, and this test process already has a CPU session.
@@ -242,7 +214,8 @@ def test_gpu_path_compiles_virtual_sm90a():
     if not hasattr(driver, "set_virtual_device_api"):
         pytest.skip("this MAX has no virtual device mode")
     proc = subprocess.run(
-        [sys.executable, "-m", "srm_max.runtime.virtual_gpu", "--virtual-gpu", "sm_90a"],
+        [sys.executable, "-m", "tests.support.virtual_gpu", "--virtual-gpu", "sm_90a"],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,7 +1,8 @@
-"""Compile the Mojo mixer ops' GPU code without a GPU (MAX's virtual device mode).
+"""Compile the Mojo mixer ops' GPU code without a GPU (MAX's virtual device mode): the
+check that the GPU decode graph's ops build, for machines without a GPU.
 
-``python -m srm_max.runtime.virtual_gpu --virtual-gpu sm_90a`` in a fresh process:
-virtual device mode has to be set before any device is created.
+``python -m tests.support.virtual_gpu --virtual-gpu sm_90a`` from the repository root,
+in a fresh process: virtual device mode has to be set before any device is created.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ import hashlib
 import os
 from pathlib import Path
 
-from ..files import atomic_file
-from .compile_cache import cache_dir
-from .kernels import OP_SCAN, OP_STEP, OP_STEP_FUNCTIONAL, kernel_library
+from srm_max.files import atomic_file
+from srm_max.runtime.compile_cache import cache_dir
+from srm_max.runtime.kernels import OP_SCAN, OP_STEP_FUNCTIONAL, kernel_library
 
 
 def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:
-    """Compile all three ops' GPU paths for ``arch`` without a GPU; returns seconds.
+    """Compile the mixer step's and the scan's GPU paths for ``arch`` without a GPU; returns seconds.
 
     Must run in a fresh process: virtual device mode has to be set before any
     device (including the CPU session above) is created. Raises RuntimeError
@@ -24,7 +25,7 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
     model is kept as ``cache_dir()/mef/srm_mixer_ops_gpu-<arch>-<kernels>.mef``
     (or ``mef_out``); if that file exists nothing is recompiled (returns 0.0).
     The ``.mef`` holds SM binaries for ``arch`` and cannot be loaded on a CPU.
-    Run as ``python -m srm_max.runtime.virtual_gpu --virtual-gpu sm_90a``.
+    Run as ``python -m tests.support.virtual_gpu --virtual-gpu sm_90a``.
     """
     import time
 
@@ -45,13 +46,12 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
     from max.driver import Accelerator
     from max.dtype import DType
     from max.engine import InferenceSession
-    from max.graph import BufferType, DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph, TensorType, ops
 
     acc, gpu = Accelerator(), DeviceRef.GPU()
     f32, i64 = DType.float32, DType.int64
     types = [
-        BufferType(f32, ["B", "H", "hd"], gpu),  # state (in place)
-        TensorType(f32, ["B", "H", "hd"], gpu),  # state (functional)
+        TensorType(f32, ["B", "H", "hd"], gpu),  # state
         TensorType(f32, ["B", "H", "hd"], gpu),  # u
         TensorType(i64, ["B"], gpu),  # positions
         TensorType(f32, ["B2", "T", "H", "hd"], gpu),  # u (scan)
@@ -63,12 +63,10 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
         TensorType(f32, ["H"], gpu),
     ]
     with Graph("srm_mixer_ops_gpu", input_types=types, custom_extensions=[lib]) as g:
-        sbuf = g.inputs[0].buffer
-        s, u, pos, us, lens, start, init, w, beta, lam = (v.tensor for v in g.inputs[1:])
+        s, u, pos, us, lens, start, init, w, beta, lam = (v.tensor for v in g.inputs)
         yt = TensorType(f32, u.shape, gpu)
-        (y1,) = ops.inplace_custom(OP_STEP, device=gpu, values=[sbuf, u, pos, w, beta, lam], out_types=[yt])
-        y2, ns = ops.custom(OP_STEP_FUNCTIONAL, device=gpu, values=[s, u, pos, w, beta, lam], out_types=[yt, yt])
-        y3, fin = ops.custom(
+        y, ns = ops.custom(OP_STEP_FUNCTIONAL, device=gpu, values=[s, u, pos, w, beta, lam], out_types=[yt, yt])
+        ys, fin = ops.custom(
             OP_SCAN,
             device=gpu,
             values=[us, lens, start, init, w, beta, lam],
@@ -77,7 +75,7 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
                 TensorType(f32, [us.shape[0], us.shape[2], us.shape[3]], gpu),
             ],
         )
-        g.output(y1.tensor, y2.tensor, ns.tensor, y3.tensor, fin.tensor)
+        g.output(y.tensor, ns.tensor, ys.tensor, fin.tensor)
     t0 = time.perf_counter()
     try:
         compiled = InferenceSession(devices=[acc]).compile(g)
