@@ -1,12 +1,13 @@
 """SRM custom ops for MAX (srm_max.mojo).
 
-    srm_mixer_step             (mixer_step.mojo)   decode step, state updated in place
-    srm_mixer_step_functional  (mixer_step.mojo)   decode step, state in -> new state out
+    srm_mixer_step_functional  (mixer_step.mojo)   decode step, state in -> new state out (GPU decode)
     srm_mixer_scan             (mixer_scan.mojo)   prefill scan: y and final state
     srm_decode_step            (decode_step.mojo)  a whole decode step (every layer, logits), CPU
     srm_decode_steps           (decode_step.mojo)  S decode steps, tokens chosen inside, CPU
     srm_sample_rows            (sample_rows.mojo)  row_sampler's draw on given logits, CPU (tests)
     srm_write_state_rows       (state_rows.mojo)   rows of a state written in place (PHA decode)
+    pha_decode_steps           (pha_decode_step.mojo) S PHA decode steps, tokens chosen inside, CPU
+    srm_score_rows             (score_rows.mojo)   a score graph's log-probabilities and top-n per row, CPU
 
 row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses.
 """
