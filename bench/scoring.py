@@ -4,6 +4,7 @@ Face Llama computing the same per-token log-probabilities, and sampled decode wi
 
     python -m bench.scoring [--batches 1 16 64] [--length 1000] [--repeats 3]
                             [--decode-batch 16] [--decode-prompt 32] [--decode-new 64]
+                            [--lm-eval-docs 100] [--lm-eval-hf-batch 32]
 
 The SRM of the benchmark size (d 256, 8 layers, 4 heads, n 1024, vocab 4096; random
 weights) on MAX, float32, on this machine's CPU; the Llama has its vocabulary, width,
@@ -14,7 +15,8 @@ with all the CPU's threads. Per batch of ``--length``-token texts (best of
     prefill          ``engine.prefill``: the parallel form, logits at the last position only
     score            ``engine.score(top_n=5)``: the same layers, the output layer and the
                      log-softmax at every position, the target's log-probability and the
-                     top 5 (only those reach the host)
+                     top 20 (on a CPU the Mojo row op, mojo/score_rows.mojo); the host
+                     keeps 5
     hf               ``LlamaForCausalLM`` forward, full logits, log_softmax, the targets'
                      gather and the top 5 (``torch.no_grad``)
 
@@ -24,7 +26,13 @@ top-p 0.95), with ``logprobs=5`` and without, alternating, tokens/s of each (med
 ``--repeats``) and their ratio; ``Generator.loglikelihood`` on a multiple-choice-like
 set (each context with 4 continuations), requests/s; and one GRPO update
 (``rl.grpo.grpo_step``, one epoch, ``--grpo-batch`` rollouts) with the old and reference
-log-probabilities from PyTorch and from the engines' scoring path, alternating.
+log-probabilities from PyTorch and from the engines' scoring path, alternating. Last,
+with lm-eval installed and the vocabulary of the embedded model's tokenizer (4,096),
+lm-eval's ``simple_evaluate`` of a local multiple-choice task (``--lm-eval-docs``
+questions of ``--context-tokens`` random tokens as text, 4 answers each) with the native
+``srm-max`` model and with lm-eval's ``hf`` model on the same-size Llama (batch
+``--lm-eval-hf-batch``), alternating: requests/s over the whole evaluation and over the
+models' loglikelihood calls.
 
 Writes bench/results/scoring.json (``--out``), naming the machine and its CPU.
 """
@@ -32,6 +40,7 @@ Writes bench/results/scoring.json (``--out``), naming the machine and its CPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import time
@@ -149,6 +158,77 @@ def bench_grpo(config, engine, batch, prompt_len, new, repeats) -> dict:
             "torch_over_engine": min(seconds["torch"]) / min(seconds["engine"])}
 
 
+def write_choice_task(folder: Path, gen, docs: int, context_tokens: int) -> tuple[str, int]:
+    """A local lm-eval multiple-choice task (CSV data, YAML config) of ``docs`` questions of
+    ``context_tokens`` random tokens as text, 4 answers of 1-7 tokens each -> (its name,
+    its loglikelihood requests)."""
+    import csv
+    import json
+
+    rng = np.random.default_rng(11)
+    V = gen.config.vocab_size
+    text = lambda n: gen.decode(rng.integers(1, V, n).tolist())  # noqa: E731
+    rows = [{"context": text(context_tokens), **{f"c{i}": " " + text(int(rng.integers(1, 8))) for i in range(4)},
+             "answer": int(rng.integers(0, 4))} for _ in range(docs)]
+    with open(folder / "bench_choice.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    config = {"task": "bench_choice", "dataset_path": "csv", "test_split": "test",
+              "dataset_kwargs": {"data_files": {"test": str(folder / "bench_choice.csv")}},
+              "output_type": "multiple_choice", "doc_to_text": "{{context}}", "doc_to_choice": "{{[c0, c1, c2, c3]}}",
+              "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}]}
+    (folder / "bench_choice.yaml").write_text(json.dumps(config))  # JSON is YAML
+    return "bench_choice", 4 * docs
+
+
+def bench_lm_eval(gen, llama, tokenizer_file: Path, docs, context_tokens, hf_batch, repeats) -> dict:
+    """lm-eval's ``simple_evaluate`` of one local multiple-choice task with the native srm-max
+    model and with lm-eval's ``hf`` model of the same-size Llama, alternating: requests/s over
+    the whole evaluation and over the models' ``loglikelihood`` calls alone."""
+    import tempfile
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import PreTrainedTokenizerFast
+
+    from srm_max.lm_eval_model import SRMMaxLM
+
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|endoftext|>")
+    models = {"srm-max": SRMMaxLM(generator=gen),
+              "hf": HFLM(pretrained=llama, tokenizer=hf_tok, batch_size=hf_batch, max_length=gen.config.context_length,
+                         device="cpu")}
+    spent = {name: [] for name in models}
+    for name, lm in models.items():  # the loglikelihood calls timed inside the evaluation
+        def timed_loglikelihood(requests, *args, _call=lm.loglikelihood, _name=name, **kwargs):
+            t = time.perf_counter()
+            out = _call(requests, *args, **kwargs)
+            spent[_name].append(time.perf_counter() - t)
+            return out
+        lm.loglikelihood = timed_loglikelihood
+    with tempfile.TemporaryDirectory() as folder:
+        task, n = write_choice_task(Path(folder), gen, docs, context_tokens)
+        manager = TaskManager(include_path=folder, include_defaults=False)
+        evaluate = lambda lm: lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=manager,  # noqa: E731
+                                                      bootstrap_iters=0, random_seed=0)
+        seconds = {name: [] for name in models}
+        accuracy = {}
+        for r in range(repeats + 1):  # the first round warms up
+            for name, lm in models.items():
+                spent[name].clear()
+                t = time.perf_counter()
+                accuracy[name] = evaluate(lm)["results"][task]["acc,none"]
+                if r:
+                    seconds[name].append((time.perf_counter() - t, sum(spent[name])))
+    rps = {name: {"evaluation": n / min(s[0] for s in runs), "loglikelihood": n / min(s[1] for s in runs)}
+           for name, runs in seconds.items()}
+    return {"task": "multiple choice, 4 answers", "docs": docs, "requests": n, "context_tokens": context_tokens,
+            "hf_batch_size": hf_batch, "seconds": seconds, "requests_per_s": rps, "accuracy": accuracy,
+            "srm_over_hf": {k: rps["srm-max"][k] / rps["hf"][k] for k in ("evaluation", "loglikelihood")}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
@@ -160,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, default=64, help="loglikelihood: contexts of 4 continuations each")
     ap.add_argument("--context-tokens", type=int, default=200)
     ap.add_argument("--grpo-batch", type=int, default=64, help="GRPO: rollouts per update")
+    ap.add_argument("--lm-eval-docs", type=int, default=100, help="lm-eval: questions of 4 answers (0: skip)")
+    ap.add_argument("--lm-eval-hf-batch", type=int, default=32, help="lm-eval: the hf model's batch size")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=4)
@@ -169,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "scoring.json")
     args = ap.parse_args(argv)
 
+    from srm_max.checkpoints.format import TOKENIZER_FILE
+    from srm_max.embedded import EMBEDDED_MODEL_DIR
     from srm_max.models.srm.engine import Engine
     from srm_max.runtime.cpu_target import current
     from srm_max.serve.generator import Generator
@@ -178,12 +262,18 @@ def main(argv=None) -> int:
     config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
     engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu").warmup()
     llama = build_llama(config)
-    gen = Generator.from_engine(engine)
+    tokenizer_file = EMBEDDED_MODEL_DIR / TOKENIZER_FILE  # a vocabulary of 4,096
+    gen = Generator.from_engine(engine, tokenizer=tokenizer_file if config.vocab_size == 4096 else None)
     rows = bench_batches(engine, llama, config, args.batches, args.length, args.repeats)
     decode = bench_decode(gen, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
     loglik = bench_loglikelihood(gen, args.contexts, min(args.context_tokens, config.context_length - 8),
                                  args.repeats)
     grpo = bench_grpo(config, engine, args.grpo_batch, args.decode_prompt, args.decode_new, args.repeats)
+    lm_eval_row = None
+    if args.lm_eval_docs and gen.tokenizer is not None and importlib.util.find_spec("lm_eval") is not None:
+        lm_eval_row = bench_lm_eval(gen, llama, tokenizer_file, args.lm_eval_docs,
+                                    min(args.context_tokens, config.context_length - 8), args.lm_eval_hf_batch,
+                                    args.repeats)
     peak = matmul_flops()
     for r in rows:
         r["score_flops_over_numpy_matmul"] = r["score_flops"] / peak["flops"]
@@ -193,7 +283,7 @@ def main(argv=None) -> int:
                   "vocab": config.vocab_size, "context": config.context_length,
                   "srm_parameters": config.num_parameters(), "llama_parameters": num_params(llama)},
         "torch_threads": args.threads, "numpy_matmul": peak, "batches": rows, "decode": decode,
-        "loglikelihood": loglik, "grpo": grpo})
+        "loglikelihood": loglik, "grpo": grpo, "lm_eval": lm_eval_row})
     print(markdown_table(
         ["batch x tokens", "prefill tok/s", "score tok/s", "HF Llama tok/s", "score / prefill", "score / HF",
          "score FLOP/s / numpy matmul"],
@@ -206,6 +296,11 @@ def main(argv=None) -> int:
     print(f"loglikelihood: {loglik['requests']} requests, {loglik['requests_per_s']:,.1f} requests/s")
     print(f"GRPO update of {grpo['rollouts']} rollouts: {grpo['best_seconds']['torch']:.2f} s with PyTorch's old and "
           f"reference log-probabilities, {grpo['best_seconds']['engine']:.2f} s with the engine's")
+    if lm_eval_row:
+        rps = lm_eval_row["requests_per_s"]
+        print(f"lm-eval, {lm_eval_row['requests']} loglikelihood requests: srm-max {rps['srm-max']['evaluation']:,.1f} "
+              f"requests/s ({rps['srm-max']['loglikelihood']:,.1f} in its loglikelihood calls), hf "
+              f"{rps['hf']['evaluation']:,.1f} ({rps['hf']['loglikelihood']:,.1f})")
     print(f"machine: {machine_info()['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
     return 0
 
