@@ -11,6 +11,8 @@ Outputs: logprobs [B, M, C] f32, top_values [B, M, C, K] f32 (descending), top_i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
@@ -22,15 +24,20 @@ from .prefill import pha_layers, prefix_input_types
 
 
 def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                          name: str | None = None) -> Graph:
-    """As ``build_pha_prefill_graph``, but the output layer runs at every position."""
+                          name: str | None = None, kernel_library: Path | None = None) -> Graph:
+    """As ``build_pha_prefill_graph``, but the output layer runs at every position; with
+    ``kernel_library`` on a CPU each position's logits are reduced by the Mojo row op."""
     device = device or DeviceRef.CPU()
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    row_op = device if kernel_library is not None and device.is_cpu() else None
     input_types = prefix_input_types(device) + [TensorType(I64, ["batch", "chunks", CHUNK], device)]
-    with Graph(name or f"pha_score_{dt}", input_types=input_types) as g:
+    extensions = [kernel_library] if row_op is not None else []
+    with Graph(name or f"pha_score_{dt}" + ("_kernels" if row_op is not None else ""), input_types=input_types,
+               custom_extensions=extensions) as g:
         ids, pos, pos_cols, lengths, targets = (v.tensor for v in g.inputs)
         W = PHAWeights(config, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device)
-        logprobs, top_values, top_ids = token_logprobs(linear(x, W.output()), targets)  # logits [B, M, C, V]
+        logits = linear(x, W.output())  # [B, M, C, V]
+        logprobs, top_values, top_ids = token_logprobs(logits, targets, row_op)
         g.output(logprobs, top_values, top_ids, ops.stack(states, axis=0))
     return g
