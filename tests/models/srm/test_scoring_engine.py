@@ -1,10 +1,10 @@
 """The engines' scoring path (``score``) and prefill/score continued from a state, against
 the PyTorch references (same weights).
 
-SRM: the TINY config with the Mojo scan op (the default CPU engine) and with the plain
-chunked graph (what a GPU runs); PHA: the CONFIG of tests/models/pha/test_pha_engine.py, from a fresh
-start only. Context 96 = 3 chunks of 32 for the SRM, so splits fall on, before and after
-chunk edges.
+SRM: the TINY config with the Mojo ops (the scan op and the score graph's row op: the
+default CPU engine) and with the plain chunked graph and ``ops.top_k`` (what a GPU runs); PHA:
+the CONFIG of tests/models/pha/test_pha_engine.py with the row op, from a fresh start only.
+Context 96 = 3 chunks of 32 for the SRM, so splits fall on, before and after chunk edges.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.support.tiny import TINY
 pytestmark = [graphs(TINY, ("prefill", "score", "decode_steps")),
               graphs(TINY, ("prefill", "score"), kernels=False),
               graphs(TINY, ("score",), dtype="bfloat16"),
-              graphs(PHA_CONFIG, ("prefill", "score"), kernels=False)]
+              graphs(PHA_CONFIG, ("prefill", "score"))]  # the PHA engine's default: the row op on a CPU
 
 
 LOGPROB_ATOL = 1e-4  # float32 engine against the float32 reference's log_softmax
