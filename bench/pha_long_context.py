@@ -162,11 +162,14 @@ def spread(values: list[float]) -> float:
 
 
 def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed_run: bool = True,
-            prefill: bool = True, path: str = "op") -> dict:
+            prefill: bool = True, path: str = "op", start: int | None = None) -> dict:
+    """One row: state size, prefill and decode timings; decode calls from position
+    ``start`` (default n - steps - 1: the last steps before the context's end)."""
     from srm_max.runtime.compiled import SamplingArrays
 
     c = engine.config
-    row = {"model": name, "path": path, "context": n,
+    start = n - steps - 1 if start is None else start
+    row = {"model": name, "path": path, "context": n, "decode_from": start,
            "state_bytes_per_sample": int(engine.host(engine.empty_states(1)).nbytes)}
     if not timed_run:
         return row
@@ -177,7 +180,6 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
                 "prefill_tokens_per_s": n / min(runs)}
     for B in batches:
         ids = rng.integers(0, c.vocab_size, B).astype(np.int64)
-        start = n - steps - 1
         pos = np.full(B, start, np.int64)
         states = engine.empty_states(B)
         greedy = SamplingArrays.greedy(B)
@@ -240,14 +242,15 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
         for (n, B), ll in sorted(best.items()):
             if n != r["context"]:
                 continue
-            entry = {"model": r["model"], "path": r.get("path"), "context": n, "batch": B}
+            entry = {"model": r["model"], "path": r.get("path"), "context": n, "batch": B,
+                     "decode_from": r.get("decode_from")}
             if f"decode_tokens_per_s_b{B}" in r:
                 rate, threads = ll["decode_tokens_per_s"]
                 entry |= {"decode": r[f"decode_tokens_per_s_b{B}"] / rate, "llama_cpp_decode_threads": threads}
             if B == 1 and "prefill_tokens_per_s" in r:
                 rate, threads = ll["prompt_tokens_per_s"]
                 entry |= {"prefill": r["prefill_tokens_per_s"] / rate, "llama_cpp_prefill_threads": threads}
-            if len(entry) > 4:
+            if len(entry) > 5:
                 out.append(entry)
     return out
 
@@ -266,6 +269,8 @@ def main(argv=None) -> dict:
                     help="llama.cpp's threads (2: both cores; they meet at a barrier after every op, so a loaded "
                          "machine slows it more than the MAX engines)")
     ap.add_argument("--steps", type=int, default=16, help="decode tokens per call")
+    ap.add_argument("--decode-from", type=int, nargs="*",
+                    help="positions the decode calls start from (default: n - steps - 1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--state-only", action="store_true",
                     help="only the decode state per sample (nothing compiled or timed)")
@@ -300,10 +305,12 @@ def main(argv=None) -> dict:
         rows = []
         for (name, path), engine in engines.items():
             run["configs"][name] = {k: v for k, v in vars(engine.config).items()}
-            rows.append(measure(name, engine, n, args.steps, batches, args.repeats, rng,
-                                timed_run=not args.state_only, prefill=prefill and path == args.paths[0], path=path))
-            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
-                   if not k.endswith("_runs")}, flush=True)
+            for i, start in enumerate(args.decode_from or [None]):
+                rows.append(measure(name, engine, n, args.steps, batches, args.repeats, rng,
+                                    timed_run=not args.state_only, prefill=prefill and path == args.paths[0] and i == 0,
+                                    path=path, start=start))
+                print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
+                       if not k.endswith("_runs")}, flush=True)
         if not args.state_only:
             # the best bandwidth of the minutes around the engines
             bandwidth = max(bandwidth, stream_bytes_per_s())
