@@ -257,6 +257,7 @@ def main(argv=None) -> int:
     from srm_max.runtime.cpu_target import current
     from srm_max.serve.generator import Generator
 
+    machine = machine_info()  # before the run: its load average is the other jobs'
     quiet_transformers()
     set_torch_threads(args.threads)
     config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["score_flops_over_numpy_matmul"] = r["score_flops"] / peak["flops"]
     write_json(args.out, {
-        "command": command_line(), "machine": machine_info(), "cpu_target": current(),
+        "command": command_line(), "machine": machine, "cpu_target": current(),
         "model": {"d_model": config.d_model, "layers": config.n_layers, "heads": config.n_heads,
                   "vocab": config.vocab_size, "context": config.context_length,
                   "srm_parameters": config.num_parameters(), "llama_parameters": num_params(llama)},
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         print(f"lm-eval, {lm_eval_row['requests']} loglikelihood requests: srm-max {rps['srm-max']['evaluation']:,.1f} "
               f"requests/s ({rps['srm-max']['loglikelihood']:,.1f} in its loglikelihood calls), hf "
               f"{rps['hf']['evaluation']:,.1f} ({rps['hf']['loglikelihood']:,.1f})")
-    print(f"machine: {machine_info()['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
+    print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
     return 0
 
 
