@@ -1,0 +1,78 @@
+"""bench/pha_long_context.py and bench/pha_llama_cpp.py without a MAX compile or a
+llama.cpp build: the parsing of llama-batched-bench's table, the bytes a step must read,
+the comparison with llama.cpp's best run and the merging of runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import pha_llama_cpp
+from bench import pha_long_context as bench
+
+# llama-batched-bench's output (llama.cpp from llama-cpp-python 0.3.36), as printed
+BATCHED_BENCH = """
+llama_batched_bench: n_kv_max = 1024, n_batch = 2048, n_ubatch = 512, flash_attn = -1, is_pp_shared = 0
+
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |      4 |    1 |     36 |    0.006 |  5290.13 |    0.004 |  1125.81 |    0.010 |  3749.22 |
+|    32 |      4 |    2 |     72 |    0.009 |  6754.62 |    0.005 |  1501.22 |    0.015 |  4863.55 |
+"""
+
+
+def test_the_batched_bench_table_is_parsed_row_by_row():
+    rows = pha_llama_cpp.parse_batched_bench(BATCHED_BENCH)
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert rows[0] == {"pp": 32, "tg": 4, "batch": 1, "n_kv": 36, "t_pp_s": 0.006, "prompt_tokens_per_s": 5290.13,
+                       "t_tg_s": 0.004, "decode_tokens_per_s": 1125.81, "t_s": 0.010, "tokens_per_s": 3749.22}
+    assert rows[1]["decode_tokens_per_s"] == 1501.22
+    assert pha_llama_cpp.parse_batched_bench("no table here\n| a | b |\n") == []
+
+
+def test_the_llama_has_the_attention_branchs_shape():
+    config = pha_llama_cpp.llama_config(bench.configs("pha", 512, quick=False))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.intermediate_size, config.vocab_size) == (256, 4, 4, 2, 64, 1024, 4096)
+    assert config.tie_word_embeddings
+
+
+def test_a_step_reads_the_matrices_once_per_call_and_each_samples_state_every_step():
+    c = bench.configs("pha", 512, quick=True)
+    one = bench.step_bytes("pha", c, 1, 100, 4)
+    # doubling the batch adds one more sample's state; doubling the steps halves the matrices' share
+    per_sample = bench.step_bytes("pha", c, 2, 100, 4) - one
+    assert per_sample == pytest.approx(sum(bench.sample_bytes("pha", c, 100 + s) for s in range(4)) / 4)
+    assert one - per_sample == pytest.approx(bench.matrix_bytes("pha", c) / 4)
+    # the KV rows read grow with the position, the GSS state does not
+    attn = bench.configs("pha-attn", 512, quick=True)
+    assert bench.sample_bytes("pha", c, 200) - bench.sample_bytes("pha", c, 100) == (
+        bench.sample_bytes("pha-attn", attn, 200) - bench.sample_bytes("pha-attn", attn, 100)) > 0
+
+
+def test_the_max_engines_are_compared_with_llama_cpps_best_run():
+    rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0,
+             "decode_tokens_per_s_b16": 800.0},
+            {"model": "pha", "path": "op", "context": 512, "prefill_tokens_per_s": 2000.0}]
+    llama = [{"context": 512, "batch": 1, "threads": 2, "decode_tokens_per_s": 50.0, "prompt_tokens_per_s": 4000.0},
+             {"context": 512, "batch": 1, "threads": 1, "decode_tokens_per_s": 200.0, "prompt_tokens_per_s": 3000.0},
+             {"context": 512, "batch": 16, "threads": 2, "decode_tokens_per_s": 400.0, "prompt_tokens_per_s": 1.0},
+             {"context": 2048, "batch": 1, "threads": 1, "decode_tokens_per_s": 1.0, "prompt_tokens_per_s": 1.0}]
+    out = bench.against_llama_cpp(rows, llama)
+    decode = {e["batch"]: e for e in out if "decode" in e}
+    assert decode[1]["decode"] == 0.5 and decode[1]["llama_cpp_decode_threads"] == 1
+    assert decode[16]["decode"] == 2.0 and decode[16]["llama_cpp_decode_threads"] == 2
+    (prefill,) = [e for e in out if "prefill" in e]
+    assert prefill["prefill"] == 0.5 and prefill["llama_cpp_prefill_threads"] == 2
+    assert all(e["context"] == 512 for e in out)
+
+
+def test_pha_over_attention_merges_a_models_rows_from_several_runs():
+    rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 50.0},
+            {"model": "pha-attn", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0},
+            {"model": "pha", "path": "op", "context": 512, "prefill_tokens_per_s": 30.0, "decode_tokens_per_s_b1": 1.0},
+            {"model": "pha-attn", "path": "op", "context": 512, "prefill_tokens_per_s": 60.0},
+            {"model": "pha", "path": "graph", "context": 512, "decode_tokens_per_s_b1": 7.0}]
+    (ratio,) = bench.pha_vs_attention(rows, 512)
+    assert ratio["decode_tokens_per_s_b1"] == 0.5  # the first run's row wins, the plain graph's is not mixed in
+    assert ratio["prefill_tokens_per_s"] == 0.5
+    assert bench.pha_vs_attention(rows, 2048) == []
