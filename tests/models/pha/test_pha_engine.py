@@ -134,6 +134,7 @@ def test_generator_builds_a_pha_engine_from_config_and_weights(weights):
 
     gen = Generator(CONFIG, weights, device="cpu", warmup=False)
     assert isinstance(gen.engine, PHAEngine) and gen.engine.dtype == "float32"
+    assert gen.engine.steps_in_one_op  # the Generator decodes through the op on a CPU
     states = gen.engine.empty_states(3)
     split = gen.engine.split_states(states)
     H, N = CONFIG.gss_hidden_dim, CONFIG.dss_state_size
