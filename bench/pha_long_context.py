@@ -213,14 +213,20 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
     return rows
 
 
+def at_context_end(row: dict) -> bool:
+    """Whether a row's decode ran from the default position, the last steps before n (rows
+    of ``--decode-from`` runs did not)."""
+    return "decode_from" not in row or row["decode_from"] == row["context"] - row.get("steps_per_call", 16) - 1
+
+
 def pha_vs_attention(rows: list[dict], n: int) -> list[dict]:
     """At context n, PHA over attention alone for every measured number (the paper's
-    claims at 8,192: state 0.78x, throughput 1.239x)."""
+    claims at 8,192: state 0.78x, throughput 1.239x), each from the latest run that
+    measured it."""
     at: dict[str, dict] = {}
     for r in rows:  # a model's rows of several runs (decode, prefill, state) together
-        if r["context"] == n and r.get("path") == "op":
-            for k, v in r.items():
-                at.setdefault(r["model"], {}).setdefault(k, v)
+        if r["context"] == n and r.get("path") == "op" and at_context_end(r):
+            at.setdefault(r["model"], {}).update(r)
     if "pha" not in at or "pha-attn" not in at:
         return []
     pha, attn = at["pha"], at["pha-attn"]
@@ -255,6 +261,16 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
     return out
 
 
+def summarized(result: dict) -> dict:
+    """``result`` with its comparisons over all its runs: PHA over attention alone, and
+    the MAX engines over llama.cpp's best."""
+    rows = [r | {"steps_per_call": past["steps_per_call"]} for past in result["runs"] for r in past["rows"]]
+    llama = [r for past in result["runs"] for r in past["llama_cpp"]]
+    result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
+    result["against_llama_cpp"] = against_llama_cpp(rows, llama)
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, context 128")
@@ -276,12 +292,18 @@ def main(argv=None) -> dict:
                     help="only the decode state per sample (nothing compiled or timed)")
     ap.add_argument("--out", type=Path, help="the JSON path")
     ap.add_argument("--append", action="store_true", help="add this run to the JSON's earlier runs")
+    ap.add_argument("--summarize", action="store_true", help="only recompute the JSON's comparisons from its runs")
     ap.add_argument("--note", default="", help="a remark stored in the JSON (e.g. why repeats were reduced)")
     args = ap.parse_args(argv)
     contexts = args.contexts or ([128] if args.quick else [512, 2048, 8192])
     batches = tuple(args.batches)
     suffix = ("-quick" if args.quick else "") + ("-state" if args.state_only else "")
     out = args.out or RESULTS / f"pha_long_context{suffix}.json"
+    if args.summarize:
+        result = summarized(json.loads(out.read_text()))
+        write_json(out, result)
+        print(f"wrote {out}")
+        return result
     from srm_max.runtime.precompile import precompile
 
     rng = np.random.default_rng(0)
@@ -329,11 +351,7 @@ def main(argv=None) -> dict:
             run["llama_cpp"] = llama_cpp_rows(contexts, batches, args.steps, args.repeats, Path(tmp),
                                               lambda n: configs("pha", n, args.quick), args.llama_cpp_threads)
         run["load_average_after"] = list(os.getloadavg())
-    rows = [r for past in result["runs"] for r in past["rows"]]
-    llama = [r for past in result["runs"] for r in past["llama_cpp"]]
-    result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
-    result["against_llama_cpp"] = against_llama_cpp(rows, llama)
-    write_json(out, result)
+    write_json(out, summarized(result))
     print(json.dumps(result["against_llama_cpp"], indent=1))
     print(f"wrote {out}")
     return result

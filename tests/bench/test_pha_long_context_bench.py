@@ -67,12 +67,17 @@ def test_the_max_engines_are_compared_with_llama_cpps_best_run():
 
 
 def test_pha_over_attention_merges_a_models_rows_from_several_runs():
-    rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 50.0},
+    rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 1.0, "prefill_tokens_per_s": 9.0},
             {"model": "pha-attn", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0},
-            {"model": "pha", "path": "op", "context": 512, "prefill_tokens_per_s": 30.0, "decode_tokens_per_s_b1": 1.0},
+            {"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 50.0, "decode_from": 495,
+             "steps_per_call": 16},
             {"model": "pha-attn", "path": "op", "context": 512, "prefill_tokens_per_s": 60.0},
+            {"model": "pha", "path": "op", "context": 512, "prefill_tokens_per_s": 30.0},
+            {"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 7.0, "decode_from": 100,
+             "steps_per_call": 16},
             {"model": "pha", "path": "graph", "context": 512, "decode_tokens_per_s_b1": 7.0}]
     (ratio,) = bench.pha_vs_attention(rows, 512)
-    assert ratio["decode_tokens_per_s_b1"] == 0.5  # the first run's row wins, the plain graph's is not mixed in
+    # the latest run's number wins; rows from other positions and the plain graph's are left out
+    assert ratio["decode_tokens_per_s_b1"] == 0.5
     assert ratio["prefill_tokens_per_s"] == 0.5
     assert bench.pha_vs_attention(rows, 2048) == []
