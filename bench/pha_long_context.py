@@ -30,6 +30,7 @@ bench/results/pha_long_context[-quick].json.
     python -m bench.pha_long_context --quick    # d 64, 2 blocks, context 128: a smoke run
     python -m bench.pha_long_context --state-only   # state bytes only: no compile, no timing
     python -m bench.pha_long_context --models pha --no-prefill --no-llama-cpp --paths op graph
+    python -m bench.pha_long_context --summarize    # the comparisons recomputed from the JSON's runs
 """
 
 from __future__ import annotations
