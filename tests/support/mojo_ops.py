@@ -64,25 +64,25 @@ def build_step_graph(dev=None, *, library: Path | None = None):
 
 def build_scan_graph(dev=None, *, library: Path | None = None):
     """Graph (u, lengths, start, init, w, beta, lam) -> (y, final_state); all dims symbolic."""
-    from max.dtype import DType
-    from max.graph import DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph
 
     dev = dev or DeviceRef.CPU()
     lib = library or kernel_library()
     with Graph("srm_mixer_scan", input_types=_types(dev, scan=True), custom_extensions=[lib]) as g:
-        u, lengths, start, init, w, beta, lam = (v.tensor for v in g.inputs)
-        f32 = DType.float32
-        y, fin = ops.custom(
-            OP_SCAN,
-            device=dev,
-            values=[u, lengths, start, init, w, beta, lam],
-            out_types=[
-                TensorType(f32, u.shape, dev),
-                TensorType(f32, [u.shape[0], u.shape[2], u.shape[3]], dev),
-            ],
-        )
+        y, fin = scan_op(*(v.tensor for v in g.inputs), device=dev)
         g.output(y.tensor, fin.tensor)
     return g
+
+
+def scan_op(u, lengths, start, init, w, beta, lam, *, device):
+    """The scan op on a graph's values: (y [B, T, H, hd], final state [B, H, hd])."""
+    from max.dtype import DType
+    from max.graph import TensorType, ops
+
+    f32 = DType.float32
+    return ops.custom(OP_SCAN, device=device, values=[u, lengths, start, init, w, beta, lam],
+                      out_types=[TensorType(f32, u.shape, device),
+                                 TensorType(f32, [u.shape[0], u.shape[2], u.shape[3]], device)])
 
 
 def session():

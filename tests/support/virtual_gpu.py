@@ -13,7 +13,8 @@ from pathlib import Path
 
 from srm_max.files import atomic_file
 from srm_max.runtime.compile_cache import cache_dir
-from srm_max.runtime.kernels import OP_SCAN, OP_STEP_FUNCTIONAL, kernel_library
+from srm_max.runtime.kernels import OP_STEP_FUNCTIONAL, kernel_library
+from tests.support.mojo_ops import scan_op
 
 
 def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:
@@ -66,15 +67,7 @@ def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -
         s, u, pos, us, lens, start, init, w, beta, lam = (v.tensor for v in g.inputs)
         yt = TensorType(f32, u.shape, gpu)
         y, ns = ops.custom(OP_STEP_FUNCTIONAL, device=gpu, values=[s, u, pos, w, beta, lam], out_types=[yt, yt])
-        ys, fin = ops.custom(
-            OP_SCAN,
-            device=gpu,
-            values=[us, lens, start, init, w, beta, lam],
-            out_types=[
-                TensorType(f32, us.shape, gpu),
-                TensorType(f32, [us.shape[0], us.shape[2], us.shape[3]], gpu),
-            ],
-        )
+        ys, fin = scan_op(us, lens, start, init, w, beta, lam, device=gpu)
         g.output(y.tensor, ns.tensor, ys.tensor, fin.tensor)
     t0 = time.perf_counter()
     try:
