@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
+from ..graphs.scoring import TOP_N
 from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 from .sampling import brief_repr, is_int
 
-MAX_TOP_N = 20  # the most alternatives per position (the score graph's width, OpenAI's limit)
+MAX_TOP_N = TOP_N  # the most alternatives per position: the score graph's width (OpenAI's limit too)
 
 # The score graph holds [B, T, V] float32 logits at once: a batch is cut into calls of at
 # most this many bytes of logits (and at least one whole text).
