@@ -16,7 +16,7 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from ..ops import I64, linear
+from ..ops import I64, cpu_ops_run, linear
 from ..scoring import token_logprobs
 from .gss import CHUNK
 from .model import PHAWeights
@@ -29,7 +29,7 @@ def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceR
     ``kernel_library`` on a CPU each position's logits are reduced by the Mojo row op."""
     device = device or DeviceRef.CPU()
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    row_op = device if kernel_library is not None and device.is_cpu() else None
+    row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the Mojo row op is CPU code
     input_types = prefix_input_types(device) + [TensorType(I64, ["batch", "chunks", CHUNK], device)]
     extensions = [kernel_library] if row_op is not None else []
     with Graph(name or f"pha_score_{dt}" + ("_kernels" if row_op is not None else ""), input_types=input_types,

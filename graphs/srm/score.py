@@ -19,7 +19,7 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
-from ..ops import I64
+from ..ops import I64, cpu_ops_run
 from ..scoring import token_logprobs
 from .blocks import SRMWeights, logits_of
 from .prefill import CHUNK, prefix_input_types, srm_layers
@@ -38,7 +38,7 @@ def build_score_graph(config, schema, wdtype: DType = DType.float32, device: Dev
         ids, pos, last, start, init, targets = (v.tensor for v in g.inputs)
         W = SRMWeights(config, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
-        row_op = device if kernels and device.is_cpu() else None  # the Mojo row op is CPU code
+        row_op = device if cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
         logprobs, top_values, top_ids = token_logprobs(logits_of(W, x), targets, row_op)  # logits [B, N, C, V]
         g.output(logprobs, top_values, top_ids, states)
     return g
