@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..errors import GenerationError
-from .sampling import check_prompts, check_text, is_int
+from .sampling import check_prompts, check_text, is_int, token_ids
 from .scoring import Scores, check_top_n, rolling_windows, score_continuations, score_windows
 
 END_OF_TEXT = "<|endoftext|>"  # the document separator `srm-max train` writes (train.corpus.END_OF_TEXT)
@@ -205,10 +205,11 @@ def check_pairs(generator, requests) -> list[tuple[list[int], list[int]]]:
         if not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2:
             raise GenerationError(f"request {i}: expected a (context, continuation) pair, got {type(r).__name__}")
         context, continuation = r
+        ids = [token_ids(x) if isinstance(x, Sequence) else None for x in r]  # None for text, too
         if isinstance(context, str) and isinstance(continuation, str):
             ctx, cont = encode_pair(generator, context, continuation)
-        elif all(isinstance(x, Sequence) and not isinstance(x, str) and all(is_int(t) for t in x) for x in r):
-            ctx, cont = [int(t) for t in context], [int(t) for t in continuation]
+        elif None not in ids:
+            ctx, cont = ids
         else:
             raise GenerationError(f"request {i}: expected two texts or two lists of token ids")
         if not ctx:

@@ -185,7 +185,7 @@ def check_text(text: str, name: str) -> str:
     return text
 
 
-def _token_ids(p) -> list[int] | None:
+def token_ids(p) -> list[int] | None:
     """``p`` as a new list of Python ints when it is a sequence of integers (a 1-D integer
     array included; bools are not integers here), else None. Prompts run to thousands of
     ids, so the common case (a list of ints) is checked by type in one pass."""
@@ -220,7 +220,7 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     elif isinstance(prompts, Sequence):
         if len(prompts) == 0:
             raise GenerationError("prompt 0 is empty")
-        ids = _token_ids(prompts)
+        ids = token_ids(prompts)
         if ids is not None:
             items, single = [ids], True
         else:
@@ -233,7 +233,7 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
         if isinstance(p, str):
             ids = encode(check_text(p, f"prompt {i}"))
         else:
-            ids = _token_ids(p)
+            ids = token_ids(p)
             if ids is None:
                 kind = f"an array of {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
                 raise GenerationError(f"prompt {i}: expected text or a sequence of token ids, got {kind}")
@@ -279,4 +279,4 @@ def check_stop(stop, vocab_size: int, has_tokenizer: bool) -> tuple[np.ndarray, 
 __all__ = ["DEFAULT_STEPS_PER_CALL", "SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
            "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop", "check_temperature",
            "check_text", "check_top_k", "check_top_p", "fresh_seed", "is_int",
-           "nth_seed", "resolve_seed"]
+           "nth_seed", "resolve_seed", "token_ids"]
