@@ -20,6 +20,7 @@ from srm_max.runtime.compiled import DecodeResult, PrefillResult
 from srm_max.serve.prefix_cache import PrefixCache, cache_of, common_prefix, prefix_hashes
 from srm_max.serve.scheduler import Sequence, SlotPool
 from tests.support.graphs import graphs
+from tests.support.prefix_cache import generators
 from tests.support.prompts import random_prompts
 from tests.support.tiny import TINY
 
@@ -257,15 +258,6 @@ def test_engine_without_start_states_runs_as_before():
 
 # ------------------------------------------------------------ the SRM engine (TINY)
 TINY_KINDS = ("prefill", "sample", "regroup", "decode_steps")
-
-
-def generators(engine, **cache):
-    """The same engine with a prefix cache whose points suit TINY's context of 96, and without."""
-    from srm_max.serve.generator import Generator
-
-    on, off = Generator.from_engine(engine), Generator.from_engine(engine, prefix_cache_mb=0)
-    on.prefix_cache = PrefixCache(1 << 20, **({"interval": 32, "min_shared": 4} | cache))
-    return on, off
 
 
 @graphs(TINY, ("prefill",))

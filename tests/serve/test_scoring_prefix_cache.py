@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from srm_max.serve.generator import Generator
-from srm_max.serve.prefix_cache import PrefixCache
 from tests.support.graphs import graphs
+from tests.support.prefix_cache import generators
 from tests.support.tiny import TINY
 
 SCORING_KINDS = ("prefill", "score", "regroup")
 SHOTS = 40  # tokens of the shared few-shot prefix
-
-
-def generators(engine):
-    """The same engine with a cache whose points suit TINY's context of 96, and without one."""
-    on, off = Generator.from_engine(engine), Generator.from_engine(engine, prefix_cache_mb=0)
-    on.prefix_cache = PrefixCache(1 << 20, interval=32, min_shared=4)
-    return on, off
 
 
 def fewshot_requests(rng, shots: list[int], docs: int) -> list[tuple[list[int], list[int]]]:
