@@ -11,13 +11,27 @@ import numpy as np
 import pytest
 
 from srm_max.models.srm.config import SRMConfig
-from tests.support.graphs import declared_graph_jobs
+from tests.support.graphs import KERNEL_GRAPHS_ONLY, declared_graph_jobs, needs_only_float32_kernel_graphs
 from tests.support.tiny import TINY, make_reference, weights_of
 
 
+def pytest_addoption(parser):
+    parser.addoption(KERNEL_GRAPHS_ONLY, action="store_true",
+                     help="deselect the tests that declare a bfloat16 or a plain-op graph (the "
+                          "x86-64-v3 guard's selection: tests/runtime/test_cpu_target.py)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only with an accelerator; ``ray`` ones only with Ray."""
+    """Tests marked ``gpu`` run only with an accelerator; ``ray`` ones only with Ray.
+    With --float32-kernel-graphs-only, only the tests whose graphs are all float32 graphs
+    with the Mojo ops stay selected, so the session compiles only those."""
     import importlib.util
+
+    if config.getoption(KERNEL_GRAPHS_ONLY):
+        dropped = [item for item in items if not needs_only_float32_kernel_graphs(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if needs_only_float32_kernel_graphs(item)]
 
     from max.driver import accelerator_count
 

@@ -26,3 +26,15 @@ def declared_graph_jobs(items) -> list:
     specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
     return [registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
             for kind, config, dtype, kernels in specs]
+
+
+# the pytest option (tests/conftest.py) that keeps only the tests for which
+# needs_only_float32_kernel_graphs holds
+KERNEL_GRAPHS_ONLY = "--float32-kernel-graphs-only"
+
+
+def needs_only_float32_kernel_graphs(item) -> bool:
+    """Whether every graph ``item`` declares is a float32 graph with the Mojo ops (the
+    CPU engine's default graphs: what the x86-64-v3 guard recompiles and reruns)."""
+    return all(dtype == "float32" and kernels
+               for marker in item.iter_markers("graphs") for _kind, _config, dtype, kernels in marker.args)

@@ -14,8 +14,14 @@ from tests.support.graphs import graphs
 from tests.support.prompts import random_prompts, reference_prefill
 from tests.support.tiny import TINY
 
-# the Mojo-op graphs (float32 and bfloat16) and the plain-op ones
-pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16"), graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)]
+# Every test runs the float32 graphs with the Mojo ops (the CPU engine's default); a test
+# that also runs the bfloat16 ones or the plain-op ones declares them itself, so that the
+# x86-64-v3 guard (tests/runtime/test_cpu_target.py), which selects the tests needing the
+# float32 Mojo-op graphs alone, compiles only those.
+pytestmark = graphs(TINY)
+BFLOAT16 = graphs(TINY, dtype="bfloat16")
+PLAIN_OPS = graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
+DTYPES = [pytest.param("float32"), pytest.param("bfloat16", marks=BFLOAT16)]
 
 # Mixed lengths: 1 token, inside one chunk, across chunk borders, the full context.
 PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
@@ -23,6 +29,11 @@ PROMPT_LENGTHS = [1, 5, 32, 33, 70, 96]
 
 def prompts_of(lengths, seed=0):
     return random_prompts(lengths, TINY.vocab_size, seed)
+
+
+def engine_of(request, dtype: str):
+    """The session's float32 or bfloat16 engine (the other one is not built)."""
+    return request.getfixturevalue("engine" if dtype == "float32" else "engine_bf16")
 
 
 def ref_prefill(reference, prompts):
@@ -100,6 +111,7 @@ def test_the_gpu_engine_matches_the_reference(tiny_weights, reference):
     assert (np.concatenate([pre.next_ids[:, None], res.tokens], 1) == ref_tokens[:, : steps + 1]).all()
 
 
+@PLAIN_OPS
 def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
     """The graphs with the Mojo mixer ops (the CPU default: scan in prefill, step in
     decode) and with plain MAX ops (the GPU default): same tokens, logits and states,
@@ -126,8 +138,8 @@ def test_mixer_kernels_and_plain_ops_agree(engine, tiny_weights, reference):
     assert_close_rel(mojo.host(outs[0].states), ref_step_states(reference, prompts, fed))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, engine_bf16, dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(request, dtype):
     """On the CPU with the Mojo kernels a decode step is one op (mojo/decode_step.mojo)
     that cuts the batch into tiles of rows and units of tiles: a sample draws the same
     tokens and ends in the same state alone, in a small batch and in a batch of several
@@ -138,7 +150,7 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
 
     from srm_max.models.srm.build import build_graph
 
-    engine = engine if dtype == "float32" else engine_bf16
+    engine = engine_of(request, dtype)
     assert "srm_decode_step" in str(build_graph("decode", TINY, DType.float32, DeviceRef.CPU(), kernels=True))
     assert "srm_decode_step" not in str(build_graph("decode", TINY, DType.float32, DeviceRef.CPU(), kernels=False))
     B = 53  # two units of rows, register tiles of 6 and a remainder
@@ -166,15 +178,15 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(engine, e
         np.testing.assert_array_equal(states, big_states[:, index])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_decode_in_one_op_equals_the_graph_loop(request, dtype):
     """An all-greedy decode on the CPU runs every step inside one op
     (``srm_decode_steps``); the decode graph's loop of one-step ops with MAX's argmax
     gives the same tokens, bit for bit the same states, and the same last ids and
     positions, also where positions run past the context (clamped)."""
     from max.driver import Buffer
 
-    engine = engine if dtype == "float32" else engine_bf16
+    engine = engine_of(request, dtype)
     assert engine.steps_in_one_op
     n = TINY.context_length
     lengths = [1, 5, 33, 60, n - 4, n, 17]
@@ -193,8 +205,12 @@ def test_greedy_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtyp
     np.testing.assert_array_equal(engine.host(one_op.positions), engine.host(pos))
 
 
+@BFLOAT16
+@PLAIN_OPS
 def test_the_suite_precompiles_the_graphs_its_engines_load(request, engine, engine_bf16, tiny_weights):
-    """This module's ``graphs`` markers must name exactly these graphs, or CI compiles twice."""
+    """The graphs this module declares (its own marker, and the bfloat16 and plain-op
+    markers its tests add, all on this test) must be exactly those its engines load, or
+    CI compiles twice."""
     from tests.support.graphs import declared_graph_jobs
     from srm_max.models.srm.engine import Engine
 
@@ -339,6 +355,7 @@ def test_a_sample_draws_the_same_whatever_its_batch_mates(engine):
 BF16_LOGIT_BOUND = 0.02  # max |bf16 - f32| logit error relative to max |f32 logit| (measured 0.006)
 
 
+@BFLOAT16
 def test_bfloat16_logits_close_and_greedy_equal(engine, engine_bf16):
     prompts = prompts_of([4, 17, 50], seed=5)
     f32 = engine.prefill(prompts)
