@@ -75,7 +75,7 @@ from max.algorithm import sync_parallelize
 from extensibility import InputTensor, OutputTensor, register
 from max.gpu.host import DeviceContext
 
-from .row_logprobs import log_normalizer
+from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 
 comptime F32 = DType.float32
@@ -496,10 +496,10 @@ def _score_token(a: Step, r: Int, raw: F32P, token: Int):
     """Row r's chosen token's raw log-probability at this step and its top_n alternatives
     (row_logprobs.mojo) from its logits as the head gave them (``raw``)."""
     var at = r * a.S + a.s
-    var m_lse = log_normalizer(
-        raw, a.V, a.top_n, a.top_values.unsafe_offset(at * a.top_n), a.top_ids.unsafe_offset(at * a.top_n)
+    score_token(
+        raw, a.V, token, a.top_n, a.logprobs.unsafe_offset(at), a.top_values.unsafe_offset(at * a.top_n),
+        a.top_ids.unsafe_offset(at * a.top_n),
     )
-    a.logprobs[unsafe_offset=at] = (raw[unsafe_offset=token] - m_lse[0]) - m_lse[1]
 
 
 def _argmax_unit[WD: DType](a: Step, u: Int):

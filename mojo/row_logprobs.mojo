@@ -2,10 +2,11 @@
 decode_step.mojo calls it per row before the row's token is chosen).
 
     log_normalizer(row [V] f32, V, n, top_values [n], top_ids [n]) -> (m, lse)
+    score_token(row, V, token, n, logprob [1], top_values [n], top_ids [n])
 
 with m the row's max and lse = log(sum(exp(row - m))): a token's log-probability is
 ``(row[t] - m) - lse``, log_softmax of the raw logits (no temperature, no filters), as
-the score graph computes it (graphs/scoring.py). With n >= 1 it also writes the n
+the score graph computes it (graphs/scoring.py); ``score_token`` writes it for ``token``. With n >= 1 it also writes the n
 largest log-probabilities, descending, and their ids: of equal values the lower id
 first, and the lower ids are the ones kept when ties straddle the n-th place.
 
@@ -73,3 +74,10 @@ def log_normalizer(row: F32P, V: Int, n: Int, top_values: F32P, top_ids: I64P) -
     for k in range(n):
         top_values[unsafe_offset=k] = (top_values[unsafe_offset=k] - m) - lse
     return SIMD[F32, 2](m, lse)
+
+
+def score_token(row: F32P, V: Int, token: Int, n: Int, logprob: F32P, top_values: F32P, top_ids: I64P):
+    """logprob[0] = the raw log-probability of ``token`` in ``row``, and the top n (see the
+    module doc)."""
+    var m_lse = log_normalizer(row, V, n, top_values, top_ids)
+    logprob[0] = (row[unsafe_offset=token] - m_lse[0]) - m_lse[1]
