@@ -22,6 +22,9 @@ states: the batch's states never go through the host, only token ids, positions 
 the row index do (the prefix cache below keeps host copies of prefilled states and
 hands cached ones to the prefill).
 
+A sequence asking for log-probabilities (``logprobs``) gets them with its tokens where the
+engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
+
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
 slot or the steps per call, so scheduling never changes what anyone gets.
@@ -303,7 +306,6 @@ class SlotPool:
 
         The last prefill is kept: when every starting sample's prompt is in it (the next
         samples of a prompt, started as slots free up), they fork it without a prefill."""
-        eng = self.engine
         keys = [tuple(s.prompt) for s in starting]
         kept = self._last_prefill
         if kept is not None and all(k in kept[0] for k in keys):
