@@ -320,8 +320,7 @@ def step_scores(res, step: int) -> list:
     log-probabilities) of its token at ``step``, or None where the call returned none."""
     if res.logprobs is None:
         return [None] * len(res.tokens)
-    return [(float(res.logprobs[r, step]), res.top_ids[r, step], res.top_logprobs[r, step])
-            for r in range(len(res.tokens))]
+    return list(zip(res.logprobs[:, step].tolist(), res.top_ids[:, step], res.top_logprobs[:, step]))
 
 
 def decoded_scores(sequence, top_n: int) -> Scores:
