@@ -120,3 +120,28 @@ def test_decode_computes_log_probabilities_only_when_asked(generator, monkeypatc
     scored = generator.generate([[1, 2, 3]], max_new_tokens=6, steps_per_call=2, logprobs=4)
     assert asked and set(asked) == {4}
     assert plain[0].ids == scored[0].ids and plain[0].logprobs is None
+
+
+def test_samples_asking_for_different_top_n_share_a_batch(generator, ref):
+    """One pool, samples asking for 0, 1, 4 alternatives and none, joining at different calls
+    (2 slots): the decode asks for the widest its batch needs, each keeps its own."""
+    from srm_max.serve.scheduler import Sequence, SlotPool
+    from srm_max.serve.scoring import decoded_scores
+
+    prompts = random_prompts([3, 8, 5, 12], TINY.vocab_size, seed=23)
+    wants = [4, None, 1, 0]
+    seqs = [Sequence(p, 0.9, 0, 1.0, 40 + i, 6 + i, logprobs=n) for i, (p, n) in enumerate(zip(prompts, wants))]
+    pool = SlotPool(generator.engine, generator.decode, 2, steps_per_call=3)
+    pool.submit(seqs)
+    for _ in pool.run():
+        pass
+    for s, n in zip(seqs, wants):
+        if n is None:
+            assert s.token_scores == []
+            continue
+        sc = decoded_scores(s, n)
+        assert sc.top_ids.shape == (len(s.tokens), n)
+        want = ref_log_softmax(ref, (s.prompt + s.tokens)[:-1])[len(s.prompt) - 1:]
+        np.testing.assert_allclose(sc.logprobs, want[np.arange(len(s.tokens)), s.tokens], rtol=0, atol=TOL)
+        for row, ids in zip(want, sc.top_ids):
+            np.testing.assert_allclose(row[ids], sorted(row, reverse=True)[:n], rtol=0, atol=TOL)

@@ -95,7 +95,7 @@ class Sequence:
     cancel_requested: bool = False
     cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
     # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``:
-    # each token's (log-probability, top ids, top log-probabilities), where ``decode_top_n``
+    # each token's (log-probability, top ids, top log-probabilities: at least that many), where ``decode_top_n``
     logprobs: int | None = None
     token_scores: list[tuple] = field(default_factory=list)
 
@@ -393,7 +393,7 @@ class SlotPool:
         tick = {}
         for s, token, score in tokens:
             joined = s.accept(int(token), self.decode, self.n_ctx)
-            score = None if score is None or s.logprobs is None else (score[0], *(a[:s.logprobs] for a in score[1:]))
+            score = None if s.logprobs is None else score  # rows of the batch's widest top-n: cut when read
             if joined and score is not None:
                 s.token_scores.append(score)
             tick[s] = Taken(int(token), joined, s.stream_piece(self.decode) if self.stream_text else None, s.reason,

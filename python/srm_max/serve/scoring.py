@@ -329,9 +329,10 @@ def decoded_scores(sequence, top_n: int) -> Scores:
         raise ValueError("the sequence's decode did not return a log-probability for every token")
     if not sequence.token_scores:
         return Scores.empty(top_n)
-    lp, ids, values = zip(*sequence.token_scores)
+    lp, ids, values = zip(*sequence.token_scores)  # rows at least top_n wide (each call's widest)
     return Scores(np.asarray(sequence.tokens, np.int64), np.asarray(lp, np.float32),
-                  np.stack(ids)[:, :top_n].astype(np.int64), np.stack(values)[:, :top_n].astype(np.float32))
+                  np.stack([r[:top_n] for r in ids]).astype(np.int64),
+                  np.stack([r[:top_n] for r in values]).astype(np.float32))
 
 
 def completion_scores(engine, sequences, top_n: int, prefix_cache: PrefixCache | None = None) -> list[Scores]:
