@@ -5,6 +5,7 @@ Face Llama computing the same per-token log-probabilities, and sampled decode wi
     python -m bench.scoring [--batches 1 16 64] [--length 1000] [--repeats 3]
                             [--decode-batch 16] [--decode-prompt 32] [--decode-new 64]
                             [--lm-eval-docs 100] [--lm-eval-hf-batch 32]
+    python -m bench.scoring --decode-only [--decode-batch 16] ... [--out FILE]
 
 The SRM of the benchmark size (d 256, 8 layers, 4 heads, n 1024, vocab 4096; random
 weights) on MAX, float32, on this machine's CPU; the Llama has its vocabulary, width,
@@ -23,7 +24,8 @@ with all the CPU's threads. Per batch of ``--length``-token texts (best of
 and score's FLOP/s (2 x the matmul parameters per token) against a large numpy matmul's.
 Then ``Generator.generate`` of ``--decode-batch`` prompts, sampled (temperature 0.8,
 top-p 0.95), with ``logprobs=5`` and without, alternating, tokens/s of each (median of
-``--repeats``) and their ratio; ``Generator.loglikelihood`` on a multiple-choice-like
+``--repeats``) and their ratio, and ``engine.decode`` alone (one call of ``--decode-new``
+steps) without log-probabilities, with the chosen tokens' only and with 5 alternatives; ``Generator.loglikelihood`` on a multiple-choice-like
 set (each context with 4 continuations), requests/s; and one GRPO update
 (``rl.grpo.grpo_step``, one epoch, ``--grpo-batch`` rollouts) with the old and reference
 log-probabilities from PyTorch and from the engines' scoring path, alternating. Last,
@@ -35,6 +37,8 @@ questions of ``--context-tokens`` random tokens as text, 4 answers each) with th
 models' loglikelihood calls.
 
 Writes bench/results/scoring.json (``--out``), naming the machine and its CPU.
+``--decode-only`` runs the decode rows alone (no Llama) and prints them; it writes only to
+an ``--out`` given, never over the complete run's file.
 """
 
 from __future__ import annotations
@@ -119,6 +123,31 @@ def bench_decode(gen, batch, prompt_len, new, repeats) -> dict:
     return {"batch": batch, "prompt_tokens": prompt_len, "new_tokens": new, "sampling": "temperature 0.8, top-p 0.95",
             "tokens": tokens["without"], "seconds": seconds, "tokens_per_s": tps,
             "logprobs_over_without": statistics.median(per_round)}
+
+
+def bench_decode_op(engine, batch, prompt_len, new, repeats) -> dict:
+    """``engine.decode`` alone: ``new`` sampled steps in one call from the same prefilled
+    state, without log-probabilities, with the chosen tokens' only (``logprobs=0``) and with
+    ``TOP_N`` alternatives, alternating; the median seconds and each over without."""
+    from srm_max.runtime.compiled import SamplingArrays
+
+    if not getattr(engine, "decodes_logprobs", False):
+        return {"skipped": "this engine's decode does not compute log-probabilities"}
+    prompts = fixed_prompts(batch, prompt_len, engine.config.vocab_size, seed=98).tolist()
+    s = SamplingArrays(np.full(batch, 0.8, np.float32), np.zeros(batch, np.int64), np.full(batch, 0.95, np.float32),
+                       np.arange(batch, dtype=np.uint64))
+    pre = engine.prefill(prompts, s)
+    lengths = [prompt_len] * batch
+    variants = {"without": None, "chosen_only": 0, f"top_{TOP_N}": TOP_N}
+    seconds = {name: [] for name in variants}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, lp in variants.items():
+            t = time.perf_counter()
+            engine.decode(pre.next_ids, lengths, pre.states, s, new, logprobs=lp)
+            seconds[name].append(time.perf_counter() - t)
+    median = {name: statistics.median(v[1:]) for name, v in seconds.items()}
+    return {"batch": batch, "steps": new, "median_seconds": median,
+            "over_without": {name: median["without"] / m for name, m in median.items()}}
 
 
 def bench_loglikelihood(gen, contexts, context_len, repeats) -> dict:
@@ -248,7 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch threads for the Llama")
-    ap.add_argument("--out", type=Path, default=RESULTS / "scoring.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/scoring.json (not with "
+                    "--decode-only: then only a file given)")
+    ap.add_argument("--decode-only", action="store_true", help="only sampled decode with logprobs against without")
     args = ap.parse_args(argv)
 
     from srm_max.checkpoints.format import TOKENIZER_FILE
@@ -261,12 +292,18 @@ def main(argv=None) -> int:
     quiet_transformers()
     set_torch_threads(args.threads)
     config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
-    engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu").warmup()
-    llama = build_llama(config)
+    engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu")
+    if not args.decode_only:  # the decode rows load their few graphs at their warm-up call
+        engine.warmup()
     tokenizer_file = EMBEDDED_MODEL_DIR / TOKENIZER_FILE  # a vocabulary of 4,096
     gen = Generator.from_engine(engine, tokenizer=tokenizer_file if config.vocab_size == 4096 else None)
+    if args.decode_only:
+        return decode_only(args, machine, config, gen)
+    args.out = args.out or RESULTS / "scoring.json"
+    llama = build_llama(config)
     rows = bench_batches(engine, llama, config, args.batches, args.length, args.repeats)
     decode = bench_decode(gen, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
+    decode["op"] = bench_decode_op(engine, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
     loglik = bench_loglikelihood(gen, args.contexts, min(args.context_tokens, config.context_length - 8),
                                  args.repeats)
     grpo = bench_grpo(config, engine, args.grpo_batch, args.decode_prompt, args.decode_new, args.repeats)
@@ -291,9 +328,7 @@ def main(argv=None) -> int:
         [[f"{r['batch']} x {r['length']}", f"{r['tokens_per_s']['prefill']:,.0f}",
           f"{r['tokens_per_s']['score']:,.0f}", f"{r['tokens_per_s']['hf']:,.0f}", f"{r['score_over_prefill']:.2f}",
           f"{r['score_over_hf']:.2f}", f"{r['score_flops_over_numpy_matmul']:.2f}"] for r in rows]))
-    print(f"\nsampled decode, batch {decode['batch']}: {decode['tokens_per_s']['without']:,.0f} tok/s without, "
-          f"{decode['tokens_per_s']['logprobs']:,.0f} with logprobs={TOP_N}: "
-          f"{decode['logprobs_over_without']:.2f}x")
+    print_decode(decode)
     print(f"loglikelihood: {loglik['requests']} requests, {loglik['requests_per_s']:,.1f} requests/s")
     print(f"GRPO update of {grpo['rollouts']} rollouts: {grpo['best_seconds']['torch']:.2f} s with PyTorch's old and "
           f"reference log-probabilities, {grpo['best_seconds']['engine']:.2f} s with the engine's")
@@ -303,6 +338,31 @@ def main(argv=None) -> int:
               f"requests/s ({rps['srm-max']['loglikelihood']:,.1f} in its loglikelihood calls), hf "
               f"{rps['hf']['evaluation']:,.1f} ({rps['hf']['loglikelihood']:,.1f})")
     print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
+    return 0
+
+
+def print_decode(decode: dict) -> None:
+    print(f"\nsampled decode, batch {decode['batch']}: {decode['tokens_per_s']['without']:,.0f} tok/s without, "
+          f"{decode['tokens_per_s']['logprobs']:,.0f} with logprobs={TOP_N}: "
+          f"{decode['logprobs_over_without']:.2f}x")
+    op = decode["op"]
+    if "over_without" in op:
+        print(f"engine.decode alone, {op['steps']} steps: " + ", ".join(
+            f"{name} {1e3 * t:,.1f} ms ({op['over_without'][name]:.2f}x)" for name, t in op["median_seconds"].items()))
+
+
+def decode_only(args, machine: dict, config, gen) -> int:
+    """``--decode-only``: the decode rows alone, printed (and written to an ``--out`` given)."""
+    decode = bench_decode(gen, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
+    decode["op"] = bench_decode_op(gen.engine, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
+    print_decode(decode)
+    load_at_end = os.getloadavg()
+    print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs; load average {machine.get('load_average_at_start')}"
+          f" at the start, {load_at_end[0]:.2f} {load_at_end[1]:.2f} {load_at_end[2]:.2f} at the end")
+    if args.out is not None:
+        write_json(args.out, {"command": command_line(), "machine": machine, "model": {
+            "d_model": config.d_model, "layers": config.n_layers, "heads": config.n_heads, "vocab": config.vocab_size,
+            "context": config.context_length}, "decode": decode, "load_average_at_end": list(load_at_end)})
     return 0
 
 

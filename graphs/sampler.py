@@ -8,6 +8,7 @@ import numpy as np
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .ops import F32, I64, U64, const, floor_at
+from .scoring import token_logprobs, top_width
 
 # Counter-based randomness: every sample's noise is a function of (its seed,
 # the position of the token being drawn, the rank of the candidate), so a
@@ -158,12 +159,16 @@ def _top_k_total(scaled, vals, k_eff, device) -> TensorValue:
 
 def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
     """Draw tokens for samples that share logits: the samples of one prompt forked from
-    a single prefill.
+    a single prefill; and, asked for, their log-probabilities.
 
     Inputs: logits [P, V] f32 (one row per prefilled prompt), rows [N] int64 (each
     sample's row), temperature / top_k / top_p / seed [N], mode [] (host), counter [N]
-    int64 (the position of the token to draw). Output: ids [N] int64: for every sample
-    the token the prefill graph's ``sample`` draws from its row with its parameters.
+    int64 (the position of the token to draw), scored [] int64 (host: 1 for the
+    log-probabilities below, 0 for zeros at no cost). Outputs: ids [N] int64: for every
+    sample the token the prefill graph's ``sample`` draws from its row with its
+    parameters; its raw log-probability [N] f32 (log_softmax of the logits, no
+    temperature or filters) and the K most likely tokens' [N, K] f32 with their ids [N,
+    K] int64 (``scoring.token_logprobs``, K = ``scoring.top_width(V)``).
     """
     host = DeviceRef.CPU()
     input_types = [
@@ -175,8 +180,19 @@ def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
         TensorType(U64, ["samples"], device),
         TensorType(I64, [], host),
         TensorType(I64, ["samples"], device),
+        TensorType(I64, [], host),
     ]
     with Graph(name, input_types=input_types) as g:
-        logits, rows, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
-        g.output(sample(ops.gather(logits, rows, axis=0), temperature, top_k, top_p, seed, counter, mode, device))
+        logits, rows, temperature, top_k, top_p, seed, mode, counter, scored = (v.tensor for v in g.inputs)
+        picked = ops.gather(logits, rows, axis=0)
+        ids = sample(picked, temperature, top_k, top_p, seed, counter, mode, device)
+        N, K = rows.shape[0], top_width(vocab_size)
+        types = [TensorType(F32, [N], device), TensorType(F32, [N, K], device), TensorType(I64, [N, K], device)]
+
+        def unscored():
+            return [ops.broadcast_to(ops.constant(0, t.dtype, device=device), t.shape) for t in types]
+
+        lp = ops.cond(ops.equal(scored, ops.constant(1, I64, device=host)), types,
+                      lambda: list(token_logprobs(picked, ids)), unscored)
+        g.output(ids, *lp)
     return g

@@ -22,9 +22,17 @@ busy thread pool only slows the step down.
 
     srm_decode_steps(the same inputs, then steps [S] int64: only its length is read,
                       temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-                      mode [1] int64: graphs/sampler.py's MODE_*)
+                      mode [1] int64: graphs/sampler.py's MODE_*,
+                      scored [1] int64: 1 to return the log-probabilities below, 0 not)
         -> tokens [B, S] int64, new_states, last [B] int64 (= tokens[:, S-1]),
-           next positions [B] int64 (= positions + S), scratch [B, f + 3d + V]
+           next positions [B] int64 (= positions + S), scratch [B, f + 3d + V],
+           logprobs [B, S] f32, top_values [B, S, N] f32, top_ids [B, S, N] int64
+
+With ``scored`` each step's chosen token gets its raw log-probability (log_softmax of
+the logits as the head gave them: no temperature, no filters) and the N most likely
+tokens there with theirs (row_logprobs.mojo), from the row before the draw overwrites
+it; N (0 to V) is the outputs' width. Without it those outputs are left unwritten and
+a step costs what it did before.
 
 S steps, each step's token chosen inside the op and read back as the next step's
 input, so S steps cost one call and one fork-join per 64 steps (a graph loop
@@ -67,6 +75,7 @@ from max.algorithm import sync_parallelize
 from extensibility import InputTensor, OutputTensor, register
 from max.gpu.host import DeviceContext
 
+from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 
 comptime F32 = DType.float32
@@ -182,6 +191,12 @@ struct Step(ImplicitlyCopyable, Movable):
     var top_p: F32P
     var seed: U64P
     var filtered: Bool  # some sample has top-k or top-p
+    # the chosen tokens' raw log-probabilities (decode steps with ``scored`` only)
+    var scored: Bool
+    var logprobs: F32P  # [B, S]
+    var top_n: Int  # alternatives per token
+    var top_values: F32P  # [B, S, top_n]
+    var top_ids: I64P  # [B, S, top_n]
 
 
 # ------------------------------------------------------------------ products
@@ -477,21 +492,42 @@ def _take[WD: DType](a: Step, r: Int, token: Int):
         a.pos[unsafe_offset=r] = Int64(min(Int(a.pos_in[unsafe_offset=r]) + a.s + 1, a.n - 1))
 
 
+def _score_token(a: Step, r: Int, raw: F32P, token: Int):
+    """Row r's chosen token's raw log-probability at this step and its top_n alternatives
+    (row_logprobs.mojo) from its logits as the head gave them (``raw``)."""
+    var at = r * a.S + a.s
+    score_token(
+        raw, a.V, token, a.top_n, a.logprobs.unsafe_offset(at), a.top_values.unsafe_offset(at * a.top_n),
+        a.top_ids.unsafe_offset(at * a.top_n),
+    )
+
+
 def _argmax_unit[WD: DType](a: Step, u: Int):
     """Rows of one unit: the first index of the largest logit (as MAX's argmax)."""
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
-        _take[WD](a, r, first_argmax(a.logits.unsafe_offset(r * a.V), a.V))
+        var row = a.logits.unsafe_offset(r * a.V)
+        var token = first_argmax(row, a.V)
+        if a.scored:
+            _score_token(a, r, row, token)
+        _take[WD](a, r, token)
 
 
 def _draw_unit[WD: DType](a: Step, u: Int, mut scratch: RowScratch):
     """Rows of one unit: each sample's token drawn from its logits (row_sampler.mojo),
     at the random counter of the new token's position."""
+    var raw = F32P(unsafe_from_address=Int(scratch.raw.unsafe_ptr()))
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
+        var row = a.logits.unsafe_offset(r * a.V)
+        if a.scored:  # choose_token overwrites the row
+            for i in range(a.V):
+                raw[unsafe_offset=i] = row[unsafe_offset=i]
         var token = choose_token(
-            a.logits.unsafe_offset(r * a.V), a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),
+            row, a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]),
             a.top_p[unsafe_offset=r], a.seed[unsafe_offset=r], a.pos_in[unsafe_offset=r] + Int64(a.s + 1),
             a.filtered, scratch,
         )
+        if a.scored:
+            _score_token(a, r, raw, token)
         _take[WD](a, r, token)
 
 
@@ -649,6 +685,8 @@ def _prepare[WD: DType](
         Int(head.unsafe_ptr()), _workers(), Int(embedding.unsafe_ptr()), pin, tokens, S, 0,
         # the draw's parameters: set by the op that draws; until then valid addresses unread
         logits, pos, logits, U64P(unsafe_from_address=Int(pos)), False,
+        # the log-probabilities' outputs: set by the op that returns them
+        False, logits, 0, logits, pos,
     )
     for b in range(B):
         _embed_row[WD](a, b, Int(ids_in[unsafe_offset=b]))
@@ -734,6 +772,9 @@ struct SrmDecodeSteps:
         last: OutputTensor[dtype=DType.int64, rank=1, ...],
         next_positions: OutputTensor[dtype=DType.int64, rank=1, ...],
         scratch: OutputTensor[dtype=F32, rank=2, ...],
+        logprobs: OutputTensor[dtype=F32, rank=2, ...],
+        top_values: OutputTensor[dtype=F32, rank=3, ...],
+        top_ids: OutputTensor[dtype=DType.int64, rank=3, ...],
         ids: InputTensor[dtype=DType.int64, rank=1, ...],
         embedding: InputTensor[rank=2, ...],
         states: InputTensor[dtype=F32, rank=4, ...],
@@ -756,6 +797,7 @@ struct SrmDecodeSteps:
         top_p: InputTensor[dtype=F32, rank=1, ...],
         seed: InputTensor[dtype=DType.uint64, rank=1, ...],
         mode: InputTensor[dtype=DType.int64, rank=1, ...],
+        scored: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         comptime if target != "cpu":
@@ -776,6 +818,14 @@ struct SrmDecodeSteps:
             seed.dim_size(0) != B or mode.dim_size(0) != 1
         ):
             raise Error("srm_decode_steps: temperature, top_k, top_p and seed must be [B], mode [1]")
+        var N = top_values.dim_size(2)
+        if scored.dim_size(0) != 1 or logprobs.dim_size(0) != B or logprobs.dim_size(1) != S or (
+            top_values.dim_size(0) != B or top_values.dim_size(1) != S or top_ids.dim_size(0) != B
+            or top_ids.dim_size(1) != S or top_ids.dim_size(2) != N or N > V
+        ):
+            raise Error(
+                "srm_decode_steps: scored must be [1], logprobs [B, S], top values and ids [B, S, N] with N <= V"
+            )
         var pos = List[Int64](length=B, fill=0)
         var a = _prepare[fc1.dtype](
             "srm_decode_steps", V, S, _out(scratch).unsafe_offset(B * (f + 3 * d)), _out(tokens),
@@ -783,6 +833,11 @@ struct SrmDecodeSteps:
             scratch, new_states, ids, embedding, states, positions, norms, fc1_b, biases, w, beta, lam,
             fc1, fc2, proj, out_w, head, eps,
         )
+        a.scored = scored[0] != 0
+        a.logprobs = _out(logprobs)
+        a.top_n = N
+        a.top_values = _out(top_values)
+        a.top_ids = _out(top_ids)
         var m = Int(mode[0])
         if S == 0:
             for i in range(states.size()):

@@ -7,9 +7,13 @@ token choice) per call, the per-sample state [L, B, X] updated in place.
                      dims [NDIMS] int64, scalars [2] f32 (eps, alpha),
                      steps [S] int64: only its length is read,
                      temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-                     mode [1] int64: graphs/sampler.py's MODE_*)
+                     mode [1] int64: graphs/sampler.py's MODE_*,
+                     scored [1] int64: 1 to return the log-probabilities below, 0 not)
         -> tokens [B, S] int64, last [B] int64 (= tokens[:, S-1]),
-           next positions [B] int64 (= positions + S)
+           next positions [B] int64 (= positions + S),
+           logprobs [B, S] f32, top_values [B, S, N] f32, top_ids [B, S, N] int64:
+           with ``scored``, each chosen token's raw log-probability and the N most likely
+           tokens (row_logprobs.mojo, as decode_step.mojo); else left unwritten
 
 The math is graphs/pha/decode.py's ``step`` (the reference's ``PHA.step``), in the
 parallel mode: per block, on the same input x,
@@ -53,6 +57,7 @@ from extensibility import InputTensor, OutputTensor, register
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
+from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
     MR, NV, NV1, PANEL, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded, _layer_norm,
@@ -206,6 +211,12 @@ struct Pha(ImplicitlyCopyable, Movable):
     var top_p: F32P
     var seed: U64P
     var filtered: Bool
+    # the chosen tokens' raw log-probabilities (with ``scored`` only)
+    var scored: Bool
+    var logprobs: F32P  # [B, S]
+    var top_n: Int  # alternatives per token
+    var top_values: F32P  # [B, S, top_n]
+    var top_ids: I64P  # [B, S, top_n]
 
 
 @always_inline
@@ -659,8 +670,13 @@ def _take[WD: DType](a: Pha, r: Int, token: Int):
 
 
 def _choose_unit[WD: DType, kind: Int](a: Pha, u: Int, mut scratch: RowScratch):
+    var raw = F32P(unsafe_from_address=Int(scratch.raw.unsafe_ptr()))
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var row = a.logits.unsafe_offset(r * a.V)
+        comptime if kind == P_DRAW:
+            if a.scored:  # choose_token overwrites the row
+                for i in range(a.V):
+                    raw[unsafe_offset=i] = row[unsafe_offset=i]
         var token: Int
         comptime if kind == P_ARGMAX:
             token = first_argmax(row, a.V)
@@ -668,6 +684,12 @@ def _choose_unit[WD: DType, kind: Int](a: Pha, u: Int, mut scratch: RowScratch):
             token = choose_token(
                 row, a.V, a.temperature[unsafe_offset=r], Int(a.top_k[unsafe_offset=r]), a.top_p[unsafe_offset=r],
                 a.seed[unsafe_offset=r], a.pos_in[unsafe_offset=r] + Int64(a.s + 1), a.filtered, scratch,
+            )
+        if a.scored:  # the row as the head gave it (row_logprobs.mojo)
+            var at = r * a.S + a.s
+            score_token(
+                raw if kind == P_DRAW else row, a.V, token, a.top_n, a.logprobs.unsafe_offset(at),
+                a.top_values.unsafe_offset(at * a.top_n), a.top_ids.unsafe_offset(at * a.top_n),
             )
         _take[WD](a, r, token)
 
@@ -829,6 +851,9 @@ struct PhaDecodeSteps:
         tokens: OutputTensor[dtype=DType.int64, rank=2, ...],
         last: OutputTensor[dtype=DType.int64, rank=1, ...],
         next_positions: OutputTensor[dtype=DType.int64, rank=1, ...],
+        logprobs: OutputTensor[dtype=DType.float32, rank=2, ...],
+        top_values: OutputTensor[dtype=DType.float32, rank=3, ...],
+        top_ids: OutputTensor[dtype=DType.int64, rank=3, ...],
         states: MutableInputTensor[dtype=DType.float32, rank=3, ...],
         ids: InputTensor[dtype=DType.int64, rank=1, ...],
         embedding: InputTensor[rank=2, ...],
@@ -844,6 +869,7 @@ struct PhaDecodeSteps:
         top_p: InputTensor[dtype=DType.float32, rank=1, ...],
         seed: InputTensor[dtype=DType.uint64, rank=1, ...],
         mode: InputTensor[dtype=DType.int64, rank=1, ...],
+        scored: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
         comptime WD = embedding.dtype
@@ -883,6 +909,14 @@ struct PhaDecodeSteps:
             seed.dim_size(0) != B or mode.dim_size(0) != 1
         ):
             raise Error("pha_decode_steps: temperature, top_k, top_p and seed must be [B], mode [1]")
+        var TN = top_values.dim_size(2)
+        if scored.dim_size(0) != 1 or logprobs.dim_size(0) != B or logprobs.dim_size(1) != S or (
+            top_values.dim_size(0) != B or top_values.dim_size(1) != S or top_ids.dim_size(0) != B
+            or top_ids.dim_size(1) != S or top_ids.dim_size(2) != TN or TN > V
+        ):
+            raise Error(
+                "pha_decode_steps: scored must be [1], logprobs [B, S], top values and ids [B, S, N] with N <= V"
+            )
         var pin = _in(positions)
         var ids_in = _in(ids)
         for b in range(B):
@@ -935,6 +969,7 @@ struct PhaDecodeSteps:
             F32P(unsafe_from_address=ptrs[12]), Int(embedding.unsafe_ptr()),
             I64P(unsafe_from_address=Int(pos.unsafe_ptr())), pin, _out(tokens),
             _in(temperature), _in(top_k), _in(top_p), _in(seed), Int(mode[0]) == MODE_FILTERED,
+            scored[0] != 0, _out(logprobs), TN, _out(top_values), _out(top_ids),
         )
         var hid = F32P(unsafe_from_address=ptrs[13])
 

@@ -122,6 +122,7 @@ struct RowScratch(Movable):
     var candidate_values: List[Float32]  # [V + W] (``_gather``)
     var candidate_ids: List[Int32]  # [V + W]
     var candidate_weights: List[Float32]  # [V + W]
+    var raw: List[Float32]  # [V] the row as given, for its log-probabilities (choose_token overwrites it)
 
     def __init__(out self, V: Int):
         self.values = List[Float32](length=V + 16 * W, fill=0)
@@ -130,6 +131,7 @@ struct RowScratch(Movable):
         self.candidate_values = List[Float32](length=V + W, fill=0)
         self.candidate_ids = List[Int32](length=V + W, fill=0)
         self.candidate_weights = List[Float32](length=V + W, fill=0)
+        self.raw = List[Float32](length=V, fill=0)
 
 
 @always_inline

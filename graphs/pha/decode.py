@@ -148,8 +148,12 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
     else drawn in the op as ``sampler.sample`` draws it (the random counter of a token
     is its position).
 
-    Inputs: ``build_pha_decode_graph``'s, then steps [S] (its length is the step count).
-    Outputs: tokens [B, S], ids = tokens[:, -1], positions + S. The same tokens and
+    Inputs: ``build_pha_decode_graph``'s, then steps [S] (its length is the step count),
+    scored [] (host: 1 for the log-probabilities below, 0 for none at no cost) and top [N]
+    (its length is the number of alternatives). Outputs: tokens [B, S], ids = tokens[:,
+    -1], positions + S, each new token's raw log-probability [B, S] (log_softmax of the
+    logits, no temperature or filters) and the N most likely tokens' [B, S, N] with their
+    ids [B, S, N] (descending, ties by lower id). The same tokens and
     states as S calls of ``build_pha_decode_graph`` (tests/models/pha/test_pha_decode_op.py).
     ``packed`` (``srm_max.models.pha.packing.op_inputs``): the op's packed weights
     (name, shape, matrix?) and its constant layout, dims and scalars; the embedding
@@ -160,20 +164,23 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     input_types = _step_inputs(c, lay, device) + [
         TensorType(I64, ["steps"], device),  # steps: only its length is read
+        TensorType(I64, [], DeviceRef.CPU()),  # scored
+        TensorType(I64, ["top"], device),  # top: only its length is read
     ]
     with Graph(name or f"pha_decode_steps_{dt}_kernels", input_types=input_types,
                custom_extensions=[kernel_library]) as g:
-        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, steps = g.inputs
+        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, steps, scored, top = g.inputs
         ids, pos, steps = ids.tensor, pos.tensor, steps.tensor
         W = PHAWeights(c, wdtype, device)
         weights = [W.matrix(n, shape) if matrix else W.get(n, shape) for n, shape, matrix in packed["weights"]]
-        B = ids.shape[0]
-        tokens, last, next_pos = ops.inplace_custom(
+        B, S, N = ids.shape[0], steps.shape[0], top.tensor.shape[0]
+        tokens, last, next_pos, logprobs, top_values, top_ids = ops.inplace_custom(
             OP_PHA_DECODE_STEPS, device=device,
             values=[states_buf.buffer, ids, W.embedding(), pos, *weights, const(packed["layout"], I64, device),
                     const(packed["dims"], I64, device), const(packed["scalars"], F32, device), steps, temperature.tensor, top_k.tensor, top_p.tensor,
-                    seed.tensor, ops.reshape(mode.tensor, [1])],
-            out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(I64, [B], device),
-                       TensorType(I64, [B], device)])
-        g.output(tokens.tensor, last.tensor, next_pos.tensor)
+                    seed.tensor, ops.reshape(mode.tensor, [1]), ops.reshape(scored.tensor, [1])],
+            out_types=[TensorType(I64, [B, S], device), TensorType(I64, [B], device), TensorType(I64, [B], device),
+                       TensorType(F32, [B, S], device), TensorType(F32, [B, S, N], device),
+                       TensorType(I64, [B, S, N], device)])
+        g.output(tokens.tensor, last.tensor, next_pos.tensor, logprobs.tensor, top_values.tensor, top_ids.tensor)
     return g

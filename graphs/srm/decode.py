@@ -128,8 +128,13 @@ def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path,
 
     Inputs: ids [B], positions [B], states, temperature / top_k / top_p / seed [B],
     mode [] (host), steps [S] (its length is the step count): ``build_decode_graph``'s
-    without n_steps. Outputs as that graph's: tokens [B, S], states, ids =
-    tokens[:, -1], positions + S. The same tokens and states as that graph in every
+    without n_steps; then scored [] (host: 1 to compute the log-probabilities below, 0
+    to leave them unwritten at no cost) and top [N] (its length is the number of
+    alternatives, 0 to ``scoring.TOP_N``). Outputs as that graph's: tokens [B, S],
+    states, ids = tokens[:, -1], positions + S; then each new token's raw
+    log-probability [B, S] (log_softmax of the logits, no temperature or filters) and
+    the N most likely tokens at each step, log-probabilities [B, S, N] and ids [B, S, N]
+    (descending, ties by lower id). The same tokens and states as that graph in every
     mode (tests/models/srm/test_engine.py, tests/models/srm/test_sampled_decode.py)."""
     device = DeviceRef.CPU()
     c = config
@@ -138,20 +143,24 @@ def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path,
     input_types = [TensorType(I64, ["batch"], device), TensorType(I64, ["batch"], device), state_type,
                    TensorType(F32, ["batch"], device), TensorType(I64, ["batch"], device),
                    TensorType(F32, ["batch"], device), TensorType(U64, ["batch"], device),
-                   TensorType(I64, [], DeviceRef.CPU()), TensorType(I64, ["steps"], device)]
+                   TensorType(I64, [], DeviceRef.CPU()), TensorType(I64, ["steps"], device),
+                   TensorType(I64, [], DeviceRef.CPU()), TensorType(I64, ["top"], device)]
     with Graph(name or f"srm_decode_steps_{dt}_kernels", input_types=input_types,
                custom_extensions=[kernel_library]) as g:
-        ids, pos, states, temperature, top_k, top_p, seed, mode, steps = (v.tensor for v in g.inputs)
+        ids, pos, states, temperature, top_k, top_p, seed, mode, steps, scored, top = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
-        B = ids.shape[0]
-        tokens, new_states, last, next_pos, _ = ops.custom(
+        B, S, N = ids.shape[0], steps.shape[0], top.shape[0]
+        tokens, new_states, last, next_pos, _, logprobs, top_values, top_ids = ops.custom(
             OP_DECODE_STEPS, device=device,
             values=[*_op_inputs(W, c, packed, ids, pos, states, device), steps, temperature, top_k, top_p, seed,
-                    ops.reshape(mode, [1])],
-            out_types=[TensorType(I64, [B, steps.shape[0]], device), TensorType(F32, states.shape, device),
+                    ops.reshape(mode, [1]), ops.reshape(scored, [1])],
+            out_types=[TensorType(I64, [B, S], device), TensorType(F32, states.shape, device),
                        TensorType(I64, [B], device), TensorType(I64, [B], device),
-                       TensorType(F32, [B, c.ffn_dim + 3 * c.d_model + c.vocab_size], device)])
-        g.output(tokens.tensor, new_states.tensor, last.tensor, next_pos.tensor)
+                       TensorType(F32, [B, c.ffn_dim + 3 * c.d_model + c.vocab_size], device),
+                       TensorType(F32, [B, S], device), TensorType(F32, [B, S, N], device),
+                       TensorType(I64, [B, S, N], device)])
+        g.output(tokens.tensor, new_states.tensor, last.tensor, next_pos.tensor, logprobs.tensor, top_values.tensor,
+                 top_ids.tensor)
     return g
 
 

@@ -34,6 +34,24 @@ def test_scoring_bench_smoke(tmp_path, capsys):
         assert set(r["tokens_per_s"]) == {"prefill", "score", "hf"} and min(r["tokens_per_s"].values()) > 0
         assert r["score_over_prefill"] > 0 and r["score_over_hf"] > 0 and len(r["seconds"]["score"]) == 2
     assert res["decode"]["tokens"] == 2 * 6 and res["decode"]["logprobs_over_without"] > 0
+    assert set(res["decode"]["op"]["over_without"]) == {"without", "chosen_only", "top_5"}
     assert res["loglikelihood"]["requests"] == 12 and res["loglikelihood"]["requests_per_s"] > 0
     assert res["grpo"]["rollouts"] == 3 and res["grpo"]["torch_over_engine"] > 0
     assert "score / prefill" in capsys.readouterr().out
+
+
+def test_scoring_bench_decode_only_writes_only_a_file_given(tmp_path, capsys):
+    from bench import scoring
+
+    c = TINY
+    args = ["--decode-only", "--d-model", str(c.d_model), "--layers", str(c.n_layers), "--heads", str(c.n_heads),
+            "--vocab", str(c.vocab_size), "--context", str(c.context_length), "--repeats", "2", "--decode-batch", "2",
+            "--decode-prompt", "5", "--decode-new", "6"]
+    complete = scoring.RESULTS / "scoring.json"
+    before = complete.stat().st_mtime_ns if complete.exists() else None
+    assert scoring.main(args) == 0 and "sampled decode, batch 2" in capsys.readouterr().out
+    assert (complete.stat().st_mtime_ns if complete.exists() else None) == before  # the complete run's file
+    out = tmp_path / "decode.json"
+    assert scoring.main(args + ["--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["decode"]["tokens"] == 2 * 6 and res["decode"]["op"]["over_without"]["top_5"] > 0

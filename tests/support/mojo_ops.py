@@ -180,7 +180,7 @@ def build_decode_step_graph(library: Path | None = None, greedy: bool = False):
     new_states): one ``srm_decode_step`` with float32 weights; every dim symbolic, CPU.
     ``vocab`` is any [V] array: it only names the logits' width. With ``greedy``:
     one ``srm_decode_steps``, further inputs steps [S], temperature / top_k / top_p /
-    seed [B] and mode [1], and -> (tokens [B, S], new_states, last [B], next positions [B])."""
+    seed [B], mode [1] and scored [1] (0: no log-probabilities), and -> (tokens [B, S], new_states, last [B], next positions [B])."""
     from max.dtype import DType
     from max.graph import DeviceRef, Dim, Graph, TensorType, ops
 
@@ -196,19 +196,22 @@ def build_decode_step_graph(library: Path | None = None, greedy: bool = False):
              TensorType(f32, [1], dev), TensorType(f32, ["V"], dev)]
     if greedy:
         types += [TensorType(i64, ["S"], dev), TensorType(f32, ["B"], dev), TensorType(i64, ["B"], dev),
-                  TensorType(f32, ["B"], dev), TensorType(DType.uint64, ["B"], dev), TensorType(i64, [1], dev)]
+                  TensorType(f32, ["B"], dev), TensorType(DType.uint64, ["B"], dev), TensorType(i64, [1], dev),
+                  TensorType(i64, [1], dev)]
     name = "srm_decode_steps_op" if greedy else "srm_decode_step_op"
     with Graph(name, input_types=types, custom_extensions=[library or kernel_library()]) as g:
         ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
-        choice = [rest.pop() for _ in range(6)][::-1] if greedy else []  # steps, then sampling
+        choice = [rest.pop() for _ in range(7)][::-1] if greedy else []  # steps, sampling, scored
         vocab = rest.pop()
         activations = Dim("f") + 3 * Dim("d")
         if greedy:
-            tokens, new_states, last, next_positions, _ = ops.custom(
+            tokens, new_states, last, next_positions, *_ = ops.custom(
                 OP_DECODE_STEPS, device=dev, values=[ids, embedding, states, positions, *rest, *choice],
                 out_types=[TensorType(i64, ["B", "S"], dev), TensorType(f32, states.shape, dev),
                            TensorType(i64, ["B"], dev), TensorType(i64, ["B"], dev),
-                           TensorType(f32, ["B", activations + vocab.shape[0]], dev)])
+                           TensorType(f32, ["B", activations + vocab.shape[0]], dev),
+                           TensorType(f32, ["B", "S"], dev), TensorType(f32, ["B", "S", 0], dev),
+                           TensorType(i64, ["B", "S", 0], dev)])
             g.output(tokens.tensor, new_states.tensor, last.tensor, next_positions.tensor)
         else:
             logits, new_states, _, _ = ops.custom(
@@ -254,7 +257,8 @@ def decode_steps(ids, embedding, states, positions, layer_params: list[dict], he
     out = _models["decode_steps"].execute(
         *_decode_op_args(ids, embedding, states, positions, layer_params, head_w, eps),
         np.arange(steps, dtype=np.int64), s.temperature.astype(np.float32), s.top_k.astype(np.int64),
-        s.top_p.astype(np.float32), s.seed.astype(np.uint64), np.array([s.mode()], np.int64))
+        s.top_p.astype(np.float32), s.seed.astype(np.uint64), np.array([s.mode()], np.int64),
+        np.array([0], np.int64))  # no log-probabilities
     return tuple(t.to_numpy().copy() for t in out)
 
 

@@ -30,6 +30,7 @@ from ..errors import GenerationError
 from ..graphs.ops import cpu_ops_run
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
+from ..scalars import is_int
 from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
 from .device import cache_aligned, resolve_device, resolve_dtype
@@ -128,6 +129,10 @@ class DecodeResult:
     states: Buffer  # ready to take ids
     ids: Buffer  # [B] = tokens[:, -1]
     positions: Buffer  # [B] = their positions
+    # with decode(..., logprobs=n): each token's raw log-probability and the n likeliest at each step
+    logprobs: np.ndarray | None = None  # [B, S] float32
+    top_ids: np.ndarray | None = None  # [B, S, n] int64
+    top_logprobs: np.ndarray | None = None  # [B, S, n] float32
 
 
 class CompiledGraphs:
@@ -248,11 +253,22 @@ class CompiledGraphs:
         ``rows`` [N] the row of each sample): each sample draws what the prefill graph would
         have drawn for it alone, from its own parameters and seed (``counters``: the
         position of the token, i.e. its prompt's length)."""
+        return self._draw(logits, rows, sampling, counters, False)[0]
+
+    def draw_scored(self, logits: Buffer, rows, sampling: SamplingArrays, counters, top_n: int) -> DecodeResult:
+        """``draw``, with each token's raw log-probability and the ``top_n`` (0 .. TOP_N)
+        likeliest tokens (graphs/sampler.py): a one-step ``DecodeResult`` without states."""
+        ids, lp, values, top = self._draw(logits, rows, sampling, counters, True)
+        order = np.lexsort((top, -values), axis=-1)[:, :top_n]  # descending, ties by lower id (as score)
+        return DecodeResult(ids[:, None], None, None, None, lp[:, None],
+                            np.take_along_axis(top, order, -1)[:, None], np.take_along_axis(values, order, -1)[:, None])
+
+    def _draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters, scored: bool) -> list[np.ndarray]:
         with self._lock:
-            (ids,) = self.model("sample").execute(
+            out = self.model("sample").execute(
                 logits, self.to_device(np.asarray(rows, np.int64)), *self.sampling_buffers(sampling),
-                self.to_device(np.asarray(counters, np.int64)))
-        return self.host(ids)
+                self.to_device(np.asarray(counters, np.int64)), Buffer.from_numpy(np.array(int(scored), np.int64)))
+        return [self.host(t) for t in out] if scored else [self.host(out[0])]
 
     def regroup(self, pool: Buffer | None, fresh: Buffer | None, index) -> Buffer:
         """A batch of states made on the device (``graphs/slots.py``): row b is row
@@ -357,15 +373,42 @@ class CompiledGraphs:
             sampling = self.sampling_buffers(sampling)
         return ids, positions, sampling
 
-    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+    @property
+    def decodes_logprobs(self) -> bool:
+        """Whether ``decode(..., logprobs=n)`` works: where the architecture's engine says so."""
+        return False
+
+    def logprob_inputs(self, logprobs: int | None) -> list[Buffer]:
+        """The last inputs of a decode-steps graph that computes log-probabilities: scored []
+        (host) and top [n] (``decode``'s ``logprobs``, checked)."""
+        if logprobs is not None and not (self.decodes_logprobs and is_int(logprobs) and 0 <= logprobs <= TOP_N):
+            raise GenerationError(f"decode: logprobs={logprobs!r} needs a decode that computes them "
+                                  f"(decodes_logprobs) and 0 to {TOP_N}")
+        return [Buffer.from_numpy(np.array(int(logprobs is not None), np.int64)),
+                self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
+
+    def logprob_results(self, logprobs: int | None, outputs) -> list:
+        """``DecodeResult``'s logprobs, top_ids, top_logprobs from the graph's outputs
+        (log-probabilities [B, S], top values, top ids), or nothing without ``logprobs``."""
+        if logprobs is None:
+            return []
+        lp, values, ids = outputs
+        return [self.host(lp), self.host(ids), self.host(values)]
+
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
+               logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
-        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``."""
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs``
+        (0 .. TOP_N, where ``decodes_logprobs``): the result also carries each new token's
+        raw log-probability (log_softmax of the logits, no temperature or filters) and
+        that many alternatives per step, computed in the decode op."""
+        scored = self.logprob_inputs(logprobs) if self.decodes_logprobs or logprobs is not None else []
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             if self.steps_in_one_op:
-                toks, states, last, pos = self.decode_steps_model.execute(
-                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)))
-                return DecodeResult(self.host(toks), states, last, pos)
+                toks, states, last, pos, *lp = self.decode_steps_model.execute(
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), *scored)
+                return DecodeResult(self.host(toks), states, last, pos, *self.logprob_results(logprobs, lp))
             toks, states, last, pos = self.decode_model.execute(
                 ids, positions, states, *sampling,
                 self.to_device(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))

@@ -38,12 +38,13 @@ Scoring (``serve/logprobs.py``; docs/scoring.md):
     gen.generate("To be", logprobs=5).logprobs    # the sampled tokens' log-probabilities
 
 Every log-probability is the model's raw one (log_softmax of its logits: no
-temperature, top-k or top-p, whatever sampled the token), computed by the
-engine's score graph. ``logprobs=n`` scores a completion's tokens after the
-fact, from its prompt's state (one prefill of the prompt and one score pass over
-the new tokens per engine batch; an engine that cannot start from a state, the
-PHA's, rescores prompt and completion together), rather than inside each decode
-step: the decode graphs stay as they are and the numbers are the scoring path's.
+temperature, top-k or top-p, whatever sampled the token). ``score`` and
+``loglikelihood`` run the engine's score graph. With ``logprobs=n`` a completion's
+tokens get theirs from the decode itself where the engine computes them there
+(``decodes_logprobs``: the whole-step decode ops on a CPU; the first token from the
+prefill's logits, graphs/sampler.py), else (the decode graphs without the op) the
+score graph scores them after the fact from the prompt's state
+(``scoring.completion_scores``). Either way the numbers equal scoring the text.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, check_max_new_toke
     check_steps_per_call, check_stop, check_text, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
-from .scoring import ContinuationScorer, check_top_n, score_continuations
+from .scoring import ContinuationScorer, check_top_n, completion_scores
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -207,7 +208,7 @@ class Generator:
         """
         top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, single, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                             steps_per_call)
+                                             steps_per_call, logprobs=top_n)
         total = sum(max(0, s.budget(self.config.context_length)) for s in sequences)
         for _ in pool.run():
             if progress:
@@ -216,8 +217,7 @@ class Generator:
             progress(0, 0)
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
         if top_n is not None:
-            scores = score_continuations(self.engine, [s.prompt for s in sequences], [s.tokens for s in sequences],
-                                         top_n, self.prefix_cache)
+            scores = completion_scores(self.engine, sequences, top_n, self.prefix_cache)
             texts = TokenTexts(self.decode)
             for r, s in zip(results, scores):
                 r.logprobs = texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
@@ -245,12 +245,11 @@ class Generator:
         """
         top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, _, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                                        steps_per_call, stream_text=self.tokenizer is not None)
-        scorer = None if top_n is None else ContinuationScorer(self.engine, top_n, self.prefix_cache)
-        return self._events(pool, scorer, TokenTexts(self.decode))
+                                        steps_per_call, stream_text=self.tokenizer is not None, logprobs=top_n)
+        return self._events(pool, top_n, TokenTexts(self.decode))
 
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
-              stream_text: bool = False):
+              stream_text: bool = False, logprobs: int | None = None):
         """The checked arguments as sequences (in prompt order), in a pool that holds them all."""
         ids, single = check_prompts(prompts, self.config, self.encode)
         max_new = check_max_new_tokens(max_new_tokens)
@@ -259,17 +258,20 @@ class Generator:
         check_steps_per_call(steps_per_call)
         stop_ids = frozenset(int(t) for t in stop_ids)
         sequences = [scheduler.Sequence(p, float(params.temperature[b]), int(params.top_k[b]), float(params.top_p[b]),
-                              int(params.seed[b]), max_new, stop_ids, tuple(stop_strings), tag=b)
+                              int(params.seed[b]), max_new, stop_ids, tuple(stop_strings), tag=b, logprobs=logprobs)
                      for b, p in enumerate(ids)]
         pool = SlotPool(self.engine, self.decode, len(sequences), steps_per_call, stream_text=stream_text,
                         prefix_cache=self.prefix_cache)
         pool.submit(sequences)
         return sequences, single, pool
 
-    @staticmethod
-    def _events(pool: SlotPool, scorer: ContinuationScorer | None = None,
+    def _events(self, pool: SlotPool, top_n: int | None = None,
                 texts: TokenTexts | None = None) -> Iterator[StreamEvent]:
+        """The pool's ticks as events; with ``top_n`` their tokens' log-probabilities: those the
+        decode returned (``Taken.score``), else scored after each engine call (``_score_turn``)."""
         step = 0
+        in_decode = getattr(self.engine, "decodes_logprobs", False)
+        scorer = None if top_n is None or in_decode else ContinuationScorer(self.engine, top_n, self.prefix_cache)
         for turn in pool.run():
             scored = _score_turn(turn, scorer) if scorer is not None else {}
             for tick in turn.ticks:
@@ -277,11 +279,12 @@ class Generator:
                                     {s.tag: t.text for s, t in tick.items() if t.text is not None},
                                     {s.tag: t.finished for s, t in tick.items() if t.finished is not None})
                 for s, t in tick.items():
-                    if t.joined and s in scored:
-                        value, top = next(scored[s])
-                        event.logprobs[s.tag] = value
-                        if scorer.top_n:
-                            event.top_logprobs[s.tag] = texts.top(top[0], top[1], scorer.top_n)
+                    if top_n is None or not t.joined:
+                        continue
+                    value, ids, values = t.score if in_decode else next(scored[s])
+                    event.logprobs[s.tag] = value
+                    if top_n:
+                        event.top_logprobs[s.tag] = texts.top(ids, values, top_n)
                 yield event
                 step += 1
 
@@ -337,7 +340,7 @@ def _score_turn(turn, scorer: ContinuationScorer) -> dict:
     items = list(new.items())
     scores = scorer.score([(s, s.prompt, tokens) for s, tokens in items])
     scorer.forget([s for s in turn.finished])
-    return {s: iter(zip(sc.logprobs.tolist(), zip(sc.top_ids, sc.top_logprobs))) for (s, _), sc in zip(items, scores)}
+    return {s: iter(zip(sc.logprobs.tolist(), sc.top_ids, sc.top_logprobs)) for (s, _), sc in zip(items, scores)}
 
 
 __all__ = ["Completion", "FINISH_REASONS", "Generator", "SampleRun", "StreamEvent"]

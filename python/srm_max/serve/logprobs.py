@@ -105,9 +105,10 @@ class TokenTexts:
         lead = [None] if first_unscored else []
         values = lead + [float(v) for v in scores.logprobs]
         top = alt = None
-        if top_n:
-            alt = lead + [row[:top_n].tolist() for row in scores.top_ids]
-            top = lead + [self.top(i, v, top_n) for i, v in zip(scores.top_ids, scores.top_logprobs)]
+        if top_n:  # as lists once: per-row numpy indexing costs more than the rest here
+            ids_rows, value_rows = scores.top_ids[:, :top_n].tolist(), scores.top_logprobs[:, :top_n].tolist()
+            alt = lead + ids_rows
+            top = lead + [self.top(i, v, top_n) for i, v in zip(ids_rows, value_rows)]
         tokens = starts = None
         if self.has_text:
             tokens = token_pieces(self.decode, ids, before)
@@ -118,9 +119,11 @@ class TokenTexts:
         return Logprobs(ids, values, top, alt, tokens, starts)
 
     def top(self, ids, values, n: int) -> dict:
-        """{token text (id without a tokenizer): log-probability} of the first n alternatives."""
+        """{token text (id without a tokenizer): log-probability} of the first n alternatives
+        (arrays or lists)."""
+        ids, values = (x[:n].tolist() if hasattr(x, "tolist") else x[:n] for x in (ids, values))
         out: dict = {}
-        for t, v in zip(ids[:n].tolist(), values[:n].tolist()):
+        for t, v in zip(ids, values):
             out.setdefault(self.one(t) if self.has_text else int(t), float(v))
         return out
 

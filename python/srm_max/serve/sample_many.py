@@ -12,8 +12,9 @@ prompt_index, sample_index)``, and its positions, so a sample is the same
 whether it ran in a pool, in any slot, or alone with ``generate(..., seed=that)``.
 
 ``logprobs=n`` (0-20): each Sample carries its tokens' raw log-probabilities (and the
-n likeliest tokens at each place), as ``generate(..., logprobs=n)``: the samples that
-finish in one engine call are scored together after it, from their prompts' states.
+n likeliest tokens at each place), as ``generate(..., logprobs=n)``: computed in the
+decode where the engine does (``decodes_logprobs``), else the samples that finish in one
+engine call are scored together after it, from their prompts' states.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, 
     check_steps_per_call, check_stop, is_int, resolve_seed
 from .logprobs import Logprobs, TokenTexts
 from .scheduler import PoolStats, Sequence, SlotPool
-from .scoring import check_top_n, score_continuations
+from .scoring import check_top_n, completion_scores
 
 # Per-sample memory the decode step needs besides its state: logits, sorted
 # logits and probabilities for top-k/top-p, and the activations of one layer.
@@ -126,7 +127,8 @@ def run_pairs(generator, job: SamplingPlan, pairs: Iterable[tuple[int, int]], ve
               stats: PoolStats | None = None, steps_per_call: int = DEFAULT_STEPS_PER_CALL) -> Iterator[Sample]:
     """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
     sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
-                          job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s))
+                          job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s),
+                          logprobs=job.logprobs)
                  for p, s in pairs]
     pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), steps_per_call,
                     stats=stats, prefix_cache=generator.prefix_cache)
@@ -138,9 +140,8 @@ def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iter
     texts = TokenTexts(decode)
     for turn in pool.run():
         scores = [None] * len(turn.finished)
-        if top_n is not None and turn.finished:  # the samples of this engine call, scored together
-            scores = score_continuations(pool.engine, [s.prompt for s in turn.finished],
-                                         [s.tokens for s in turn.finished], top_n, pool.prefix_cache)
+        if top_n is not None and turn.finished:  # the samples of this engine call, together
+            scores = completion_scores(pool.engine, turn.finished, top_n, pool.prefix_cache)
         for s, scored in zip(turn.finished, scores):
             text = s.text(decode)
             score = None if verifier is None else float(verifier(text if text is not None else s.tokens))

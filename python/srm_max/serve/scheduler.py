@@ -22,6 +22,9 @@ states: the batch's states never go through the host, only token ids, positions 
 the row index do (the prefix cache below keeps host copies of prefilled states and
 hands cached ones to the prefill).
 
+A sequence asking for log-probabilities (``logprobs``) gets them with its tokens where the
+engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
+
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
 slot or the steps per call, so scheduling never changes what anyone gets.
@@ -45,8 +48,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime.compiled import SamplingArrays
+from ..runtime.compiled import DecodeResult, SamplingArrays
 from .prefix_cache import PrefixCache, prefill_cached, usable_cache
+from .scoring import decode_top_n, step_scores
 
 Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
 
@@ -90,6 +94,10 @@ class Sequence:
     shown: int = 0  # characters of the text its stream has shown
     cancel_requested: bool = False
     cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
+    # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``:
+    # each token's (log-probability, top ids, top log-probabilities: at least that many), where ``decode_top_n``
+    logprobs: int | None = None
+    token_scores: list[tuple] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:
@@ -166,6 +174,8 @@ class Taken(NamedTuple):
     joined: bool  # whether it joined the output (a stop token does not)
     text: str | None  # with ``stream_text``: what the sequence's stream adds at this step
     finished: str | None  # the reason, when the sequence finished at this step
+    # where the engine's decode returned it: (log-probability, top ids, top log-probabilities)
+    score: tuple | None = None
 
 
 @dataclass
@@ -272,19 +282,30 @@ class SlotPool:
             raise
         turn.prefill_seconds += time.perf_counter() - t0
         turn.prompt_tokens += sum(len(s.prompt) for s in starting)
-        turn.ticks.append(self._take(zip(starting, first.tolist()), turn))
+        first, scores = first.tokens[:, 0], step_scores(first, 0)
+        turn.ticks.append(self._take(zip(starting, first.tolist(), scores), turn))
         go_on = [i for i, s in enumerate(starting) if s.reason is None]
         self._rebuild(self.live, [starting[i] for i in go_on], (states, [row_of[i] for i in go_on], first[go_on]))
 
-    def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[object, list[int], np.ndarray]:
+    def _first(self, logits, row_of: list[int], starting: list[Sequence], drawn=None) -> DecodeResult:
+        """Each starting sample's first token from its prompt's logits row (``drawn``: the
+        tokens the prefill drew, when every sample has a prompt of its own), as a one-step
+        DecodeResult, with their log-probabilities where ``decode_top_n``."""
+        top_n = decode_top_n(self.engine, starting)
+        args = (logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
+        if top_n is not None:
+            return self.engine.draw_scored(*args, top_n)
+        first = drawn if drawn is not None else self.engine.draw(*args)
+        return DecodeResult(np.asarray(first, np.int64)[:, None], None, None, None)
+
+    def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[object, list[int], DecodeResult]:
         """Each distinct prompt is prefilled once and its state forked into its samples;
         -> the prefilled states (device, one row per distinct prompt), each sample's row
-        among them, and each sample's first token, drawn from its prompt's logits with
-        its own parameters and seed (the same token as a prefill of its own would draw).
+        among them, and each sample's first token (``_first``): drawn from its prompt's logits
+        with its own parameters and seed, the same token as a prefill of its own would draw.
 
         The last prefill is kept: when every starting sample's prompt is in it (the next
         samples of a prompt, started as slots free up), they fork it without a prefill."""
-        eng = self.engine
         keys = [tuple(s.prompt) for s in starting]
         kept = self._last_prefill
         if kept is not None and all(k in kept[0] for k in keys):
@@ -292,8 +313,7 @@ class SlotPool:
             row_of = [rows[k] for k in keys]
             for s, r in zip(starting, row_of):
                 s.cached_tokens = cached[r]
-            first = eng.draw(logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
-            return states, row_of, np.asarray(first, np.int64)
+            return states, row_of, self._first(logits, row_of, starting)
         rows: dict[tuple[int, ...], int] = {}
         row_of = [rows.setdefault(k, len(rows)) for k in keys]
         self.stats.prefill_calls += 1
@@ -307,12 +327,8 @@ class SlotPool:
         turn.cache_hits += sum(c > 0 for c in cached)
         turn.cached_tokens += sum(cached)
         self.stats.prompt_tokens_cached += sum(cached)
-        if own:
-            first = pre.next_ids
-        else:
-            first = eng.draw(pre.logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
         self._last_prefill = (rows, pre.states, pre.logits, cached)
-        return pre.states, row_of, np.asarray(first, np.int64)
+        return pre.states, row_of, self._first(pre.logits, row_of, starting, pre.next_ids if own else None)
 
     def _prefill_prompts(self, prompts: list[list[int]], sampling: SamplingArrays | None):
         """-> the prefill of the distinct ``prompts`` and the tokens of each the cache gave."""
@@ -350,7 +366,9 @@ class SlotPool:
         S = max(1, min(self.steps_per_call, min(budgets) if self.pending else max(budgets)))
         ids, positions = self._device_inputs or (self._ids, self._positions)
         t0 = time.perf_counter()
-        res = self.engine.decode(ids, positions, self._states, self._sampling, S)
+        top_n = decode_top_n(self.engine, live)
+        asked = {} if top_n is None else {"logprobs": top_n}  # engines without them take no such argument
+        res = self.engine.decode(ids, positions, self._states, self._sampling, S, **asked)
         turn.decode_seconds += time.perf_counter() - t0
         turn.steps += S
         self._states = res.states
@@ -367,14 +385,19 @@ class SlotPool:
             self.stats.busy_slot_steps += len(running)
             if self.pending:
                 self.stats.idle_slot_steps_while_pending += self.max_slots - len(running)
-            turn.ticks.append(self._take(((s, columns[step][r]) for r, s in running), turn))
+            scores = step_scores(res, step)
+            turn.ticks.append(self._take(((s, columns[step][r], scores[r]) for r, s in running), turn))
 
     def _take(self, tokens, turn: Turn) -> dict[Sequence, Taken]:
-        """Let each (sequence, token) take its token: one tick."""
+        """Let each (sequence, token, score or None) take its token: one tick."""
         tick = {}
-        for s, token in tokens:
+        for s, token, score in tokens:
             joined = s.accept(int(token), self.decode, self.n_ctx)
-            tick[s] = Taken(int(token), joined, s.stream_piece(self.decode) if self.stream_text else None, s.reason)
+            score = None if s.logprobs is None else score  # rows of the batch's widest top-n: cut when read
+            if joined and score is not None:
+                s.token_scores.append(score)
+            tick[s] = Taken(int(token), joined, s.stream_piece(self.decode) if self.stream_text else None, s.reason,
+                            score)
             if s.reason is not None:
                 self._finish(s, s.reason, turn)
         return tick

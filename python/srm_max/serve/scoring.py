@@ -305,6 +305,46 @@ class ContinuationScorer:
         return scores
 
 
+# ------------------------------------------------------------------ scored in the decode
+def decode_top_n(engine, sequences) -> int | None:
+    """The alternatives per token that an engine call for ``sequences`` (the scheduler's)
+    returns with their tokens' log-probabilities: the most any asks for (``logprobs``),
+    or None where none asks or the engine's decode does not compute them
+    (``decodes_logprobs``: then ``completion_scores`` scores the tokens afterwards)."""
+    asked = [s.logprobs for s in sequences if s.logprobs is not None]
+    return max(asked) if asked and getattr(engine, "decodes_logprobs", False) else None
+
+
+def step_scores(res, step: int) -> list:
+    """Per row of an engine call's ``DecodeResult``: (log-probability, top ids, top
+    log-probabilities) of its token at ``step``, or None where the call returned none."""
+    if res.logprobs is None:
+        return [None] * len(res.tokens)
+    return list(zip(res.logprobs[:, step].tolist(), res.top_ids[:, step], res.top_logprobs[:, step]))
+
+
+def decoded_scores(sequence, top_n: int) -> Scores:
+    """A finished sequence's tokens' log-probabilities as its decode returned them."""
+    if len(sequence.token_scores) != len(sequence.tokens):
+        raise ValueError("the sequence's decode did not return a log-probability for every token")
+    if not sequence.token_scores:
+        return Scores.empty(top_n)
+    lp, ids, values = zip(*sequence.token_scores)  # rows at least top_n wide (each call's widest)
+    return Scores(np.asarray(sequence.tokens, np.int64), np.asarray(lp, np.float32),
+                  np.stack([r[:top_n] for r in ids]).astype(np.int64),
+                  np.stack([r[:top_n] for r in values]).astype(np.float32))
+
+
+def completion_scores(engine, sequences, top_n: int, prefix_cache: PrefixCache | None = None) -> list[Scores]:
+    """The log-probabilities of finished sequences' tokens after their prompts: the ones
+    their decode returned where the engine computes them there (``decodes_logprobs``),
+    else scored afterwards from the prompts' states (``score_continuations``)."""
+    if getattr(engine, "decodes_logprobs", False):
+        return [decoded_scores(s, top_n) for s in sequences]
+    return score_continuations(engine, [s.prompt for s in sequences], [s.tokens for s in sequences], top_n,
+                               prefix_cache)
+
+
 def score_continuations(engine, prompts: list[list[int]], continuations: list[list[int]], top_n: int,
                         prefix_cache: PrefixCache | None = None) -> list[Scores]:
     """The log-probabilities of each continuation after its prompt (prompts shared by
@@ -313,5 +353,6 @@ def score_continuations(engine, prompts: list[list[int]], continuations: list[li
         [(i, list(p), list(c)) for i, (p, c) in enumerate(zip(prompts, continuations))])
 
 
-__all__ = ["ContinuationScorer", "MAX_TOP_N", "Scores", "check_top_n", "continues_from_states", "gather",
+__all__ = ["ContinuationScorer", "MAX_TOP_N", "Scores", "check_top_n", "completion_scores", "continues_from_states",
+           "decode_top_n", "decoded_scores", "gather", "step_scores",
            "prompt_states", "rolling_windows", "score_continuations", "score_windows", "score_runs", "tokens_per_call"]

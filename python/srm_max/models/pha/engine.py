@@ -155,10 +155,19 @@ class PHAEngine(CompiledGraphs):
         return self.score_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
                                         self.to_device(lengths), self.to_device(padded))
 
-    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1) -> DecodeResult:
+    @property
+    def decodes_logprobs(self) -> bool:
+        """The decode op returns the new tokens' log-probabilities (graphs/pha/decode.py
+        ``build_pha_decode_steps_graph``); the one-step decode graph does not."""
+        return self.steps_in_one_op
+
+    def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
+               logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
         caller's stay as they were: the slot pool forks kept prefill states). The copy
-        is made once per call, then every step writes its rows into it in place."""
+        is made once per call, then every step writes its rows into it in place.
+        ``logprobs``: as ``CompiledGraphs.decode``, where ``decodes_logprobs``."""
+        scored = self.logprob_inputs(logprobs) if self.decodes_logprobs or logprobs is not None else []
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             # Buffer.copy is asynchronous and an execute does not wait for it
@@ -166,10 +175,10 @@ class PHAEngine(CompiledGraphs):
             self.device.synchronize()
             if self.steps_in_one_op:
                 # one op: every step's writes into the copy, the tokens chosen inside
-                toks, ids, positions = self.decode_steps_model.execute(
-                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)))
+                toks, ids, positions, *lp = self.decode_steps_model.execute(
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), *scored)
                 self.device.synchronize()
-                return DecodeResult(self.host(toks), states, ids, positions)
+                return DecodeResult(self.host(toks), states, ids, positions, *self.logprob_results(logprobs, lp))
             tokens = []
             for _ in range(steps):
                 ids, positions = self.decode_model.execute(ids, positions, states, *sampling)

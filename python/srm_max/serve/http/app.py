@@ -156,7 +156,8 @@ async def _run(request: Request, server: Server, job: CheckedRequest):
 
     req = ServedRequest(answer.id, job.stream, job.stop, sink, logprobs=job.logprobs, echo=job.echo)
     req.samples = [ServedSample(p, job.temperature, job.top_k, job.top_p, job.choice_seed(i * job.n + j), job.max_new,
-                                stop_strings=tuple(job.stop), request=req, index=i * job.n + j)
+                                stop_strings=tuple(job.stop), request=req, index=i * job.n + j,
+                                logprobs=job.logprobs)
                    for i, p in enumerate(job.prompts) for j in range(job.n)]
     answer.samples = req.samples
     engine_loop = server.engine_loop

@@ -1,0 +1,74 @@
+"""The PHA's whole-step decode op's log-probabilities (``PHAEngine.decode(...,
+logprobs=n)``, mojo/pha_decode_step.mojo with mojo/row_logprobs.mojo): each new token's
+raw log-probability and the top-n equal the PyTorch reference's log_softmax; asking
+changes no token; ``generate(..., logprobs=n)`` takes them from the decode (no score
+pass). tests/support/pha.py CONFIG (V = 40, context 160), float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srm_max import Generator
+from srm_max.runtime.compiled import SamplingArrays
+from tests.support.graphs import graphs
+from tests.support.pha import CONFIG, prompts_of
+from tests.support.reference_scores import ref_log_softmax
+
+pytestmark = graphs(CONFIG, ("prefill", "decode_steps", "sample", "regroup"))
+
+TOL = 1e-4
+# (temperature, top_k, top_p) per sample: greedy, plain, top-k, top-p
+ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 1.0), (1.2, 0, 0.8)]
+
+
+@pytest.fixture(scope="module")
+def engine(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
+    assert engine.decodes_logprobs
+    return engine
+
+
+def sampling(rows) -> SamplingArrays:
+    t, k, p = (np.array(c) for c in zip(*rows))
+    return SamplingArrays(t.astype(np.float32), k.astype(np.int64), p.astype(np.float32),
+                          np.arange(7, 7 + len(rows), dtype=np.uint64))
+
+
+@pytest.mark.parametrize("steps", [1, 5])
+@pytest.mark.parametrize("rows", [ROWS[:1] * 3, ROWS], ids=["greedy", "sampled"])
+def test_pha_decode_logprobs_equal_the_reference(engine, reference, steps, rows):
+    prompts = prompts_of([3, 31, 64, CONFIG.context_length - 3][:len(rows)], seed=4)
+    s = sampling(rows)
+    pre = engine.prefill(prompts, s)
+    lengths = [len(p) for p in prompts]
+    plain = engine.decode(pre.next_ids, lengths, pre.states, s, steps)
+    res = engine.decode(pre.next_ids, lengths, pre.states, s, steps, logprobs=3)
+    np.testing.assert_array_equal(res.tokens, plain.tokens)
+    assert plain.logprobs is None and res.top_ids.shape == (len(prompts), steps, 3)
+    n = CONFIG.context_length
+    for b, p in enumerate(prompts):
+        kept = min(steps, n - len(p) - 1)  # tokens past the context are dropped by the host
+        text = list(p) + [int(pre.next_ids[b])] + res.tokens[b, :kept].tolist()
+        lp = ref_log_softmax(reference, text[:-1])[len(p):]
+        new = np.array(text[len(p) + 1:], np.int64)
+        np.testing.assert_allclose(res.logprobs[b, :kept], lp[np.arange(kept), new], rtol=0, atol=TOL)
+        top = np.argsort(-lp, axis=-1, kind="stable")[:, :3]
+        np.testing.assert_array_equal(res.top_ids[b, :kept], top)
+        np.testing.assert_allclose(res.top_logprobs[b, :kept], np.take_along_axis(lp, top, -1), rtol=0, atol=TOL)
+
+
+def test_pha_generate_takes_the_decodes_logprobs(engine, reference, monkeypatch):
+    gen = Generator.from_engine(engine)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the sampled tokens were scored again")
+
+    monkeypatch.setattr(engine, "score", refuse)
+    prompts = prompts_of([5, 40], seed=5)
+    outs = gen.generate(prompts, max_new_tokens=8, temperature=0.9, seed=2, steps_per_call=3, logprobs=2)
+    for p, c in zip(prompts, outs):
+        want = ref_log_softmax(reference, (p + c.ids)[:-1])[len(p) - 1:]
+        np.testing.assert_allclose(c.logprobs.logprobs, want[np.arange(len(c.ids)), c.ids], rtol=0, atol=TOL)
