@@ -5,7 +5,9 @@ without its GSS branch (attention alone) and the SRM, at contexts 512 .. 8,192
 Per model and context n (each engine built at context n, random weights: speed and
 memory depend only on shapes):
   - decode state bytes per sample (the engine's state tensor for one sample),
-  - prefill tokens/s at batch 1 (one prompt of n tokens; the plain prefill graph),
+  - prefill tokens/s at batch 1 (one prompt of n tokens) on each of ``--paths``: "op", the
+    engine's default on a CPU, whose attention is one tiled Mojo op
+    (mojo/pha_prefill_attention.mojo), and "graph", plain ops with a [T, T] score matrix,
   - decode tokens/s at batch 1 and 16: ``--steps`` tokens per call from states at
     position n - steps - 1 (zero states from ``empty_states``: a step's cost does not
     depend on what the state holds), for the PHA models on each ``--paths``: "op", every
@@ -30,6 +32,7 @@ bench/results/pha_long_context[-quick].json.
     python -m bench.pha_long_context --quick    # d 64, 2 blocks, context 128: a smoke run
     python -m bench.pha_long_context --state-only   # state bytes only: no compile, no timing
     python -m bench.pha_long_context --models pha --no-prefill --no-llama-cpp --paths op graph
+    python -m bench.pha_long_context --no-decode --batches 1 --paths op graph   # prefill against llama.cpp
     python -m bench.pha_long_context --summarize    # the comparisons recomputed from the JSON's runs
 """
 
@@ -139,11 +142,11 @@ def stream_bytes_per_s(repeats: int = 5) -> float:
     return best
 
 
-def graphs_used(engine, prefill: bool = True) -> list:
+def graphs_used(engine, prefill: bool = True, decode: bool = True) -> list:
     """The graphs ``measure`` loads: prefill, and the one a greedy decode runs (each cold
     compile takes minutes here, so the sampler graph and the unused decode are left out)."""
     greedy = "decode_steps" if engine.steps_in_one_op else "decode"
-    return ([engine.graph_job("prefill")] if prefill else []) + [engine.graph_job(greedy)]
+    return ([engine.graph_job("prefill")] if prefill else []) + ([engine.graph_job(greedy)] if decode else [])
 
 
 def timed(repeats: int, run) -> list[float]:
@@ -281,6 +284,8 @@ def main(argv=None) -> dict:
                     help="the PHA models' decode paths (the SRM has one)")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--no-prefill", action="store_true", help="time decode only")
+    ap.add_argument("--no-decode", action="store_true",
+                    help="time prefill only (llama.cpp still runs --batches, for its prompt tokens/s)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     ap.add_argument("--llama-cpp-threads", type=int, default=2,
                     help="llama.cpp's threads (2: both cores; they meet at a barrier after every op, so a loaded "
@@ -315,13 +320,13 @@ def main(argv=None) -> dict:
     earlier = json.loads(out.read_text())["runs"] if args.append and out.exists() else []
     result = {"runs": earlier + [run]}
     prefill = not args.no_prefill
+    decode_batches = () if args.no_decode else batches
     for n in contexts:
         engines = {(name, path): engine_of(name, configs(name, n, args.quick), path)
                    for name in args.models for path in (["op"] if name == "srm" else args.paths)}
         if not args.state_only:
             t0 = time.perf_counter()
-            precompile([job for (_, path), e in engines.items()
-                        for job in graphs_used(e, prefill and path == args.paths[0])])
+            precompile([job for e in engines.values() for job in graphs_used(e, prefill, not args.no_decode)])
             run["compile_seconds"][str(n)] = round(time.perf_counter() - t0, 1)
             print(f"context {n}: graphs ready in {time.perf_counter() - t0:.0f} s", flush=True)
         bandwidth = 0.0 if args.state_only else stream_bytes_per_s()
@@ -329,8 +334,9 @@ def main(argv=None) -> dict:
         for (name, path), engine in engines.items():
             run["configs"][name] = {k: v for k, v in vars(engine.config).items()}
             for i, start in enumerate(args.decode_from or [None]):
-                rows.append(measure(name, engine, n, args.steps, batches, args.repeats, rng,
-                                    timed_run=not args.state_only, prefill=prefill and path == args.paths[0] and i == 0,
+                # each path prefills through its own graph (the op's tiled attention or plain ops)
+                rows.append(measure(name, engine, n, args.steps, decode_batches, args.repeats, rng,
+                                    timed_run=not args.state_only, prefill=prefill and i == 0,
                                     path=path, start=start))
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if not k.endswith("_runs")}, flush=True)
@@ -339,7 +345,7 @@ def main(argv=None) -> dict:
             bandwidth = max(bandwidth, stream_bytes_per_s())
             run["stream_bytes_per_s"][str(n)] = bandwidth
             for row in rows:
-                for B in batches:
+                for B in decode_batches:
                     limit = 1e3 * row[f"bytes_per_step_b{B}"] / bandwidth
                     row[f"streaming_limit_ms_b{B}"] = limit
                     row[f"percent_of_streaming_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]

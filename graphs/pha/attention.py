@@ -6,29 +6,31 @@ Query head h reads KV head h // G (G = Hq / Hkv). q and k are L2-normalised and 
 
 from __future__ import annotations
 
-from max.graph import TensorValue, ops
+from max.graph import TensorType, TensorValue, ops
 
+from ..op_names import OP_PHA_PREFILL_ATTENTION
 from ..ops import F32, linear
 from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 
-def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, a: dict, c, K: _Consts):
+def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
+                 K: _Consts, tiled: bool = False):
     """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, Hkv*n*dh]).
 
-    One rank-3 attention per query head on channel slices ([B, T, T] logits). The caches
-    hold rows 0..T-1 and zeros after (a gather of rows, not a placement matmul).
+    ``tiled``: the attention is the Mojo op (mojo/pha_prefill_attention.mojo, CPU code:
+    tiles with an online softmax, O(T) memory, rows past each prompt's length zero); else
+    plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
+    path and the op's reference. The caches hold rows 0..T-1 and zeros after (a gather
+    of rows, not a placement matmul).
     """
-    Hq, Hkv, dh, n = c.n_q_heads, c.n_kv_heads, c.head_dim, c.context_length
-    G = Hq // Hkv
+    Hkv, dh, n = c.n_kv_heads, c.head_dim, c.context_length
     B = x.shape[0]
     q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K)
-    causal = ops.cast(ops.unsqueeze(pos_cols, 0) <= ops.unsqueeze(pos, 1), F32)  # [T(i), T(j)]: j <= i
-    heads = []
-    for h in range(Hq):
-        kv = slice((h // G) * dh, (h // G + 1) * dh)
-        logits = ops.matmul(q[:, :, h * dh : (h + 1) * dh], ops.transpose(k[:, :, kv], 1, 2))  # [B, T, T]
-        heads.append(ops.matmul(_masked_softmax(logits, causal, K.logit_bound), v[:, :, kv]))
-    out = linear(ops.concat(heads, axis=2), a["o"])
+    if tiled:
+        att = tiled_attention(q, k, v, lengths, c, K.device)
+    else:
+        att = full_attention(q, k, v, pos, pos_cols, c, K)
+    out = linear(att, a["o"])
 
     # cache row i = token min(i, T-1), times (i < T)
     iota = K.iota_n()
@@ -42,6 +44,31 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, a: dic
         return ops.reshape(ops.permute(ops.reshape(full, [B, n, Hkv, dh]), [0, 2, 1, 3]), [B, -1])
 
     return out, (cache(k), cache(v))
+
+
+def full_attention(q: TensorValue, k: TensorValue, v: TensorValue, pos: TensorValue, pos_cols: TensorValue, c,
+                   K: _Consts) -> TensorValue:
+    """Causal attention with plain ops: one rank-3 attention per query head on channel
+    slices ([B, T, T] logits) -> [B, T, Hq*dh]."""
+    Hq, Hkv, dh = c.n_q_heads, c.n_kv_heads, c.head_dim
+    G = Hq // Hkv
+    causal = ops.cast(ops.unsqueeze(pos_cols, 0) <= ops.unsqueeze(pos, 1), F32)  # [T(i), T(j)]: j <= i
+    heads = []
+    for h in range(Hq):
+        kv = slice((h // G) * dh, (h // G + 1) * dh)
+        logits = ops.matmul(q[:, :, h * dh : (h + 1) * dh], ops.transpose(k[:, :, kv], 1, 2))  # [B, T, T]
+        heads.append(ops.matmul(_masked_softmax(logits, causal, K.logit_bound), v[:, :, kv]))
+    return ops.concat(heads, axis=2)
+
+
+def tiled_attention(q: TensorValue, k: TensorValue, v: TensorValue, lengths: TensorValue, c, device) -> TensorValue:
+    """Causal attention as the Mojo op over [B, T, heads, dh] views -> [B, T, Hq*dh]."""
+    B, T = q.shape[0], q.shape[1]
+    q4 = ops.reshape(q, [B, T, c.n_q_heads, c.head_dim])
+    k4, v4 = (ops.reshape(t, [B, T, c.n_kv_heads, c.head_dim]) for t in (k, v))
+    (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=device, values=[q4, k4, v4, lengths],
+                        out_types=[TensorType(F32, q4.shape, device)])
+    return ops.reshape(att.tensor, [B, T, c.n_q_heads * c.head_dim])
 
 
 def attn_step(x: TensorValue, pos: TensorValue, st: TensorValue, a: dict, c, K: _Consts, lay: StateLayout):

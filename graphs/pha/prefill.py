@@ -9,10 +9,12 @@ both are right (tests/models/pha/test_pha_engine.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..ops import F32, I64, U64, linear
+from ..ops import F32, I64, U64, cpu_ops_run, linear
 from ..sampler import sample
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
@@ -31,9 +33,10 @@ def prefix_input_types(device: DeviceRef) -> list[TensorType]:
 
 
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
-               device: DeviceRef) -> tuple[TensorValue, list[TensorValue]]:
+               device: DeviceRef, tiled: bool = False) -> tuple[TensorValue, list[TensorValue]]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
-    each layer's state [B, X] after each prompt's last token)."""
+    each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
+    is the Mojo op (``attention.attn_prefill``; the graph needs the kernel library)."""
     c, C = W.config, CHUNK
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
@@ -51,8 +54,8 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
             if name == "gss":
                 out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device)
             elif name == "attn":
-                out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols,
-                                                  W.attn(l), c, K)
+                out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols, lengths,
+                                                  W.attn(l), c, K, tiled)
                 out = ops.reshape(out, [B, M, C, E])
             else:
                 out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))))
@@ -64,8 +67,10 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
 
 
 def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                            name: str | None = None) -> Graph:
+                            name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
+    With ``kernel_library`` on a CPU the attention is the tiled Mojo op
+    (mojo/pha_prefill_attention.mojo); else plain ops with a [T, T] score matrix.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64 (also the random counter of the first new token),
@@ -76,6 +81,7 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     device = device or DeviceRef.CPU()
     c, C = config, CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
+    tiled = cpu_ops_run(kernel_library is not None, device)  # the op is CPU code
     input_types = prefix_input_types(device) + [
         TensorType(F32, ["batch"], device),  # temperature
         TensorType(I64, ["batch"], device),  # top_k
@@ -83,10 +89,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         TensorType(U64, ["batch"], device),  # seed
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode, on the host
     ]
-    with Graph(name or f"pha_prefill_{dt}", input_types=input_types) as g:
+    with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
+               custom_extensions=[kernel_library] if tiled else []) as g:
         ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
-        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device)
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
         last = lengths - 1
         m = ops.floor_div(last, ops.constant(C, I64, device=device))
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token

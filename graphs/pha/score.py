@@ -26,7 +26,8 @@ from .prefill import pha_layers, prefix_input_types
 def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                           name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """As ``build_pha_prefill_graph``, but the output layer runs at every position; with
-    ``kernel_library`` on a CPU each position's logits are reduced by the Mojo row op."""
+    ``kernel_library`` on a CPU the attention is the tiled Mojo op and each position's
+    logits are reduced by the Mojo row op."""
     device = device or DeviceRef.CPU()
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the Mojo row op is CPU code
@@ -36,7 +37,7 @@ def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceR
                custom_extensions=extensions) as g:
         ids, pos, pos_cols, lengths, targets = (v.tensor for v in g.inputs)
         W = PHAWeights(config, wdtype, device)
-        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device)
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled=row_op is not None)
         logits = linear(x, W.output())  # [B, M, C, V]
         logprobs, top_values, top_ids = token_logprobs(logits, targets, row_op)
         g.output(logprobs, top_values, top_ids, ops.stack(states, axis=0))

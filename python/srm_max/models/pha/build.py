@@ -21,17 +21,18 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     """The graph ``kind`` ("prefill", "score", "decode", "sample" or "regroup"). The decode graph
     always uses one Mojo op (its in-place state write). With the Mojo ops (``kernels``) on a
     CPU there is "decode_steps" too: every step of a decode call in one op
-    (mojo/pha_decode_step.mojo), and the score graph reduces its logits with the Mojo row
-    op (mojo/score_rows.mojo); ``kernels`` changes no other graph."""
+    (mojo/pha_decode_step.mojo), the prefill and score graphs' attention is the tiled
+    Mojo op (mojo/pha_prefill_attention.mojo), and the score graph reduces its logits with
+    the Mojo row op (mojo/score_rows.mojo); ``kernels`` changes no other graph."""
     if kind == "sample":
         return build_sample_graph("pha_sample", config.vocab_size, device)
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
+    cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "prefill":
-        return pha.build_pha_prefill_graph(config, wdtype, device)
+        return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops)
     if kind == "score":
-        return pha.build_pha_score_graph(config, wdtype, device,
-                                         kernel_library=kernel_library() if kernels and device.is_cpu() else None)
+        return pha.build_pha_score_graph(config, wdtype, device, kernel_library=cpu_ops)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
     if kind == "decode_steps" and kernels and device.is_cpu() and packing.supported(config) is None:

@@ -1,0 +1,168 @@
+"""The PHA prefill's tiled attention op (mojo/pha_prefill_attention.mojo, the prefill and
+score graphs' attention on a CPU with the Mojo ops) against float64 numpy, the plain-op
+prefill graph (``kernels=False``) and the PyTorch reference.
+
+The op alone runs in a graph of its own with every dimension symbolic (one compile), on
+shapes whose lengths end inside, on and across its query and key tiles (32 queries with
+AVX2, 64 with AVX-512), one token, padding past each prompt and an empty prompt. The
+engine tests reuse tests/models/pha/test_pha_engine.py's CONFIG: its default engine's
+prefill graph (declared there) and the plain engine's (declared in
+test_pha_decode_op.py); attention alone, the ablation whose prefill passes through the op
+with no GSS branch, compiles one prefill graph of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from srm_max.graphs.op_names import OP_PHA_PREFILL_ATTENTION
+from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
+from tests.support.graphs import graphs
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha
+
+pytestmark = graphs(CONFIG, ("prefill",), kernels=True)
+plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
+ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"))
+# lengths ending inside, on and after a tile of 32 and of 64 queries, and at the context
+LENGTHS = [1, 31, 32, 33, 63, 64, 65, 100, 160]
+
+
+@pytest.fixture(scope="module")
+def op_graph():
+    """The op alone: (q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended."""
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    from srm_max.runtime.kernels import kernel_library
+
+    dev, f32 = DeviceRef.CPU(), DType.float32
+    types = [TensorType(f32, ["B", "T", "Hq", "dh"], dev), TensorType(f32, ["B", "T", "Hkv", "dh"], dev),
+             TensorType(f32, ["B", "T", "Hkv", "dh"], dev), TensorType(DType.int64, ["B"], dev)]
+    with Graph("pha_prefill_attention_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
+        q, k, v, lengths = (x.tensor for x in g.inputs)
+        (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=[q, k, v, lengths],
+                            out_types=[TensorType(f32, q.shape, dev)])
+        g.output(att.tensor)
+    return InferenceSession(devices=[CPU()]).load(g)
+
+
+def run_op(model, q, k, v, lengths) -> np.ndarray:
+    from max.driver import Buffer
+
+    arrays = (q, k, v, np.asarray(lengths, np.int64))
+    (att,) = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+    return att.to_numpy()
+
+
+def causal_gqa(q, k, v, lengths) -> np.ndarray:
+    """float64: softmax over keys j <= t of q . k, times v; rows past a prompt's length zero."""
+    B, T, Hq, _ = q.shape
+    G = Hq // k.shape[2]
+    out = np.zeros(q.shape)
+    causal = np.tril(np.ones((T, T), bool))
+    for b in range(B):
+        for h in range(Hq):
+            s = np.where(causal, q[b, :, h].astype(np.float64) @ k[b, :, h // G].T.astype(np.float64), -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[b, :, h] = (p / p.sum(-1, keepdims=True)) @ v[b, :, h // G]
+        out[b, lengths[b]:] = 0
+    return out
+
+
+def random_qkv(B, T, Hq, Hkv, dh, scale, seed):
+    """Unit-length q (times ``scale``, the logit scale the graph folds into q) and k, as
+    the PHA's scaled-cosine attention gives the op; v normal."""
+    rng = np.random.default_rng(seed)
+
+    def unit(shape):
+        x = rng.normal(size=shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q = (scale * unit((B, T, Hq, dh))).astype(np.float32)
+    return q, unit((B, T, Hkv, dh)).astype(np.float32), rng.normal(size=(B, T, Hkv, dh)).astype(np.float32)
+
+
+@pytest.mark.parametrize("B, T, Hq, Hkv, dh, lengths, scale", [
+    (1, 1, 4, 2, 16, [1], 10.0),  # one token
+    (2, 33, 4, 2, 16, [33, 5], 10.0),
+    (3, 100, 4, 1, 16, [100, 64, 31], 30.0),  # every query head on one KV head
+    (1, 130, 2, 2, 64, [130], 100.0),  # the largest logit scale
+    (2, 129, 4, 2, 7, [0, 129], 3.0),  # an empty prompt; dh not a multiple of the SIMD width
+    (2, 160, 4, 2, 16, [160, 97], 10.0),
+])
+def test_the_op_equals_float64_causal_attention(op_graph, B, T, Hq, Hkv, dh, lengths, scale):
+    q, k, v = random_qkv(B, T, Hq, Hkv, dh, scale, seed=T)
+    got = run_op(op_graph, q, k, v, lengths)
+    expected = causal_gqa(q, k, v, lengths)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(v).max())
+    for b, n in enumerate(lengths):
+        assert not got[b, n:].any()  # the padding's rows are zeros, not left unwritten
+
+
+@pytest.mark.parametrize("shapes, lengths, problem", [
+    (((1, 8, 3, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], "3 query heads are not a multiple of 2 KV heads"),
+    (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [9], r"lengths\[0\] = 9 outside \[0, 8\]"),
+])
+def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths, problem):
+    """What the graph's symbolic dimensions let through (a batch or head count that
+    disagrees is refused by the graph before the op runs)."""
+    q, k, v = (np.zeros(s, np.float32) for s in shapes)
+    with pytest.raises(Exception, match=problem):
+        run_op(op_graph, q, k, v, lengths)
+
+
+def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
+    """Built, not compiled: the default CPU engine's prefill and score graphs call the op,
+    ``kernels=False`` (the GPU path's graph) has the [T, T] softmax instead."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    for kind in ("prefill", "score"):
+        assert OP_PHA_PREFILL_ATTENTION in str(PHAEngine(CONFIG, weights).graph_job(kind).graph())
+        assert OP_PHA_PREFILL_ATTENTION not in str(PHAEngine(CONFIG, weights, kernels=False).graph_job(kind).graph())
+
+
+@pytest.fixture(scope="module")
+def engine(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    return PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
+
+
+@plain_prefill
+def test_prefill_through_the_op_equals_the_plain_graph_and_the_reference(engine, weights, reference):
+    """A batch of mixed lengths across the tiles: logits, next tokens, GSS states and the KV
+    caches written (up to each prompt's length) against the plain graph and the reference."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    plain = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
+    prompts = prompts_of(LENGTHS, seed=7)
+    res, logits, cache = assert_prefill_matches_reference(engine, reference, prompts, CONFIG.vocab_size)
+    assert_states_close(engine, res.states, cache, LENGTHS)
+    base = plain.prefill(prompts)
+    assert_close_rel(logits, plain.host(base.logits), rel=1e-4)
+    np.testing.assert_array_equal(res.next_ids, base.next_ids)
+    got, want = engine.split_states(res.states), plain.split_states(base.states)
+    assert_close_rel(got["gss_state"], want["gss_state"], rel=1e-4)
+    for name in ("keys", "values"):
+        for b, n in enumerate(LENGTHS):
+            assert_close_rel(got[name][:, b, :, :n], want[name][:, b, :, :n], rel=1e-4)
+    # one token alone
+    one = prompts_of([1], seed=8)
+    assert_close_rel(engine.host(engine.prefill(one).logits), plain.host(plain.prefill(one).logits), rel=1e-4)
+
+
+@graphs(ATTENTION_ALONE, ("prefill",), kernels=True)
+def test_attention_alone_through_the_op_equals_the_reference():
+    from srm_max.models.pha.engine import PHAEngine
+
+    reference = random_pha(ATTENTION_ALONE, seed=5)
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+    engine = PHAEngine(ATTENTION_ALONE, weights, dtype="float32", device="cpu")
+    prompts = prompts_of(LENGTHS, seed=9)
+    res, _, cache = assert_prefill_matches_reference(engine, reference, prompts, CONFIG.vocab_size)
+    assert_states_close(engine, res.states, cache, LENGTHS)
