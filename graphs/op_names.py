@@ -11,6 +11,8 @@ OP_SAMPLE_ROWS = "srm_sample_rows"  # the decode op's draw on given logits
 OP_WRITE_STATE_ROWS = "srm_write_state_rows"  # the PHA decode's in-place state write
 OP_PHA_DECODE_STEPS = "pha_decode_steps"  # S PHA decode steps in one op
 OP_SCORE_ROWS = "srm_score_rows"  # a score graph's log-probabilities and top-K per row of logits
+OP_SCORE_HEAD = "srm_score_head"  # the output layer and srm_score_rows' reduction in one op (no [R, V] logits)
 
 ALL_OPS = (OP_STEP_FUNCTIONAL, OP_SCAN, OP_DECODE_STEP, OP_DECODE_STEPS, OP_SAMPLE_ROWS,
-           OP_WRITE_STATE_ROWS, OP_PHA_DECODE_STEPS, OP_SCORE_ROWS)
+           OP_WRITE_STATE_ROWS, OP_PHA_DECODE_STEPS, OP_SCORE_ROWS,
+           OP_SCORE_HEAD)

@@ -8,6 +8,7 @@
     srm_write_state_rows       (state_rows.mojo)   rows of a state written in place (PHA decode)
     pha_decode_steps           (pha_decode_step.mojo) S PHA decode steps, tokens chosen inside, CPU
     srm_score_rows             (score_rows.mojo)   a score graph's log-probabilities and top-n per row, CPU
+    srm_score_head             (score_head.mojo)   the output layer and srm_score_rows' reduction in one op, CPU
 
 row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses.
 """
