@@ -18,8 +18,8 @@ from graphs.op_names import OP_SCORE_HEAD
 from srm_max.runtime.compile_cache import load_compiled
 from srm_max.runtime.kernels import kernel_library
 from tests.support.mojo_ops import session
+from tests.support.score_checks import ATOL, check_scores, log_softmax64
 
-ATOL = 1e-4
 _models: dict[int, object] = {}
 
 
@@ -52,14 +52,8 @@ def eighths(rng, shape, spread: int = 2) -> np.ndarray:
 
 
 def check(x: np.ndarray, head: np.ndarray, targets: np.ndarray, K: int):
-    lp, values, ids = score_head(x, head, targets, K)
-    logits = x.astype(np.float64) @ head.astype(np.float64).T
-    ref = logits - logits.max(-1, keepdims=True)
-    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
-    np.testing.assert_allclose(lp, ref[np.arange(len(x)), targets], rtol=0, atol=ATOL)
-    expected = np.argsort(-logits, axis=-1, kind="stable")[:, :K]  # ties: the lower id first
-    np.testing.assert_array_equal(ids, expected)
-    np.testing.assert_allclose(values, np.take_along_axis(ref, expected, -1), rtol=0, atol=ATOL)
+    logits = x.astype(np.float64) @ head.astype(np.float64).T  # exact: the inputs are eighths
+    check_scores(*score_head(x, head, targets, K), logits, targets, K)
 
 
 @pytest.mark.parametrize("R, d, V", [(1, 16, 4096), (7, 3, 20), (23, 33, 37), (61, 64, 1001), (97, 256, 4096),
@@ -79,9 +73,7 @@ def test_many_rows_between_the_cores():
     x = rng.standard_normal((R, d)).astype(np.float32)
     head = (rng.standard_normal((V, d)) / 4).astype(np.float32)
     lp, values, ids = score_head(x, head, rng.integers(0, V, R), 20)
-    logits = x.astype(np.float64) @ head.astype(np.float64).T
-    ref = logits - logits.max(-1, keepdims=True)
-    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    ref = log_softmax64(x.astype(np.float64) @ head.astype(np.float64).T)
     np.testing.assert_allclose(values, -np.sort(-ref, axis=-1)[:, :20], rtol=0, atol=ATOL)
     np.testing.assert_allclose(np.take_along_axis(ref, ids, -1), values, rtol=0, atol=ATOL)
 
