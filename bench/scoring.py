@@ -2,7 +2,7 @@
 Face Llama computing the same per-token log-probabilities, and sampled decode with
 ``logprobs=5`` against without, in one run.
 
-    python -m bench.scoring [--batches 1 16 64] [--length 1000] [--repeats 3]
+    python -m bench.scoring [--batches 1 16 64] [--length 1000] [--repeats 3] [--score-only]
                             [--decode-batch 16] [--decode-prompt 32] [--decode-new 64]
                             [--lm-eval-docs 100] [--lm-eval-hf-batch 32]
     python -m bench.scoring --decode-only [--decode-batch 16] ... [--out FILE]
@@ -21,7 +21,11 @@ with all the CPU's threads. Per batch of ``--length``-token texts (best of
     hf               ``LlamaForCausalLM`` forward, full logits, log_softmax, the targets'
                      gather and the top 5 (``torch.no_grad``)
 
-and score's FLOP/s (2 x the matmul parameters per token) against a large numpy matmul's.
+and score's FLOP/s (2 x the matmul parameters per token: the forward with the output layer
+at every position) against the CPU's measured FMA peak (bench/fma_peak.py: all cores on
+register-only FMAs) and a large numpy matmul's; and, since the machine may be shared, the
+same from CPU time (score's FLOPs per CPU-second of the process over one core's peak, and
+score / prefill as the ratio of their CPU seconds). ``--score-only`` stops there.
 Then ``Generator.generate`` of ``--decode-batch`` prompts, sampled (temperature 0.8,
 top-p 0.95), with ``logprobs=5`` and without, alternating, tokens/s of each (median of
 ``--repeats``) and their ratio, and ``engine.decode`` alone (one call of ``--decode-new``
@@ -55,6 +59,7 @@ import numpy as np
 from bench.common import (RESULTS, build_llama, build_srm_reference, command_line, fixed_prompts, machine_info,
                           markdown_table, matmul_flops, num_params, quiet_transformers, set_torch_threads,
                           srm_config, srm_matmul_params, srm_weights, write_json)
+from bench.fma_peak import fma_peak
 
 TOP_N = 5
 
@@ -63,6 +68,13 @@ def timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def timed_with_cpu(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process's threads) of one call."""
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def hf_scorer(model, ids: np.ndarray):
@@ -94,14 +106,40 @@ def bench_batches(engine, llama, config, batches, length, repeats) -> list[dict]
         for fn in runs.values():  # warm up: graphs loaded, thread pools up
             fn()
         seconds = {name: [] for name in runs}
+        cpu = {name: [] for name in runs}
         for _ in range(repeats):
             for name, fn in runs.items():
-                seconds[name].append(timed(fn))
+                wall, used = timed_with_cpu(fn)
+                seconds[name].append(wall)
+                cpu[name].append(used)
         tps = {name: B * length / min(s) for name, s in seconds.items()}
-        rows.append({"batch": B, "length": length, "seconds": seconds, "tokens_per_s": tps,
+        flop = 2.0 * srm_matmul_params(config) * B * length  # the forward, the output layer at every position
+        rows.append({"batch": B, "length": length, "seconds": seconds, "cpu_seconds": cpu, "tokens_per_s": tps,
                      "score_over_prefill": tps["score"] / tps["prefill"], "score_over_hf": tps["score"] / tps["hf"],
-                     "score_flops": 2.0 * srm_matmul_params(config) * tps["score"]})
+                     "score_over_prefill_cpu": min(cpu["prefill"]) / min(cpu["score"]),
+                     "score_flops": flop * tps["score"] / (B * length),
+                     "score_flops_per_cpu_second": flop / min(cpu["score"])})
     return rows
+
+
+def add_peak_fractions(rows: list[dict], fma: dict, numpy_matmul: dict):
+    """Score's FLOP/s over the measured FMA peak of all cores (wall clock), its FLOPs per
+    CPU-second over one core's peak (what the cores gave while it had them: on a shared
+    machine the wall clock also counts the other jobs' turns), and over a numpy matmul's."""
+    for r in rows:
+        r["score_flops_over_fma_peak"] = r["score_flops"] / fma["flops"]
+        r["score_cpu_flops_over_core_peak"] = r["score_flops_per_cpu_second"] / fma["flops_per_core"]
+        r["score_flops_over_numpy_matmul"] = r["score_flops"] / numpy_matmul["flops"]
+
+
+def print_batches(rows: list[dict]):
+    print(markdown_table(
+        ["batch x tokens", "prefill tok/s", "score tok/s", "HF Llama tok/s", "score / prefill",
+         "score / prefill (CPU time)", "score / HF", "score / FMA peak", "score per CPU-s / core peak"],
+        [[f"{r['batch']} x {r['length']}", f"{r['tokens_per_s']['prefill']:,.0f}",
+          f"{r['tokens_per_s']['score']:,.0f}", f"{r['tokens_per_s']['hf']:,.0f}", f"{r['score_over_prefill']:.2f}",
+          f"{r['score_over_prefill_cpu']:.2f}", f"{r['score_over_hf']:.2f}", f"{r['score_flops_over_fma_peak']:.2f}",
+          f"{r['score_cpu_flops_over_core_peak']:.2f}"] for r in rows]))
 
 
 def bench_decode(gen, batch, prompt_len, new, repeats) -> dict:
@@ -277,9 +315,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="PyTorch threads for the Llama")
-    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/scoring.json (not with "
-                    "--decode-only: then only a file given)")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/scoring.json (a whole run; "
+                    "with --decode-only or --score-only only a file given)")
     ap.add_argument("--decode-only", action="store_true", help="only sampled decode with logprobs against without")
+    ap.add_argument("--score-only", action="store_true",
+                    help="only prefill, score and the Llama per batch, and the peaks; writes only to --out")
     args = ap.parse_args(argv)
 
     from srm_max.checkpoints.format import TOKENIZER_FILE
@@ -293,15 +333,25 @@ def main(argv=None) -> int:
     set_torch_threads(args.threads)
     config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
     engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu")
-    if not args.decode_only:  # the decode rows load their few graphs at their warm-up call
+    if args.score_only:  # the two graphs it runs
+        engine.model("prefill"), engine.model("score")
+    elif not args.decode_only:  # the decode rows load their few graphs at their warm-up call
         engine.warmup()
     tokenizer_file = EMBEDDED_MODEL_DIR / TOKENIZER_FILE  # a vocabulary of 4,096
     gen = Generator.from_engine(engine, tokenizer=tokenizer_file if config.vocab_size == 4096 else None)
     if args.decode_only:
         return decode_only(args, machine, config, gen)
-    args.out = args.out or RESULTS / "scoring.json"
     llama = build_llama(config)
     rows = bench_batches(engine, llama, config, args.batches, args.length, args.repeats)
+    if args.score_only:
+        add_peak_fractions(rows, fma_peak(), matmul_flops())
+        print_batches(rows)
+        print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+              f"at the end ({machine['load_average_at_start'][0]:.2f} at the start)")
+        if args.out is not None:
+            write_json(args.out, {"command": command_line(), "machine": machine, "cpu_target": current(),
+                                  "batches": rows})
+        return 0
     decode = bench_decode(gen, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
     decode["op"] = bench_decode_op(engine, args.decode_batch, args.decode_prompt, args.decode_new, args.repeats)
     loglik = bench_loglikelihood(gen, args.contexts, min(args.context_tokens, config.context_length - 8),
@@ -312,22 +362,17 @@ def main(argv=None) -> int:
         lm_eval_row = bench_lm_eval(gen, llama, tokenizer_file, args.lm_eval_docs,
                                     min(args.context_tokens, config.context_length - 8), args.lm_eval_hf_batch,
                                     args.repeats)
-    peak = matmul_flops()
-    for r in rows:
-        r["score_flops_over_numpy_matmul"] = r["score_flops"] / peak["flops"]
-    write_json(args.out, {
+    fma, peak = fma_peak(), matmul_flops()
+    add_peak_fractions(rows, fma, peak)
+    write_json(args.out or RESULTS / "scoring.json", {
         "command": command_line(), "machine": machine, "cpu_target": current(),
+        "load_average_at_end": list(os.getloadavg()),
         "model": {"d_model": config.d_model, "layers": config.n_layers, "heads": config.n_heads,
                   "vocab": config.vocab_size, "context": config.context_length,
                   "srm_parameters": config.num_parameters(), "llama_parameters": num_params(llama)},
-        "torch_threads": args.threads, "numpy_matmul": peak, "batches": rows, "decode": decode,
+        "torch_threads": args.threads, "fma_peak": fma, "numpy_matmul": peak, "batches": rows, "decode": decode,
         "loglikelihood": loglik, "grpo": grpo, "lm_eval": lm_eval_row})
-    print(markdown_table(
-        ["batch x tokens", "prefill tok/s", "score tok/s", "HF Llama tok/s", "score / prefill", "score / HF",
-         "score FLOP/s / numpy matmul"],
-        [[f"{r['batch']} x {r['length']}", f"{r['tokens_per_s']['prefill']:,.0f}",
-          f"{r['tokens_per_s']['score']:,.0f}", f"{r['tokens_per_s']['hf']:,.0f}", f"{r['score_over_prefill']:.2f}",
-          f"{r['score_over_hf']:.2f}", f"{r['score_flops_over_numpy_matmul']:.2f}"] for r in rows]))
+    print_batches(rows)
     print_decode(decode)
     print(f"loglikelihood: {loglik['requests']} requests, {loglik['requests_per_s']:,.1f} requests/s")
     print(f"GRPO update of {grpo['rollouts']} rollouts: {grpo['best_seconds']['torch']:.2f} s with PyTorch's old and "
@@ -337,7 +382,8 @@ def main(argv=None) -> int:
         print(f"lm-eval, {lm_eval_row['requests']} loglikelihood requests: srm-max {rps['srm-max']['evaluation']:,.1f} "
               f"requests/s ({rps['srm-max']['loglikelihood']:,.1f} in its loglikelihood calls), hf "
               f"{rps['hf']['evaluation']:,.1f} ({rps['hf']['loglikelihood']:,.1f})")
-    print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs; wrote {args.out}")
+    print(f"machine: {machine['processor']}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the end; "
+          f"wrote {args.out or RESULTS / 'scoring.json'}")
     return 0
 
 

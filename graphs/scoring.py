@@ -5,12 +5,16 @@ Scoring outputs, per position, the log-probability of a given target token and t
 instead of [.., V] logits, so only a few numbers per position cross to the host. The
 host keeps the first n <= TOP_N of them (``runtime.compiled.ScoreResult``).
 
-Two ways to the same numbers: on a CPU with the kernel library, the Mojo op
-``srm_score_rows`` (mojo/score_rows.mojo) reduces each row of logits in two passes
-(the K largest by a lane-wise bound, then the sum of exponentials), rows split between
-the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
-``ops.top_k``. The op exists because ``ops.top_k`` sorts each row: at V = 4,096 that
-alone cost more than the whole prefill of the same tokens on a 2-core CPU
+The score graphs call ``head_logprobs`` on the last layer's output. Three ways to the
+same numbers: on a CPU with the kernel library and float32 weights, one Mojo op
+``srm_score_head`` (mojo/score_head.mojo) computes the output layer for a block of
+positions into a cache-resident tile and reduces it there, so the [.., V] logits never
+go to memory; with bfloat16 weights, MAX's matmul and then the Mojo op
+``srm_score_rows`` (mojo/score_rows.mojo), which reduces each row of logits in two
+passes (the K largest by a lane-wise bound, then the sum of exponentials), rows split
+between the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
+``ops.top_k``. The row op exists because ``ops.top_k`` sorts each row: at V = 4,096
+that alone cost more than the whole prefill of the same tokens on a 2-core CPU
 (bench/scoring.py).
 """
 
@@ -19,7 +23,8 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
-from .op_names import OP_SCORE_ROWS
+from .op_names import OP_SCORE_HEAD, OP_SCORE_ROWS
+from .ops import linear
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 TOP_N = 20
@@ -28,6 +33,19 @@ TOP_N = 20
 def top_width(vocab_size: int) -> int:
     """The alternatives a score graph returns: TOP_N, or the whole vocabulary if smaller."""
     return min(TOP_N, vocab_size)
+
+
+def head_logprobs(x: TensorValue, head: TensorValue, targets: TensorValue,
+                  row_op_device: DeviceRef | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """``token_logprobs`` of the logits ``linear(x, head)``: x [..., d] f32 the last layer's
+    output, head [V, d] the output layer. With ``row_op_device`` (a CPU device; the graph
+    loads the kernel library) and a float32 head, the fused Mojo op computes and reduces
+    the logits block by block; otherwise the graph computes all [..., V] logits first."""
+    if row_op_device is None or head.dtype != DType.float32:
+        return token_logprobs(linear(x, head), targets, row_op_device)
+    V, d = int(head.shape[0]), int(head.shape[1])
+    rows = ops.reshape(x, [-1, d])
+    return _reduced(OP_SCORE_HEAD, [rows, head], rows.shape[0], V, targets, row_op_device)
 
 
 def token_logprobs(logits: TensorValue, targets: TensorValue,
@@ -54,13 +72,19 @@ def _by_row_op(logits: TensorValue, targets: TensorValue,
                device: DeviceRef) -> tuple[TensorValue, TensorValue, TensorValue]:
     """``token_logprobs`` through ``srm_score_rows`` on the logits as rows [R, V]."""
     V = int(logits.shape[-1])
-    K = top_width(V)
     rows = ops.reshape(logits, [-1, V])
-    R = rows.shape[0]
-    picked, values, ids = ops.custom(
-        OP_SCORE_ROWS, device=device, values=[rows, ops.reshape(targets, [-1])],
+    return _reduced(OP_SCORE_ROWS, [rows], rows.shape[0], V, targets, device)
+
+
+def _reduced(op: str, values: list[TensorValue], R, V: int, targets: TensorValue,
+             device: DeviceRef) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """One of the Mojo ops that give [R] log-probabilities and [R, K] top values and ids,
+    called on ``values`` and the targets as [R], shaped back as the targets."""
+    K = top_width(V)
+    picked, top_values, ids = ops.custom(
+        op, device=device, values=[*values, ops.reshape(targets, [-1])],
         out_types=[TensorType(DType.float32, [R], device), TensorType(DType.float32, [R, K], device),
                    TensorType(DType.int64, [R, K], device)])
     shape = list(targets.shape)
-    return (ops.reshape(picked.tensor, shape), ops.reshape(values.tensor, shape + [K]),
+    return (ops.reshape(picked.tensor, shape), ops.reshape(top_values.tensor, shape + [K]),
             ops.reshape(ids.tensor, shape + [K]))

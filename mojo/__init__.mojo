@@ -9,6 +9,7 @@
     pha_decode_steps           (pha_decode_step.mojo) S PHA decode steps, tokens chosen inside, CPU
     srm_score_rows             (score_rows.mojo)   a score graph's log-probabilities and top-n per row, CPU
     pha_prefill_attention      (pha_prefill_attention.mojo) the PHA prefill's causal GQA attention, tiled, CPU
+    srm_score_head             (score_head.mojo)   the output layer and srm_score_rows' reduction in one op, CPU
 
 row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses.
 """

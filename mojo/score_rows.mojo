@@ -12,6 +12,8 @@ max, so nothing overflows):
 K is the outputs' width (1 <= K <= V). A target outside [0, V) raises.
 
 The logits must be row-major (the reshaped output of the graph's matmul is).
+``score_row`` is the reduction of one row, shared with srm_score_head
+(mojo/score_head.mojo), which reduces logits it computes itself.
 
 Two passes over a row, a vector at a time. The first keeps each lane's DEPTH largest
 values with a branch-free min/max network; the K-th largest of those W * DEPTH values
@@ -26,7 +28,6 @@ ROWS_PER_ITEM.
 from std.math import exp, log
 from std.memory import stack_allocation
 from std.sys import simd_width_of
-from std.utils.index import IndexList
 
 from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
@@ -35,6 +36,7 @@ from max.gpu.host import DeviceContext
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
+comptime I64P = Pointer[Int64, MutUntrackedOrigin]
 # Pass 1 keeps each lane's DEPTH largest values, W * DEPTH >= 20 of them (the score
 # graph's K, graphs/scoring.py TOP_N): for K up to W * DEPTH the K-th largest of them
 # bounds the row's K-th largest from below.
@@ -107,6 +109,61 @@ def _kth_largest(lanes: F32P, K: Int) -> Float32:
     return lanes[unsafe_offset=K - 1]
 
 
+@always_inline
+def score_row(row: F32P, V: Int, target: Int, mut top: TopList, lanes: F32P,
+              logprob: F32P, values: F32P, ids: I64P):
+    """One row of V logits at ``row`` reduced: logprob[0] = the target's log-probability,
+    values[0 .. K) and ids[0 .. K) the K = ``top.K`` largest log-probabilities and their
+    ids (the op's docstring). ``lanes``: room for W * DEPTH floats. The target must be in
+    [0, V)."""
+    var K = top.K
+    # pass 1: each lane's DEPTH largest values (a sorting network per vector)
+    comptime for d in range(DEPTH):
+        lanes.unsafe_store(d * W, SIMD[F32, W](-Float32.MAX))
+    var i = 0
+    while i + W <= V:
+        var v = row.unsafe_load[width=W](i)
+        comptime for d in range(DEPTH):
+            var kept = lanes.unsafe_load[width=W](d * W)
+            lanes.unsafe_store(d * W, max(kept, v))
+            v = min(kept, v)
+        i += W
+    var mx = lanes.unsafe_load[width=W](0).reduce_max()
+    for j in range(i, V):
+        mx = max(mx, row[unsafe_offset=j])
+    var floor = _kth_largest(lanes, K)
+    # pass 2: the sum of exp(x - max); the K largest are among the values >= floor
+    top.clear()
+    var m = SIMD[F32, W](mx)
+    var s = SIMD[F32, W](0)
+    i = 0
+    while i + W <= V:
+        var v = row.unsafe_load[width=W](i)
+        s += exp(v - m)
+        if v.ge(floor).reduce_or():
+            for lane in range(W):
+                if v[lane] >= floor and top.takes(v[lane]):
+                    top.insert(v[lane], i + lane)
+        i += W
+    var total = s.reduce_add()
+    for j in range(i, V):
+        var x = row[unsafe_offset=j]
+        total += exp(x - mx)
+        if x >= floor and top.takes(x):
+            top.insert(x, j)
+    if top.count < K:  # NaN in the row: no floor held; the outputs are NaN anyway
+        for j in range(V):
+            if top.takes(row[unsafe_offset=j]):
+                top.insert(row[unsafe_offset=j], j)
+    # (x - max) - log(total), not x - (max + log(total)): the difference to the max is
+    # exact for the values that matter, so large logits keep their digits
+    var log_total = log(total)
+    logprob[unsafe_offset=0] = (row[unsafe_offset=target] - mx) - log_total
+    for k in range(K):
+        values[unsafe_offset=k] = (top.values[k] - mx) - log_total
+        ids[unsafe_offset=k] = Int64(top.ids[k])
+
+
 @register("srm_score_rows")
 struct SrmScoreRows:
     @staticmethod
@@ -138,57 +195,17 @@ struct SrmScoreRows:
         if R == 0:
             return
         var items = (R + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+        var lp_out = F32P(unsafe_from_address=Int(logprobs.unsafe_ptr()))
+        var values_out = F32P(unsafe_from_address=Int(top_values.unsafe_ptr()))
+        var ids_out = I64P(unsafe_from_address=Int(top_ids.unsafe_ptr()))
+        var rows = F32P(unsafe_from_address=Int(logits.unsafe_ptr()))
 
-        def work(item: Int) {var logprobs, var top_values, var top_ids, var logits, var targets, var R, var V, var K}:
+        def work(item: Int) {var lp_out, var values_out, var ids_out, var rows, var targets, var R, var V, var K}:
             var top = TopList(K)
             var lanes = F32P(unsafe_from_address=Int(stack_allocation[W * DEPTH, Float32]()))
             var first = item * ROWS_PER_ITEM
             for r in range(first, min(first + ROWS_PER_ITEM, R)):
-                var row = F32P(unsafe_from_address=Int(logits.unsafe_ptr()) + r * V * 4)
-                # pass 1: each lane's DEPTH largest values (a sorting network per vector)
-                comptime for d in range(DEPTH):
-                    lanes.unsafe_store(d * W, SIMD[F32, W](-Float32.MAX))
-                var i = 0
-                while i + W <= V:
-                    var v = row.unsafe_load[width=W](i)
-                    comptime for d in range(DEPTH):
-                        var kept = lanes.unsafe_load[width=W](d * W)
-                        lanes.unsafe_store(d * W, max(kept, v))
-                        v = min(kept, v)
-                    i += W
-                var mx = lanes.unsafe_load[width=W](0).reduce_max()
-                for j in range(i, V):
-                    mx = max(mx, row[unsafe_offset=j])
-                var floor = _kth_largest(lanes, K)
-                # pass 2: the sum of exp(x - max); the K largest are among the values >= floor
-                top.clear()
-                var m = SIMD[F32, W](mx)
-                var s = SIMD[F32, W](0)
-                i = 0
-                while i + W <= V:
-                    var v = row.unsafe_load[width=W](i)
-                    s += exp(v - m)
-                    if v.ge(floor).reduce_or():
-                        for lane in range(W):
-                            if v[lane] >= floor and top.takes(v[lane]):
-                                top.insert(v[lane], i + lane)
-                    i += W
-                var total = s.reduce_add()
-                for j in range(i, V):
-                    var x = row[unsafe_offset=j]
-                    total += exp(x - mx)
-                    if x >= floor and top.takes(x):
-                        top.insert(x, j)
-                if top.count < K:  # NaN in the row: no floor held; the outputs are NaN anyway
-                    for j in range(V):
-                        if top.takes(row[unsafe_offset=j]):
-                            top.insert(row[unsafe_offset=j], j)
-                # (x - max) - log(total), not x - (max + log(total)): the difference to the
-                # max is exact for the values that matter, so large logits keep their digits
-                var log_total = log(total)
-                logprobs.store[1](IndexList[1](r), SIMD[F32, 1]((row[unsafe_offset=Int(targets[r])] - mx) - log_total))
-                for k in range(K):
-                    top_values.store[1](IndexList[2](r, k), SIMD[F32, 1]((top.values[k] - mx) - log_total))
-                    top_ids.store[1](IndexList[2](r, k), SIMD[DType.int64, 1](Int64(top.ids[k])))
+                score_row(rows.unsafe_offset(r * V), V, Int(targets[r]), top, lanes,
+                          lp_out.unsafe_offset(r), values_out.unsafe_offset(r * K), ids_out.unsafe_offset(r * K))
 
         sync_parallelize(work, items)

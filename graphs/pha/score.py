@@ -16,8 +16,8 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
-from ..ops import I64, cpu_ops_run, linear
-from ..scoring import token_logprobs
+from ..ops import I64, cpu_ops_run
+from ..scoring import head_logprobs
 from .gss import CHUNK
 from .model import PHAWeights
 from .prefill import pha_layers, prefix_input_types
@@ -26,11 +26,11 @@ from .prefill import pha_layers, prefix_input_types
 def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                           name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """As ``build_pha_prefill_graph``, but the output layer runs at every position; with
-    ``kernel_library`` on a CPU the attention is the tiled Mojo op and each position's
-    logits are reduced by the Mojo row op."""
+    ``kernel_library`` on a CPU the attention is the tiled Mojo op and the Mojo ops compute
+    and reduce each position's logits."""
     device = device or DeviceRef.CPU()
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the Mojo row op is CPU code
+    row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the Mojo ops are CPU code
     input_types = prefix_input_types(device) + [TensorType(I64, ["batch", "chunks", CHUNK], device)]
     extensions = [kernel_library] if row_op is not None else []
     with Graph(name or f"pha_score_{dt}" + ("_kernels" if row_op is not None else ""), input_types=input_types,
@@ -38,7 +38,6 @@ def build_pha_score_graph(config, wdtype: DType = DType.float32, device: DeviceR
         ids, pos, pos_cols, lengths, targets = (v.tensor for v in g.inputs)
         W = PHAWeights(config, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled=row_op is not None)
-        logits = linear(x, W.output())  # [B, M, C, V]
-        logprobs, top_values, top_ids = token_logprobs(logits, targets, row_op)
+        logprobs, top_values, top_ids = head_logprobs(x, W.output(), targets, row_op)  # logits [B, M, C, V]
         g.output(logprobs, top_values, top_ids, ops.stack(states, axis=0))
     return g

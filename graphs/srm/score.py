@@ -20,15 +20,15 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType
 
 from ..ops import I64, cpu_ops_run
-from ..scoring import token_logprobs
-from .blocks import SRMWeights, logits_of
+from ..scoring import head_logprobs
+from .blocks import SRMWeights
 from .prefill import CHUNK, prefix_input_types, srm_layers
 
 
 def build_score_graph(config, schema, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                       name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """As ``build_prefill_graph``, but the output layer runs at every position; with the
-    kernel library on a CPU each position's logits are reduced by the Mojo row op."""
+    kernel library on a CPU the Mojo ops compute and reduce each position's logits."""
     device = device or DeviceRef.CPU()
     kernels = kernel_library is not None
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
@@ -38,7 +38,7 @@ def build_score_graph(config, schema, wdtype: DType = DType.float32, device: Dev
         ids, pos, last, start, init, targets = (v.tensor for v in g.inputs)
         W = SRMWeights(config, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
-        row_op = device if cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
-        logprobs, top_values, top_ids = token_logprobs(logits_of(W, x), targets, row_op)  # logits [B, N, C, V]
+        row_op = device if cpu_ops_run(kernels, device) else None  # the Mojo ops are CPU code
+        logprobs, top_values, top_ids = head_logprobs(x, W.output(), targets, row_op)  # logits [B, N, C, V]
         g.output(logprobs, top_values, top_ids, states)
     return g

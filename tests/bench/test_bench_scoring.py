@@ -33,6 +33,8 @@ def test_scoring_bench_smoke(tmp_path, capsys):
     for r in res["batches"]:
         assert set(r["tokens_per_s"]) == {"prefill", "score", "hf"} and min(r["tokens_per_s"].values()) > 0
         assert r["score_over_prefill"] > 0 and r["score_over_hf"] > 0 and len(r["seconds"]["score"]) == 2
+        assert r["score_flops_over_fma_peak"] > 0 and r["score_cpu_flops_over_core_peak"] > 0
+    assert res["fma_peak"]["flops"] >= res["fma_peak"]["flops_per_core"] > 0
     assert res["decode"]["tokens"] == 2 * 6 and res["decode"]["logprobs_over_without"] > 0
     assert set(res["decode"]["op"]["over_without"]) == {"without", "chosen_only", "top_5"}
     assert res["loglikelihood"]["requests"] == 12 and res["loglikelihood"]["requests_per_s"] > 0

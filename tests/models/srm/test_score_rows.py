@@ -14,8 +14,8 @@ from srm_max.runtime.compile_cache import load_compiled
 from srm_max.runtime.kernels import kernel_library
 from graphs.op_names import OP_SCORE_ROWS
 from tests.support.mojo_ops import session
+from tests.support.score_checks import check_scores
 
-ATOL = 1e-4
 _models: dict[int, object] = {}
 
 
@@ -41,14 +41,7 @@ def score_rows(logits: np.ndarray, targets: np.ndarray, K: int):
 
 
 def check(logits: np.ndarray, targets: np.ndarray, K: int):
-    lp, values, ids = score_rows(logits, targets, K)
-    x = logits.astype(np.float64)
-    ref = x - x.max(-1, keepdims=True)
-    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
-    np.testing.assert_allclose(lp, ref[np.arange(len(x)), targets], rtol=0, atol=ATOL)
-    expected = np.argsort(-logits, axis=-1, kind="stable")[:, :K]  # ties: the lower id first
-    np.testing.assert_array_equal(ids, expected)
-    np.testing.assert_allclose(values, np.take_along_axis(ref, expected, -1), rtol=0, atol=ATOL)
+    check_scores(*score_rows(logits, targets, K), logits, targets, K)
 
 
 @pytest.mark.parametrize("V", [4096, 1000, 37, 20])
