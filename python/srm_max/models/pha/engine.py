@@ -79,7 +79,8 @@ class PHAEngine(CompiledGraphs):
                  device: str = "cpu", kernels: bool | None = None):
         """``kernels``: decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo,
         on copies of the matrices packed at load: they take as much memory again) instead
-        of one decode-graph call per step. Default (None): on wherever the op can run the
+        of one decode-graph call per step, and run the prefill's and score's attention as
+        the tiled Mojo op (mojo/pha_prefill_attention.mojo) instead of plain ops. Default (None): on wherever the op can run the
         model (a CPU, ``op_refusal``), as bench/pha_long_context.py measured it several
         times faster; False: the plain graph, the GPU path and the op's reference; True
         where the op cannot run raises ``GenerationError`` naming why."""
