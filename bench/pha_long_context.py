@@ -13,6 +13,8 @@ memory depend only on shapes):
     depend on what the state holds), for the PHA models on each ``--paths``: "op", every
     step of a call in one Mojo op (mojo/pha_decode_step.mojo, the engine's default on a
     CPU), and "graph", one plain-op decode graph call per step (graphs/pha/decode.py);
+    each in every weight dtype of ``--dtypes`` (float32 by default; bfloat16 halves the
+    matrices' bytes, the states stay float32);
   - against the memory-streaming limit: the bytes a step must read (every matrix it
     multiplies by once per call, i.e. 1 / steps of them per step; per sample its GSS
     state, read and written, and the KV rows before its position) over the read
@@ -71,9 +73,9 @@ def configs(name: str, n: int, quick: bool):
     return SRMConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=4, context_length=n)
 
 
-def engine_of(name: str, config, path: str = "op"):
+def engine_of(name: str, config, path: str = "op", dtype: str = "float32"):
     """A MAX engine with random weights (the PyTorch references' initialisation); a PHA
-    one decodes on ``path`` (see the module docs)."""
+    one decodes on ``path`` (see the module docs) with ``dtype`` weights."""
     import torch
 
     if name == "srm":
@@ -81,25 +83,32 @@ def engine_of(name: str, config, path: str = "op"):
         from srm_max.reference.srm import random_srm
 
         model = random_srm(config, 0, decay_low=0.9, bias_scale=0.02)
-        return Engine(config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()})
+        return Engine(config, {k: v.detach().float().numpy() for k, v in model.state_dict().items()}, dtype=dtype)
     from srm_max.models.pha.engine import PHAEngine
     from srm_max.reference.pha import PHA
 
     torch.manual_seed(0)
     weights = {k: v.detach().float().numpy() for k, v in PHA(config).state_dict().items()}
     # "op": the engine's default on a CPU
-    engine = PHAEngine(config, weights, dtype="float32", device="cpu", kernels=None if path == "op" else False)
+    engine = PHAEngine(config, weights, dtype=dtype, device="cpu", kernels=None if path == "op" else False)
     assert engine.steps_in_one_op == (path == "op")
     return engine
 
 
-def matrix_bytes(name: str, config) -> int:
-    """float32 bytes of every matrix a decode step multiplies by (the output head included;
-    the embedding row is a gather)."""
+def weight_bytes_of(dtype: str) -> int:
+    """Bytes per matrix element of an engine's weight dtype (``--dtypes``)."""
+    from srm_max.runtime.device import DTYPES
+
+    return DTYPES[dtype].size_in_bytes
+
+
+def matrix_bytes(name: str, config, weight_bytes: int = 4) -> int:
+    """Bytes of every matrix a decode step multiplies by, ``weight_bytes`` each (4: float32,
+    2: bfloat16; the output head included, the embedding row is a gather)."""
     c = config
     if name == "srm":
         d, f, L, V = c.d_model, c.ffn_dim, c.n_layers, c.vocab_size
-        return 4 * (L * (2 * d * f + 2 * d * d) + V * d)
+        return weight_bytes * (L * (2 * d * f + 2 * d * d) + V * d)
     E, F, H = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim
     dq, dk = c.n_q_heads * c.head_dim, c.n_kv_heads * c.head_dim
     per_block = 2 * E * sum(c.ffn_dims)
@@ -107,7 +116,7 @@ def matrix_bytes(name: str, config) -> int:
         per_block += F * E + H * E + F * H + E * F
     if "attn" in c.branches:
         per_block += 2 * dq * E + 2 * dk * E
-    return 4 * (c.n_layers * per_block + c.vocab_size * E)
+    return weight_bytes * (c.n_layers * per_block + c.vocab_size * E)
 
 
 def sample_bytes(name: str, config, position: int) -> int:
@@ -121,11 +130,11 @@ def sample_bytes(name: str, config, position: int) -> int:
     return 4 * c.n_layers * (2 * gss + kv)
 
 
-def step_bytes(name: str, config, batch: int, start: int, steps: int) -> float:
+def step_bytes(name: str, config, batch: int, start: int, steps: int, weight_bytes: int = 4) -> float:
     """The bytes one step of a ``steps``-step call from ``start`` must read: the matrices
     once per call, each sample's state every step (KV rows before start .. start + steps - 1)."""
     per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
-    return matrix_bytes(name, config) / steps + batch * per_sample
+    return matrix_bytes(name, config, weight_bytes) / steps + batch * per_sample
 
 
 def stream_bytes_per_s(repeats: int = 5) -> float:
@@ -173,7 +182,7 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
 
     c = engine.config
     start = n - steps - 1 if start is None else start
-    row = {"model": name, "path": path, "context": n, "decode_from": start,
+    row = {"model": name, "path": path, "dtype": engine.dtype, "context": n, "decode_from": start,
            "state_bytes_per_sample": int(engine.host(engine.empty_states(1)).nbytes)}
     if not timed_run:
         return row
@@ -192,7 +201,7 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
         row[f"step_ms_b{B}"] = 1e3 * min(runs) / steps
         row[f"spread_b{B}"] = spread(runs)
         row[f"decode_tokens_per_s_b{B}"] = B * steps / min(runs)
-        row[f"bytes_per_step_b{B}"] = int(step_bytes(name, c, B, start, steps))
+        row[f"bytes_per_step_b{B}"] = int(step_bytes(name, c, B, start, steps, weight_bytes_of(engine.dtype)))
     return row
 
 
@@ -229,7 +238,8 @@ def pha_vs_attention(rows: list[dict], n: int) -> list[dict]:
     measured it."""
     at: dict[str, dict] = {}
     for r in rows:  # a model's rows of several runs (decode, prefill, state) together
-        if r["context"] == n and r.get("path") == "op" and at_context_end(r):
+        float32 = r.get("dtype", "float32") == "float32"
+        if r["context"] == n and r.get("path") == "op" and float32 and at_context_end(r):
             at.setdefault(r["model"], {}).update(r)
     if "pha" not in at or "pha-attn" not in at:
         return []
@@ -252,15 +262,15 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
         for (n, B), ll in sorted(best.items()):
             if n != r["context"]:
                 continue
-            entry = {"model": r["model"], "path": r.get("path"), "context": n, "batch": B,
-                     "decode_from": r.get("decode_from")}
+            entry = {"model": r["model"], "path": r.get("path"), "dtype": r.get("dtype", "float32"), "context": n,
+                     "batch": B, "decode_from": r.get("decode_from")}
             if f"decode_tokens_per_s_b{B}" in r:
                 rate, threads = ll["decode_tokens_per_s"]
                 entry |= {"decode": r[f"decode_tokens_per_s_b{B}"] / rate, "llama_cpp_decode_threads": threads}
             if B == 1 and "prefill_tokens_per_s" in r:
                 rate, threads = ll["prompt_tokens_per_s"]
                 entry |= {"prefill": r["prefill_tokens_per_s"] / rate, "llama_cpp_prefill_threads": threads}
-            if len(entry) > 5:
+            if len(entry) > 6:
                 out.append(entry)
     return out
 
@@ -276,6 +286,8 @@ def summarized(result: dict) -> dict:
 
 
 def main(argv=None) -> dict:
+    from srm_max.runtime.device import DTYPES
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, context 128")
     ap.add_argument("--contexts", type=int, nargs="*", help="default: 512 2048 8192")
@@ -283,6 +295,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--paths", nargs="*", default=["op"], choices=PATHS,
                     help="the PHA models' decode paths (the SRM has one)")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--dtypes", nargs="*", default=["float32"], choices=list(DTYPES),
+                    help="the engines' weight dtypes, each measured on every path")
     ap.add_argument("--no-prefill", action="store_true", help="time decode only")
     ap.add_argument("--no-decode", action="store_true",
                     help="time prefill only (llama.cpp still runs --batches, for its prompt tokens/s)")
@@ -322,8 +336,9 @@ def main(argv=None) -> dict:
     prefill = not args.no_prefill
     decode_batches = () if args.no_decode else batches
     for n in contexts:
-        engines = {(name, path): engine_of(name, configs(name, n, args.quick), path)
-                   for name in args.models for path in (["op"] if name == "srm" else args.paths)}
+        engines = {(name, path, dtype): engine_of(name, configs(name, n, args.quick), path, dtype)
+                   for name in args.models for path in (["op"] if name == "srm" else args.paths)
+                   for dtype in args.dtypes}
         if not args.state_only:
             t0 = time.perf_counter()
             precompile([job for e in engines.values() for job in graphs_used(e, prefill, not args.no_decode)])
@@ -331,7 +346,7 @@ def main(argv=None) -> dict:
             print(f"context {n}: graphs ready in {time.perf_counter() - t0:.0f} s", flush=True)
         bandwidth = 0.0 if args.state_only else stream_bytes_per_s()
         rows = []
-        for (name, path), engine in engines.items():
+        for (name, path, _dtype), engine in engines.items():
             run["configs"][name] = {k: v for k, v in vars(engine.config).items()}
             for i, start in enumerate(args.decode_from or [None]):
                 # each path prefills through its own graph (the op's tiled attention or plain ops)

@@ -44,13 +44,19 @@ of rows whose partial sums the merge phase combines with the new token's column.
 The products take decode_step.mojo's packed panels (srm_max/models/srm/packing.py)
 and register tiles. ``layout`` holds, per block, the element offsets of each
 matrix in ``mats`` and of each vector in ``vecs`` (-1: absent), in the SLOT order
-below (srm_max/models/pha/packing.py writes both). Float32 matrices only: bfloat16
-would need the plain graph's rounding of every product's input and output.
+below (srm_max/models/pha/packing.py writes both). The matrices and the embedding
+are float32 or bfloat16 (widened in registers); with bfloat16 the op rounds where
+graphs/pha/decode.py's plain graph rounds (``ops.linear``: each product's input and
+its output, before the bias, go through bfloat16; decode_step.mojo's ``_rnd``): the
+products from x read a rounded copy of it (``xr``; x itself, the residual, stays
+float32), the GSS output y, the attention's output and the FFNs' and the gate's
+hidden values are stored rounded, being only a product's input. Vectors, states,
+the caches and every sum are float32.
 """
 from std.memory import stack_allocation
 from std.math import exp, sqrt, erf, cos, sin
 from std.atomic import Atomic
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import num_physical_cores, simd_width_of, size_of
 from max.algorithm import sync_parallelize
 
 from extensibility import InputTensor, OutputTensor, register
@@ -60,7 +66,7 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    MR, NV, NV1, PANEL, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded, _layer_norm,
+    MR, NV, NV1, PANEL, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded, _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -117,7 +123,7 @@ comptime D_ROPE = 18  # the RoPE inverse frequencies' offset in vecs [dh / 2]
 comptime NDIMS = 19
 
 # ---- product segments: one matrix times one input, and what its epilogue does
-comptime SEGF = 10
+comptime SEGF = 11
 comptime S_MAT = 0  # the packed matrix's address
 comptime S_K = 1
 comptime S_N = 2
@@ -128,6 +134,7 @@ comptime S_LDD = 6
 comptime S_BIAS = 7  # a bias's address, or 0
 comptime S_KIND = 8
 comptime S_MUL = 9  # E_MUL: the factor's address (rows ldd apart)
+comptime S_ROUND = 10  # 1: the output is only a later product's input, stored rounded to the weights' dtype
 comptime E_STORE = 0
 comptime E_GELU = 1
 comptime E_MUL = 2
@@ -189,6 +196,7 @@ struct Pha(ImplicitlyCopyable, Movable):
     var segs: I64P  # the product segments, SEGF each
     var seg_at: I64P  # per product phase (3 per block, then the head): first segment, count
     var x: F32P  # [B, E] the residual stream
+    var xr: F32P  # [B, E] x rounded to the weights' dtype, the products' input (x itself with float32)
     var u: F32P  # [B, F] gelu(W_u x), then (W_g y) * u
     var g: F32P  # [B, F]
     var vr: F32P  # [B, H] gelu(W_v x + b_v)
@@ -237,9 +245,9 @@ def _vec(a: Pha, l: Int, slot: Int) -> F32P:
 
 # ------------------------------------------------------------------ products
 @always_inline
-def _finish[n: Int](seg: I64P, r: Int, c: Int, acc: SIMD[F32, n]):
+def _finish[WD: DType, n: Int](seg: I64P, r: Int, c: Int, acc: SIMD[F32, n]):
     """Columns c .. c+n of row r of a segment's product, from their sums."""
-    var v = acc
+    var v = _rnd[WD](acc)  # the product's dtype, as MAX's matmul returns it
     var bias = Int(seg[unsafe_offset=S_BIAS])
     if bias != 0:
         v += F32P(unsafe_from_address=bias).unsafe_load[width=n](c)
@@ -249,6 +257,8 @@ def _finish[n: Int](seg: I64P, r: Int, c: Int, acc: SIMD[F32, n]):
         v = _gelu(v)
     elif kind == E_MUL:
         v *= F32P(unsafe_from_address=Int(seg[unsafe_offset=S_MUL])).unsafe_load[width=n](o)
+    if seg[unsafe_offset=S_ROUND] != 0:
+        v = _rnd[WD](v)
     F32P(unsafe_from_address=Int(seg[unsafe_offset=S_DST])).unsafe_store(o, v)
 
 
@@ -292,16 +302,16 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
                 for vv in range(nv):
                     var c = cs + vv * W
                     if c + W <= N:
-                        _finish[W](seg, r + i, c, t.unsafe_load[width=W](i * PANEL + vv * W))
+                        _finish[WD, W](seg, r + i, c, t.unsafe_load[width=W](i * PANEL + vv * W))
                     else:
                         for j in range(N - c):
-                            _finish[1](seg, r + i, c + j, t.unsafe_load[width=1](i * PANEL + vv * W + j))
+                            _finish[WD, 1](seg, r + i, c + j, t.unsafe_load[width=1](i * PANEL + vv * W + j))
             r += rows
         c0 += nv * W
 
 
 # ------------------------------------------------------------------ the GSS update
-def _gss_unit(a: Pha, l: Int, u: Int):
+def _gss_unit[WD: DType](a: Pha, l: Int, u: Int):
     """Channels of one row: s = Abar s + xn, y = Re(Ct . s) + D xn, xn the DSS
     LayerNorm of the row's gelu(W_v x + b_v) (each unit normalises the row: H is small)."""
     var per_row = (a.H + GSS_CHANNELS - 1) // GSS_CHANNELS
@@ -359,7 +369,7 @@ def _gss_unit(a: Pha, l: Int, u: Int):
             im[unsafe_offset=m] = ni
             total += nr * crh[unsafe_offset=m] - ni * cih[unsafe_offset=m]
             m += 1
-        a.y[unsafe_offset=r * a.H + h] = total + D[unsafe_offset=h] * xn
+        a.y[unsafe_offset=r * a.H + h] = _rnd[WD, 1](total + D[unsafe_offset=h] * xn)  # the gate's input
 
 
 # ------------------------------------------------------------------ attention
@@ -596,7 +606,7 @@ def _attn_unit(a: Pha, l: Int, u: Int, ws: F32P):
         j += nb
 
 
-def _merge_unit(a: Pha, l: Int, u: Int, ws: F32P):
+def _merge_unit[WD: DType](a: Pha, l: Int, u: Int, ws: F32P):
     """A (row, KV head): each query head's slices merged with the new token's column
     into ``att``; then the new key and value written as the cache's row min(pos, n-1)
     (every read of the cache is done: the phase before read it)."""
@@ -627,6 +637,9 @@ def _merge_unit(a: Pha, l: Int, u: Int, ws: F32P):
             total += c * o[unsafe_offset=1]
             _axpy(c, o.unsafe_offset(2), out, dh)
         _scale(1 / total, out, dh)
+        comptime if WD != F32:  # o_proj's input
+            for i in range(dh):
+                out[unsafe_offset=i] = _rnd[WD, 1](out[unsafe_offset=i])
     var row = min(Int(a.pos[unsafe_offset=r]), a.n - 1)
     var kc = _kv(a, l, r, kh, False).unsafe_offset(row * dh)
     var vc = _kv(a, l, r, kh, True).unsafe_offset(row * dh)
@@ -636,8 +649,8 @@ def _merge_unit(a: Pha, l: Int, u: Int, ws: F32P):
 
 
 # ------------------------------------------------------------------ the block's norm
-def _norm_unit(a: Pha, l: Int, u: Int):
-    """Rows of one unit: x = LN(alpha x + sum_i RMSNorm_i(out_i))."""
+def _norm_unit[WD: DType](a: Pha, l: Int, u: Int):
+    """Rows of one unit: x = LN(alpha x + sum_i RMSNorm_i(out_i)), and its rounded copy."""
     for r in range(u * NORM_CHUNK, min(a.B, (u + 1) * NORM_CHUNK)):
         var x = a.x.unsafe_offset(r * a.E)
         _scale(a.alpha, x, a.E)
@@ -649,6 +662,22 @@ def _norm_unit(a: Pha, l: Int, u: Int):
             for c in range(a.E):
                 x[unsafe_offset=c] += b[unsafe_offset=c] * inv * wgt[unsafe_offset=c]
         _layer_norm[F32](x, x, _vec(a, l, V_PW), _vec(a, l, V_PB), a.eps, a.E)
+        _round_copy[WD](a, r)
+
+
+@always_inline
+def _round_copy[WD: DType](a: Pha, r: Int):
+    """Row r of xr = x rounded to the weights' dtype (nothing to do with float32: xr is x)."""
+    comptime if WD != F32:
+        var x = a.x.unsafe_offset(r * a.E)
+        var xr = a.xr.unsafe_offset(r * a.E)
+        var c = 0
+        while c + W <= a.E:
+            xr.unsafe_store(c, _rnd[WD](x.unsafe_load[width=W](c)))
+            c += W
+        while c < a.E:
+            xr[unsafe_offset=c] = _rnd[WD, 1](x[unsafe_offset=c])
+            c += 1
 
 
 # ------------------------------------------------------------------ choosing the tokens
@@ -656,6 +685,7 @@ def _embed_row[WD: DType](a: Pha, r: Int, token: Int):
     var e = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=a.emb).unsafe_offset(token * a.E)
     for c in range(a.E):
         a.x[unsafe_offset=r * a.E + c] = e[unsafe_offset=c].cast[F32]()
+    _round_copy[WD](a, r)  # exact: the embedding has the weights' dtype
 
 
 def _take[WD: DType](a: Pha, r: Int, token: Int):
@@ -725,13 +755,13 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
     comptime if kind == P_MID:
         var gu = _gss_units(a)
         if u < gu:
-            _gss_unit(a, l, u)
+            _gss_unit[WD](a, l, u)
         else:
             _attn_unit(a, l, u - gu, ws)
     elif kind == P_MERGE:
-        _merge_unit(a, l, u, ws)
+        _merge_unit[WD](a, l, u, ws)
     elif kind == P_NORM:
-        _norm_unit(a, l, u)
+        _norm_unit[WD](a, l, u)
     elif kind == P_ARGMAX or kind == P_DRAW:
         _choose_unit[WD, kind](a, u, scratch)
     else:
@@ -828,7 +858,7 @@ def _out[dt: DType](t: OutputTensor[dtype=dt, ...]) -> Pointer[Scalar[dt], MutUn
 @always_inline
 def _seg(
     mut segs: List[Int64], mat: Int, K: Int, N: Int, x: F32P, ldx: Int, dst: F32P, ldd: Int, bias: Int, kind: Int,
-    mul: Int,
+    mul: Int, rounded: Bool = False,
 ):
     segs.append(Int64(mat))
     segs.append(Int64(K))
@@ -840,6 +870,7 @@ def _seg(
     segs.append(Int64(bias))
     segs.append(Int64(kind))
     segs.append(Int64(mul))
+    segs.append(Int64(Int(rounded)))
 
 
 @register("pha_decode_steps")
@@ -875,8 +906,8 @@ struct PhaDecodeSteps:
         comptime WD = embedding.dtype
         comptime if target != "cpu":
             raise Error("pha_decode_steps: CPU only")
-        comptime if WD != F32:
-            raise Error("pha_decode_steps: float32 weights only")
+        comptime if WD != F32 and WD != DType.bfloat16:
+            raise Error("pha_decode_steps: float32 or bfloat16 weights only")
         var B = ids.dim_size(0)
         var S = steps.dim_size(0)
         var dm = _in(dims)
@@ -940,7 +971,8 @@ struct PhaDecodeSteps:
         var G = Hq // max(Hkv, 1)
         # the activations, each buffer on a cache line of its own
         var sizes = List[Int]()
-        for s in [E, F, F, H, H, Hq * dh, Hkv * dh, Hkv * dh, Hq * dh, Hq * slices * (dh + 2), dh, nbr * E, V, fsum]:
+        for s in [E, F, F, H, H, Hq * dh, Hkv * dh, Hkv * dh, Hq * dh, Hq * slices * (dh + 2), dh, nbr * E, V, fsum,
+                  E if WD != F32 else 0]:
             sizes.append((B * s + 15) // 16 * 16)
         var total = 0
         for s in sizes:
@@ -961,7 +993,8 @@ struct PhaDecodeSteps:
             workers, S, 0, F32P(unsafe_from_address=Int(states.unsafe_ptr())), lay, vp,
             # the segment tables: set below, until then valid addresses unread
             dm, dm,
-            F32P(unsafe_from_address=ptrs[0]), F32P(unsafe_from_address=ptrs[1]), F32P(unsafe_from_address=ptrs[2]),
+            F32P(unsafe_from_address=ptrs[0]), F32P(unsafe_from_address=ptrs[14 if WD != F32 else 0]),
+            F32P(unsafe_from_address=ptrs[1]), F32P(unsafe_from_address=ptrs[2]),
             F32P(unsafe_from_address=ptrs[3]), F32P(unsafe_from_address=ptrs[4]), F32P(unsafe_from_address=ptrs[5]),
             F32P(unsafe_from_address=ptrs[6]), F32P(unsafe_from_address=ptrs[7]), F32P(unsafe_from_address=ptrs[8]),
             F32P(unsafe_from_address=ptrs[9]), F32P(unsafe_from_address=ptrs[10]), vp.unsafe_offset(Int(dm[unsafe_offset=D_ROPE])),
@@ -975,7 +1008,7 @@ struct PhaDecodeSteps:
 
         # the product segments of every phase
         var mp = Int(mats.unsafe_ptr())
-        var fbytes = 4
+        var fbytes = size_of[WD]()
 
         def mat(l: Int, slot: Int) {var lay, var mp, var fbytes} -> Int:
             return mp + Int(lay[unsafe_offset=l * SLOTS + slot]) * fbytes
@@ -989,17 +1022,17 @@ struct PhaDecodeSteps:
             # from x: the GSS's u and v, q, k, v, the FFNs' hidden values
             var first = len(segs) // SEGF
             if has_gss:
-                _seg(segs, mat(l, M_U), E, F, a.x, E, a.u, F, 0, E_GELU, 0)
-                _seg(segs, mat(l, M_V), E, H, a.x, E, a.vr, H, vaddr(l, V_VB), E_GELU, 0)
+                _seg(segs, mat(l, M_U), E, F, a.xr, E, a.u, F, 0, E_GELU, 0)
+                _seg(segs, mat(l, M_V), E, H, a.xr, E, a.vr, H, vaddr(l, V_VB), E_GELU, 0)
             if has_attn:
-                _seg(segs, mat(l, M_Q), E, Hq * dh, a.x, E, a.q, Hq * dh, 0, E_STORE, 0)
-                _seg(segs, mat(l, M_K), E, Hkv * dh, a.x, E, a.k, Hkv * dh, 0, E_STORE, 0)
-                _seg(segs, mat(l, M_VA), E, Hkv * dh, a.x, E, a.v, Hkv * dh, 0, E_STORE, 0)
+                _seg(segs, mat(l, M_Q), E, Hq * dh, a.xr, E, a.q, Hq * dh, 0, E_STORE, 0)
+                _seg(segs, mat(l, M_K), E, Hkv * dh, a.xr, E, a.k, Hkv * dh, 0, E_STORE, 0)
+                _seg(segs, mat(l, M_VA), E, Hkv * dh, a.xr, E, a.v, Hkv * dh, 0, E_STORE, 0)
             var off = 0
             for i in range(nffn):
                 var f = Int(dm[unsafe_offset=D_FFN + i])
-                _seg(segs, mat(l, M_FC + i), E, f, a.x, E, hid.unsafe_offset(B * off), f, vaddr(l, V_FCB + i),
-                     E_GELU, 0)
+                _seg(segs, mat(l, M_FC + i), E, f, a.xr, E, hid.unsafe_offset(B * off), f, vaddr(l, V_FCB + i),
+                     E_GELU, 0, rounded=True)
                 off += f
             seg_at.append(Int64(first))
             seg_at.append(Int64(len(segs) // SEGF - first))
@@ -1007,7 +1040,7 @@ struct PhaDecodeSteps:
             first = len(segs) // SEGF
             var br = 0
             if has_gss:
-                _seg(segs, mat(l, M_GATE), H, F, a.y, H, a.g, F, 0, E_MUL, Int(a.u))
+                _seg(segs, mat(l, M_GATE), H, F, a.y, H, a.g, F, 0, E_MUL, Int(a.u), rounded=True)
                 br += 1
             if has_attn:
                 _seg(segs, mat(l, M_O), Hq * dh, E, a.att, Hq * dh, a.bo.unsafe_offset(br * B * E), E, 0, E_STORE, 0)
@@ -1028,7 +1061,7 @@ struct PhaDecodeSteps:
             seg_at.append(Int64(len(segs) // SEGF - first))
         seg_at.append(Int64(len(segs) // SEGF))
         seg_at.append(1)
-        _seg(segs, mp + Int(dm[unsafe_offset=D_HEAD]) * fbytes, E, V, a.x, E, a.logits, V, 0, E_STORE, 0)
+        _seg(segs, mp + Int(dm[unsafe_offset=D_HEAD]) * fbytes, E, V, a.xr, E, a.logits, V, 0, E_STORE, 0)
         a.segs = I64P(unsafe_from_address=Int(segs.unsafe_ptr()))
         a.seg_at = I64P(unsafe_from_address=Int(seg_at.unsafe_ptr()))
 

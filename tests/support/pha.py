@@ -3,6 +3,7 @@ comparisons of a MAX PHA engine's prefill, decode and states with that reference
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from srm_max.models.pha.config import PHAConfig
@@ -75,3 +76,19 @@ def ref_greedy(reference, prompts, new_tokens):
             out.append(tok)
     return torch.stack(out, 1).numpy(), cache
 
+
+
+def reference_start(reference, prompts, engine):
+    """The reference's prefill of ``prompts``: (first tokens, its cache as the engine's
+    states [L, B, X] on the device), so a decode test needs no prefill graph."""
+    logits, cache = reference_prefill(reference, prompts)
+    L, B = engine.config.n_layers, len(prompts)
+    parts = []
+    if cache.gss_state is not None:
+        gss = cache.gss_state.numpy()
+        parts += [gss.real.reshape(L, B, -1), gss.imag.reshape(L, B, -1)]
+    if cache.keys is not None:
+        parts += [cache.keys.numpy().reshape(L, B, -1), cache.values.numpy().reshape(L, B, -1)]
+    states = np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
+    assert states.shape[2] == engine.layout.width
+    return logits.argmax(-1), engine.to_device(states)

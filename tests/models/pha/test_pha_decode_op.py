@@ -22,7 +22,7 @@ from srm_max.errors import GenerationError
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, reference_start
 from tests.support.prompts import reference_prefill
 
 # the op's engine runs its decode_steps graph only; the plain engine prefills and decodes
@@ -50,22 +50,6 @@ def op(weights):
     engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")  # the default
     assert engine.steps_in_one_op
     return engine
-
-
-def reference_start(reference, prompts, engine):
-    """The reference's prefill of ``prompts``: (first tokens, its cache as the engine's
-    states [L, B, X] on the device)."""
-    logits, cache = reference_prefill(reference, prompts)
-    L, B = engine.config.n_layers, len(prompts)
-    parts = []
-    if cache.gss_state is not None:
-        gss = cache.gss_state.numpy()
-        parts += [gss.real.reshape(L, B, -1), gss.imag.reshape(L, B, -1)]
-    if cache.keys is not None:
-        parts += [cache.keys.numpy().reshape(L, B, -1), cache.values.numpy().reshape(L, B, -1)]
-    states = np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
-    assert states.shape[2] == engine.layout.width
-    return logits.argmax(-1), engine.to_device(states)
 
 
 def decode_op(op, reference, prompts, calls):
@@ -205,16 +189,15 @@ def test_the_ablations_through_the_op_equal_the_reference(name):
 
 
 def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
-    """On by default on a CPU; ``kernels=False`` gives the plain graph; bfloat16 weights
-    and the sequential block keep the plain graph by default and are refused by
+    """On by default on a CPU, for float32 and bfloat16 weights alike
+    (tests/models/pha/test_pha_decode_op_bf16.py); ``kernels=False`` gives the plain
+    graph; the sequential block keeps the plain graph by default and is refused by
     ``kernels=True``, naming why (no graph is compiled here)."""
     from srm_max.models.pha.engine import PHAEngine
 
     assert PHAEngine(CONFIG, weights).steps_in_one_op
     assert not PHAEngine(CONFIG, weights, kernels=False).steps_in_one_op
-    assert not PHAEngine(CONFIG, weights, dtype="bfloat16").steps_in_one_op
-    with pytest.raises(GenerationError, match="float32 weights only, not bfloat16"):
-        PHAEngine(CONFIG, weights, dtype="bfloat16", kernels=True)
+    assert PHAEngine(CONFIG, weights, dtype="bfloat16").steps_in_one_op
     sequential = dataclasses.replace(CONFIG, mode="sequential")
     weights = {k: v.detach().numpy() for k, v in random_pha(sequential).state_dict().items()}
     assert not PHAEngine(sequential, weights).steps_in_one_op

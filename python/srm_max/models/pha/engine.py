@@ -57,14 +57,10 @@ def weights_registry(config: PHAConfig, weights: dict[str, np.ndarray], dtype: s
 
 def op_refusal(config: PHAConfig, dtype: str, device) -> str | None:
     """Why the decode op (mojo/pha_decode_step.mojo) cannot run ``config`` with ``dtype``
-    weights on ``device`` (None: it can)."""
+    weights on ``device`` (None: it can). Every weight dtype the engines take runs: with
+    bfloat16 the op rounds each product's input and output as the plain graph does."""
     if not isinstance(device, CPU):
         return "the PHA decode op runs on a CPU only"
-    if dtype != "float32":
-        # the plain graph rounds every product's input and output to bfloat16; the op
-        # computes in float32 and would give other tokens
-        return (f"the PHA decode op runs float32 weights only, not {dtype} (the plain graph rounds "
-                "each product's input and output to the weight dtype, which the op does not)")
     return packing.supported(config)
 
 

@@ -4,9 +4,11 @@ once at load.
 Every matrix the op multiplies by is packed as the SRM's op packs them
 (``srm.packing.pack_matrix``: panels of 64 output columns, each its [K, width]
 transpose) into one flat array, ``MATS``; every vector and table it reads goes into
-another, ``VECS`` (float32). ``layout(config)`` gives, per block, each one's element
-offset in its array (-1 where a branch is off), in the op's slot order, and ``dims``
-the sizes; both depend on the config only and enter the graph as constants, so one
+another, ``VECS`` (float32). ``MATS`` takes the engine's weight dtype, float32 or
+bfloat16 (``matrix_names``: ``session_weights`` rounds it once at load), and the op
+rounds its products as the plain bfloat16 graph does (mojo/pha_decode_step.mojo).
+``layout(config)`` gives, per block, each one's element offset in its array (-1 where
+a branch is off), in the op's slot order, and ``dims`` the sizes; both depend on the config only and enter the graph as constants, so one
 compiled graph serves any weights of its config.
 """
 
@@ -21,7 +23,7 @@ PREFIX = "pha_step."
 MATS = PREFIX + "mats"
 VECS = PREFIX + "vecs"
 MAX_FFN = 4
-ALIGN = 16  # elements: every array starts on a cache line (float32)
+ALIGN = 32  # elements: every array starts on a cache line (64 bytes in bfloat16, two in float32)
 
 # the op's slots per block (mojo/pha_decode_step.mojo M_* and V_*)
 M_SLOTS = ["to_u", "to_v", "q", "k", "va"] + [f"fc{i}" for i in range(MAX_FFN)] + ["gate", "out", "o"] + [

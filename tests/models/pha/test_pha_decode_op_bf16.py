@@ -1,0 +1,166 @@
+"""The PHA's whole-step decode op with bfloat16 weights (mojo/pha_decode_step.mojo, the
+``PHAEngine`` default on a CPU in either weight dtype) against the plain-op bfloat16
+decode graph (``kernels=False``, which rounds each product's input and output to
+bfloat16: ``graphs.ops.linear``) and against the float32 PyTorch reference.
+
+tests/support/pha.py CONFIG and its weights. Every test starts from the float32
+reference's prefill (its cache as the engine's states), so no prefill graph is needed:
+the file compiles the op's bfloat16 graph and, for the tests marked ``plain_bf16``, the
+plain bfloat16 decode graph, the op's reference for where bfloat16 rounds. Context 160:
+the op's online softmax runs over blocks of 32 cached rows and a batch of one cuts the
+context into slices of at least 64 rows, so the prompts and steps end inside, on and
+across those edges. The ablations (the GSS branch alone, attention alone) are not
+rerun in bfloat16: each would be one more op graph to compile, and they only leave out
+products whose rounding the full block checks here.
+
+Bounds (measured on the 2-core EPYC over these prompts and more: against the plain graph
+batches of 1 to 6 and up to 120 steps, against the reference 12 random batches of 1 to 6
+prompts and 5 to 39 steps):
+- against the plain bfloat16 graph: the same tokens, greedy and drawn, and states within
+  ``PLAIN_REL`` of their largest value (measured 3.4e-7; the values' cache rows equal):
+  the op rounds where the graph rounds, so what is left is the order of the float32 sums
+  inside each product, which moves a result across a bfloat16 rounding edge now and then;
+- against the float32 reference, teacher-forced along the op's tokens: each new token's
+  log-probability within ``REF_LOGPROB`` (measured 2.8e-2) and states within ``REF_REL``
+  of their largest value (measured 1.6e-2): the rounding of the weights and of every
+  product's input and output to bfloat16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srm_max.runtime.compiled import SamplingArrays
+from tests.support.checks import assert_close_rel
+from tests.support.graphs import graphs
+from tests.support.pha import CONFIG, assert_states_close, prompts_of, reference_start
+from tests.support.prompts import reference_prefill
+from tests.support.reference_scores import ref_log_softmax
+
+# the op's engine runs its bfloat16 decode_steps graph only; the plain engine its
+# bfloat16 decode graph, for the tests that compare the two
+pytestmark = graphs(CONFIG, ("decode_steps",), "bfloat16", kernels=True)
+plain_bf16 = graphs(CONFIG, ("decode",), "bfloat16", kernels=False)
+
+PLAIN_REL = 1e-5
+REF_LOGPROB = 6e-2
+REF_REL = 4e-2
+
+
+@pytest.fixture(scope="module")
+def op(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype="bfloat16", device="cpu")  # the default
+    assert engine.steps_in_one_op
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype="bfloat16", device="cpu", kernels=False)
+    assert not engine.steps_in_one_op
+    return engine
+
+
+def decode_calls(engine, ids, states, lengths, calls, sampling=None, logprobs=None):
+    """The engine's decode calls from ``states`` at positions ``lengths``: (tokens [B, sum
+    calls], states, positions after, log-probabilities [B, sum calls] or None)."""
+    sampling = sampling or SamplingArrays.greedy(len(lengths))
+    pos, tokens, lps = np.array(lengths), [], []
+    for steps in calls:
+        res = engine.decode(ids, pos, states, sampling, steps, logprobs=logprobs)
+        assert res.tokens.shape == (len(lengths), steps)
+        np.testing.assert_array_equal(engine.host(res.ids), res.tokens[:, -1])
+        tokens.append(res.tokens)
+        lps.append(res.logprobs)
+        ids, pos, states = res.ids, engine.host(res.positions), res.states
+    return np.concatenate(tokens, 1), states, pos, None if logprobs is None else np.concatenate(lps, 1)
+
+
+def assert_op_equals_plain(op, plain, reference, prompts, calls, sampling=None):
+    """Both engines decode the same calls from the reference's prefill: the same tokens
+    and positions, states within ``PLAIN_REL`` (the KV caches up to each sample's rows)."""
+    lengths = [len(p) for p in prompts]
+    ids, states = reference_start(reference, prompts, op)
+    t_op, s_op, p_op, _ = decode_calls(op, ids, states, lengths, calls, sampling)
+    t_plain, s_plain, p_plain, _ = decode_calls(plain, ids, states, lengths, calls, sampling)
+    np.testing.assert_array_equal(t_op, t_plain)
+    np.testing.assert_array_equal(p_op, p_plain)
+    a, b = op.split_states(s_op), plain.split_states(s_plain)
+    assert_close_rel(a["gss_state"], b["gss_state"], PLAIN_REL)
+    for name in ("keys", "values"):
+        for s, f in enumerate(p_op):
+            assert_close_rel(a[name][:, s, :, :f], b[name][:, s, :, :f], PLAIN_REL)
+
+
+def test_the_bfloat16_engine_decodes_in_the_op_on_bfloat16_matrices(op, plain, weights):
+    """The op reads the packed matrices in bfloat16, half the bytes of the float32
+    engine's packing; the plain engine has no packed copies (no graph is compiled here)."""
+    from max.dtype import DType
+
+    from srm_max.models.pha import packing
+    from srm_max.models.pha.engine import PHAEngine
+
+    assert op.kernels and op.dtype == "bfloat16"
+    mats = op.weights[packing.MATS]
+    assert mats.dtype == DType.bfloat16 and mats.element_size == 2
+    f32 = np.asarray(PHAEngine(CONFIG, weights, dtype="float32").weights[packing.MATS])
+    assert f32.dtype == np.float32 and mats.num_elements == f32.size
+    assert packing.MATS not in plain.weights
+
+
+@plain_bf16
+def test_greedy_batch_equals_the_plain_bfloat16_graph(op, plain, reference):
+    # prompts ending inside the first block of 32 rows, one short of the second edge,
+    # past 4 blocks, and near the context; 12 steps cross the edges at 64 and 160 = n
+    assert_op_equals_plain(op, plain, reference, prompts_of([1, 63, 148, 13], seed=1), [4, 1, 7])
+
+
+@plain_bf16
+@pytest.mark.parametrize("length", [1, 31, 64, 97])
+def test_greedy_batch_of_one_across_blocks_and_slices_equals_the_plain_graph(op, plain, reference, length):
+    """Alone, a sample's context is cut into slices (two at this context): each length
+    puts the slices' and blocks' edges elsewhere, and the steps move them on."""
+    assert_op_equals_plain(op, plain, reference, prompts_of([length], seed=2 + length), [17, 23])
+
+
+@plain_bf16
+def test_sampled_tokens_equal_the_plain_graphs_draws(op, plain, reference):
+    """Temperature, top-k and top-p per sample (greedy for one): drawn from the same
+    bfloat16-rounded logits at the same counters."""
+    sampling = SamplingArrays(np.array([0.8, 0.0, 1.1], np.float32), np.array([0, 0, 7], np.int64),
+                              np.array([0.9, 1.0, 1.0], np.float32), np.array([11, 12, 13], np.uint64))
+    assert_op_equals_plain(op, plain, reference, prompts_of([5, 40, 77], seed=3), [6, 9], sampling)
+
+
+@pytest.mark.parametrize("lengths, calls", [([1, 63, 120, 13], [5, 1, 8]), ([97], [17, 23])],
+                         ids=["batch", "alone"])
+def test_greedy_decode_is_close_to_the_float32_reference(op, reference, lengths, calls):
+    """Along the op's own tokens, the float32 reference's log-probabilities of each new
+    token and its states after the last one (its prefill of the whole text)."""
+    prompts = prompts_of(lengths, seed=7)
+    ids, states = reference_start(reference, prompts, op)
+    tokens, states, pos, logprobs = decode_calls(op, ids, states, lengths, calls, logprobs=0)
+    for b, p in enumerate(prompts):
+        text = list(p) + [int(ids[b])] + tokens[b].tolist()
+        want = ref_log_softmax(reference, text[:-1])[len(p):]
+        new = np.array(text[len(p) + 1:], np.int64)
+        np.testing.assert_allclose(logprobs[b], want[np.arange(len(new)), new], rtol=0, atol=REF_LOGPROB)
+        _, cache = reference_prefill(reference, [text[:-1]])
+        assert_states_close(op, op.host(states)[:, b:b + 1], cache, [pos[b]], REF_REL)
+
+
+def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
+    """The op's engine loads its bfloat16 decode_steps graph alone here; the plain one its
+    bfloat16 decode graph for the tests marked ``plain_bf16``."""
+    from tests.support.graphs import declared_graph_jobs
+
+    assert set(declared_graph_jobs([request.node])) == {op.graph_job("decode_steps")}
+    uses_plain = [item for item in request.session.items if item.module is request.module and
+                  item.name.startswith(("test_greedy_batch_equals", "test_greedy_batch_of_one", "test_sampled"))]
+    if uses_plain:
+        assert set(declared_graph_jobs(uses_plain)) == {op.graph_job("decode_steps"), plain.graph_job("decode")}
