@@ -11,23 +11,27 @@ entering chunk m and j the offset in it:
     y[mC + j] = sum_{i <= j} K[j - i] x[mC + i]          inside the chunk: [H, C, C] Toeplitz
               + Re(sum_n Ct A**(j+1) P_m)                the state carried in
     S_m       = sum_i A**(C-1-i) x[mC + i]               the chunk's own final state
-    P_m       = sum_{m' < m} A**(C (m-1-m')) S_m'        an [M, M] matrix per mode
+    P_m       = sum_{m' < m} A**(C (m-1-m')) S_m'        an [M, M] matrix per mode (plain ops)
+              = A**C P_{m-1} + S_{m-1}                   one pass over the chunks (the Mojo op)
 
-O(T C H + T H N + M**2 H N) work and O(T H + M H N) memory per sample, against the
-O(H N T**2) time and O(N T**2) memory of a dense Toeplitz kernel. Every power of A
-is a table computed in float64 at load time (``gss_tables``), so long-range phases
-keep float64 accuracy.
+O(T C H + T H N) work and O(T H + M H N) memory per sample, plus O(M**2 H N) work on
+the plain path (the GPU path and the op's reference) or O(M H N) through the op
+(mojo/pha_gss_scan.mojo, CPU code), against the O(H N T**2) time and O(N T**2) memory
+of a dense Toeplitz kernel. Every power of A is a table computed in float64 at load
+time (``gss_tables``), so long-range phases keep float64 accuracy; the op carries the
+state in float64 from the table's A**C.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from max.graph import TensorValue, ops
+from max.graph import TensorType, TensorValue, ops
 
-from ..ops import I64, const, linear
+from ..op_names import OP_PHA_GSS_SCAN
+from ..ops import F32, I64, const, linear
 
 # Prefill chunk (tokens). The scan costs O(T C H) inside chunks and O((T / C)**2 N H)
-# between them; 64 balances the two at T = 8192, N = 512.
+# between them on the plain path; 64 balances the two at T = 8192, N = 512.
 CHUNK = 64
 
 
@@ -98,10 +102,13 @@ def _cmul(ar, ai, br, bi):
 
 
 def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, lengths: TensorValue,
-                g: dict, c, device):
+                g: dict, c, device, scan_op: bool = False):
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
+    ``scan_op``: the state is carried across the chunks by the Mojo op (``carried_by_op``,
+    CPU code, O(M H N)); else by [M, M] decay matmuls per mode (``carried_by_matmuls``,
+    O(M**2 H N)), the GPU path and the op's reference.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]
@@ -111,14 +118,47 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     xh = ops.reshape(ops.permute(xs, [3, 2, 0, 1]), [H, C, -1])
     y_in = ops.permute(ops.reshape(ops.matmul(g["kin"], xh), [H, C, B, M]), [2, 3, 1, 0])  # [B, M, C, H]
 
-    # each chunk's own final state, modes first: [2N, M, B*H] (real parts, then imaginary)
+    # each chunk's own final state [B, M, H, 2N] (real parts, then imaginary parts)
     rows = ops.reshape(ops.permute(xs, [0, 1, 3, 2]), [-1, C])  # [B*M*H, C]
     ends = ops.reshape(ops.matmul(rows, g["p_end"]), [B, M, H, 2 * N])
-    ends = ops.reshape(ops.permute(ends, [3, 1, 0, 2]), [2 * N, M, -1])
-    s_re, s_im = ends[:N], ends[N:]
 
-    # the state entering chunk m: decay[n, m, m'] = A**(C (m-1-m')) for m' < m, else 0
-    # (the zero row of p_chunk), as [N, M, M] matmuls over the modes
+    last = lengths - 1
+    m = ops.floor_div(last, ops.constant(C, I64, device=device))  # each sample's last chunk
+    j = last - m * C
+    if scan_op:
+        y_carry, entering = carried_by_op(ends, m, g, c, device)
+    else:
+        y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
+    out = _out(y_in + y_carry + xs * g["D"], u, g)
+
+    # the state after token e - 1 = m C + j: A**(j+1) P_m + sum_{i <= j} A**(j-i) x[mC + i]
+    w = ops.gather(g["p_step"], j + 1, axis=0)  # [B, 2N]: A**(j+1)
+    w_re = ops.broadcast_to(ops.reshape(w[:, :N], [B, 1, N]), [B, H, N])
+    w_im = ops.broadcast_to(ops.reshape(w[:, N:], [B, 1, N]), [B, H, N])
+    c_re, c_im = _cmul(w_re, w_im, entering[:, :, :N], entering[:, :, N:])
+    offs = const(np.arange(C, dtype=np.int64).reshape(1, C), I64, device)
+    jb = ops.unsqueeze(j, -1)
+    inside = ops.cast(offs <= jb, I64)
+    index = inside * (jb - offs) + (1 - inside) * (C + 1)  # [B, C]: A**(j-i), or the zero row
+    weights = ops.gather(g["p_step"], index, axis=0)  # [B, C, 2N]
+    x_last = ops.permute(ops.gather_nd(xs, ops.unsqueeze(m, -1), batch_dims=1), [0, 2, 1])  # [B, H, C]
+    local = ops.matmul(x_last, weights)  # [B, H, 2N]
+    s_re = ops.reshape(c_re + local[:, :, :N], [B, H * N])
+    s_im = ops.reshape(c_im + local[:, :, N:], [B, H * N])
+    return out, ops.concat([s_re, s_im], axis=1)
+
+
+def carried_by_matmuls(ends: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, m: TensorValue,
+                       g: dict, c):
+    """ends [B, M, H, 2N], each sample's last chunk m [B] -> (each chunk's carried-in share
+    of y [B, M, C, H], the state entering chunk m [B, H, 2N]), with plain ops:
+    P_m = sum_{m' < m} A**(C (m-1-m')) S_m' as [N, M, M] matmuls over the modes."""
+    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
+    B, M = ends.shape[0], ends.shape[1]
+    modes_first = ops.reshape(ops.permute(ends, [3, 1, 0, 2]), [2 * N, M, -1])  # [2N, M, B*H]
+    s_re, s_im = modes_first[:N], modes_first[N:]
+
+    # decay[n, m, m'] = A**(C (m-1-m')) for m' < m, else 0 (the zero row of p_chunk)
     ci, cj = ops.unsqueeze(chunk_rows, 1), ops.unsqueeze(chunk_cols, 0)
     before = ops.cast(cj < ci, I64)
     index = before * (ci - cj - 1) + (1 - before) * n_chunks(c)  # [M, M]
@@ -134,31 +174,29 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     q_re, q_im = _cmul(per_mode(g["ct_t_re"]), per_mode(g["ct_t_im"]), p_re, p_im)
     q = ops.reshape(ops.concat([q_re, q_im], axis=0), [2 * N, -1])
     y_carry = ops.permute(ops.reshape(ops.matmul(g["p_out"], q), [C, M, B, H]), [2, 1, 0, 3])  # [B, M, C, H]
-    out = _out(y_in + y_carry + xs * g["D"], u, g)
-
-    # the state after token e - 1 = m C + j: A**(j+1) P_m + sum_{i <= j} A**(j-i) x[mC + i]
-    last = lengths - 1
-    m = ops.floor_div(last, ops.constant(C, I64, device=device))
-    j = last - m * C
-    mb = ops.unsqueeze(m, -1)  # [B, 1]
 
     def entering(p):  # [N, M, B*H] -> [B, H, N] at each sample's chunk
-        return ops.gather_nd(ops.permute(ops.reshape(p, [N, M, B, H]), [2, 1, 3, 0]), mb, batch_dims=1)
+        return ops.gather_nd(ops.permute(ops.reshape(p, [N, M, B, H]), [2, 1, 3, 0]), ops.unsqueeze(m, -1),
+                             batch_dims=1)
 
-    w = ops.gather(g["p_step"], j + 1, axis=0)  # [B, 2N]: A**(j+1)
-    w_re = ops.broadcast_to(ops.reshape(w[:, :N], [B, 1, N]), [B, H, N])
-    w_im = ops.broadcast_to(ops.reshape(w[:, N:], [B, 1, N]), [B, H, N])
-    c_re, c_im = _cmul(w_re, w_im, entering(p_re), entering(p_im))
-    offs = const(np.arange(C, dtype=np.int64).reshape(1, C), I64, device)
-    jb = ops.unsqueeze(j, -1)
-    inside = ops.cast(offs <= jb, I64)
-    index = inside * (jb - offs) + (1 - inside) * (C + 1)  # [B, C]: A**(j-i), or the zero row
-    weights = ops.gather(g["p_step"], index, axis=0)  # [B, C, 2N]
-    x_last = ops.permute(ops.gather_nd(xs, mb, batch_dims=1), [0, 2, 1])  # [B, H, C]
-    local = ops.matmul(x_last, weights)  # [B, H, 2N]
-    s_re = ops.reshape(c_re + local[:, :, :N], [B, H * N])
-    s_im = ops.reshape(c_im + local[:, :, N:], [B, H * N])
-    return out, ops.concat([s_re, s_im], axis=1)
+    return y_carry, ops.concat([entering(p_re), entering(p_im)], axis=2)
+
+
+def carried_by_op(ends: TensorValue, m: TensorValue, g: dict, c, device):
+    """As ``carried_by_matmuls``, the state carried across the chunks by the Mojo op
+    (mojo/pha_gss_scan.mojo: P_{m+1} = A**C P_m + S_m per sample, channel and mode, in
+    float64; the chunks past each prompt skipped); the [C, 2N] product that turns Ct P_m
+    into y stays a matmul."""
+    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
+    B, M = ends.shape[0], ends.shape[1]
+    a_chunk = g["p_step"][C]  # A**C [2N], from the float64 table
+    ct = ops.concat([ops.transpose(g["ct_t_re"], 0, 1), ops.transpose(g["ct_t_im"], 0, 1)], axis=1)  # [H, 2N]
+    carried, entering = ops.custom(
+        OP_PHA_GSS_SCAN, device=device, values=[ends, a_chunk, ct, m + 1],
+        out_types=[TensorType(F32, ends.shape, device), TensorType(F32, [B, H, 2 * N], device)])
+    # Re(sum_n A**(j+1) (Ct P)_n) = [Re; Im](Ct P) @ p_out^T, per (sample, chunk, channel)
+    y = ops.matmul(ops.reshape(carried.tensor, [-1, 2 * N]), ops.transpose(g["p_out"], 0, 1))  # [B*M*H, C]
+    return ops.permute(ops.reshape(y, [B, M, H, C]), [0, 1, 3, 2]), entering.tensor
 
 
 def gss_step(x: TensorValue, re: TensorValue, im: TensorValue, g: dict, c, K):

@@ -36,7 +36,8 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
                device: DeviceRef, tiled: bool = False) -> tuple[TensorValue, list[TensorValue]]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
     each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
-    is the Mojo op (``attention.attn_prefill``; the graph needs the kernel library)."""
+    and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
+    ``gss.gss_prefill``; the graph needs the kernel library)."""
     c, C = W.config, CHUNK
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
@@ -52,7 +53,7 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
 
         def run(name, h, l=l, found=found):
             if name == "gss":
-                out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device)
+                out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device, tiled)
             elif name == "attn":
                 out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols, lengths,
                                                   W.attn(l), c, K, tiled)
@@ -70,7 +71,9 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
                             name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
     With ``kernel_library`` on a CPU the attention is the tiled Mojo op
-    (mojo/pha_prefill_attention.mojo); else plain ops with a [T, T] score matrix.
+    (mojo/pha_prefill_attention.mojo) and the GSS state crosses the chunks by the scan op
+    (mojo/pha_gss_scan.mojo); else plain ops with a [T, T] score matrix and an [M, M]
+    decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64 (also the random counter of the first new token),
