@@ -28,14 +28,16 @@ GUARD_TARGET = "x86-64-v3"
 PHA = "tests/models/pha/test_pha_engine.py::"
 PHA_OP = "tests/models/pha/test_pha_decode_op.py::"
 PREFILL_OP = "tests/models/pha/test_pha_prefill_attention_op.py::"
+GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
 # Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
 # faults at random calls once a model has been loaded into a process after another has run
 # (docs/avx2_crash.md; the same graphs run natively on AVX2 CPUs). A PHAEngine loads all
 # its graphs at its first use there, but a second engine would load after the first has
 # run, so each PHA engine's tests run in a child of their own: the engine's, then the
 # Generator's (both decode through the op, the default on a CPU), then the decode op's tests
-# against the reference (the op's engine alone), then the prefill attention op alone against
-# float64 on lengths across its AVX2 tiles (the engines' prefills already ran it).
+# against the reference (the op's engine alone), then the prefill's two ops alone against
+# float64, one per child: the attention op on lengths across its AVX2 tiles and the GSS scan
+# op (the engines' prefills already ran both).
 ENGINE_TESTS = (
     ("tests/models/srm/test_engine.py",),
     (PHA + "test_prefill_logits_and_states_match_reference", PHA + "test_multi_step_greedy_decode_matches_reference"),
@@ -49,6 +51,7 @@ ENGINE_TESTS = (
         "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
         "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
     (PREFILL_OP + "test_the_op_equals_float64_causal_attention",),
+    (GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),
 )
 # The guard reruns the tests of the graphs the engines run by default (float32 with the
 # Mojo ops, the project's own code tiled per vector width, where an AVX2-only fault
