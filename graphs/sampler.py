@@ -186,13 +186,24 @@ def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
         logits, rows, temperature, top_k, top_p, seed, mode, counter, scored = (v.tensor for v in g.inputs)
         picked = ops.gather(logits, rows, axis=0)
         ids = sample(picked, temperature, top_k, top_p, seed, counter, mode, device)
-        N, K = rows.shape[0], top_width(vocab_size)
-        types = [TensorType(F32, [N], device), TensorType(F32, [N, K], device), TensorType(I64, [N, K], device)]
-
-        def unscored():
-            return [ops.broadcast_to(ops.constant(0, t.dtype, device=device), t.shape) for t in types]
-
-        lp = ops.cond(ops.equal(scored, ops.constant(1, I64, device=host)), types,
-                      lambda: list(token_logprobs(picked, ids)), unscored)
-        g.output(ids, *lp)
+        g.output(ids, *drawn_logprobs(picked, ids, scored, device))
     return g
+
+
+def drawn_logprobs(logits: TensorValue, ids: TensorValue, scored: TensorValue, device: DeviceRef,
+                   row_op_device: DeviceRef | None = None) -> list[TensorValue]:
+    """The log-probabilities of tokens just drawn, asked for at run time: logits [N, V],
+    ids [N] int64, scored [] int64 on the host. With ``scored`` 1: each token's raw
+    log-probability [N] f32 (log_softmax of the logits, no temperature or filters) and the
+    K likeliest tokens' [N, K] f32 with their ids [N, K] int64 (``scoring.token_logprobs``,
+    K = ``scoring.top_width(V)``; ``row_op_device``: through the Mojo row op); with 0,
+    zeros at no cost. So one compiled graph serves calls with and without them."""
+    host = DeviceRef.CPU()
+    N, K = ids.shape[0], top_width(int(logits.shape[-1]))
+    types = [TensorType(F32, [N], device), TensorType(F32, [N, K], device), TensorType(I64, [N, K], device)]
+
+    def unscored():
+        return [ops.broadcast_to(ops.constant(0, t.dtype, device=device), t.shape) for t in types]
+
+    return ops.cond(ops.equal(scored, ops.constant(1, I64, device=host)), types,
+                    lambda: list(token_logprobs(logits, ids, row_op_device)), unscored)
