@@ -157,6 +157,7 @@ class Generator:
         self.config = engine.config
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache  # shared by every pool of this generator
+        self.token_texts = TokenTexts(self.decode, None if tokenizer is None else tokenizer.decode_batch)
 
     @classmethod
     def from_engine(cls, engine: CompiledGraphs, tokenizer=None, prefix_cache_mb: float | None = None) -> "Generator":
@@ -218,9 +219,8 @@ class Generator:
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
         if top_n is not None:
             scores = completion_scores(self.engine, sequences, top_n, self.prefix_cache)
-            texts = TokenTexts(self.decode)
             for r, s in zip(results, scores):
-                r.logprobs = texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
+                r.logprobs = self.token_texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
         return results[0] if single else results
 
     def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", seed=None, **options) -> SampleRun:
@@ -246,7 +246,7 @@ class Generator:
         top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, _, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                         steps_per_call, stream_text=self.tokenizer is not None, logprobs=top_n)
-        return self._events(pool, top_n, TokenTexts(self.decode))
+        return self._events(pool, top_n, self.token_texts)
 
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
               stream_text: bool = False, logprobs: int | None = None):
