@@ -1,8 +1,8 @@
 """``generate`` / ``stream`` / ``sample_many(..., logprobs=n)`` on an engine whose decode
 computes the log-probabilities (the SRM's whole-step op, ``decodes_logprobs``): they come
-from the decode itself (the first token's from the prefill's logits through the sample
-graph), with no score-graph pass, and equal scoring the text and the reference. TINY
-SRM, float32, the default CPU engine."""
+from the decode itself (the first token's from the prefill graph's own draw, or the sample
+graph's for forked samples), with no score-graph pass, and equal scoring the text and the
+reference. TINY SRM, float32, the default CPU engine."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ temperature, top-k or top-p, whatever sampled the token). ``score`` and
 ``loglikelihood`` run the engine's score graph. With ``logprobs=n`` a completion's
 tokens get theirs from the decode itself where the engine computes them there
 (``decodes_logprobs``: the whole-step decode ops on a CPU; the first token from the
-prefill's logits, graphs/sampler.py), else (the decode graphs without the op) the
+graph that drew it, graphs/sampler.py), else (the decode graphs without the op) the
 score graph scores them after the fact from the prompt's state
 (``scoring.completion_scores``). Either way the numbers equal scoring the text.
 """
@@ -157,7 +157,7 @@ class Generator:
         self.config = engine.config
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache  # shared by every pool of this generator
-        self.token_texts = TokenTexts(self.decode, None if tokenizer is None else tokenizer.decode_batch)
+        self.token_texts = TokenTexts(self.decode)  # each token's text decoded once
 
     @classmethod
     def from_engine(cls, engine: CompiledGraphs, tokenizer=None, prefix_cache_mb: float | None = None) -> "Generator":

@@ -62,7 +62,7 @@ _WINDOW = 8  # tokens decoded around each one: more than the bytes of any charac
 
 
 def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before: Sequence[int] = (),
-                 final: bool = True, decode_batch: Callable[[list[list[int]]], list[str]] | None = None) -> list[str]:
+                 final: bool = True, single: Callable[[int], str] | None = None) -> list[str]:
     """The text each of ``ids`` adds after the tokens ``before``. A token that ends
     inside a character (a byte-level tokenizer's first bytes of it, decoded as U+FFFD)
     adds ``""`` and the token that completes it adds the character, so the pieces add
@@ -71,11 +71,11 @@ def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before:
 
     Each piece is the difference of two decodes of the same few tokens before it, so
     that a decoder's rule for the start of a text (a leading space dropped) cancels.
-    ``decode_batch`` (many id lists -> their texts, as ``decode`` each): every decode in
-    one call, where no token but the last ends inside a character (else token by token)."""
+    ``single`` (an id -> its text alone, e.g. ``TokenTexts.one``'s cache): where the
+    decoder simply joins those texts, they are the pieces (two decodes in all)."""
     tokens = list(before) + [int(t) for t in ids]
-    if decode_batch is not None and ids:
-        pieces = _pieces_at_once(decode_batch, tokens, len(before), final)
+    if single is not None and ids:
+        pieces = _joined_pieces(decode, single, tokens, len(before))
         if pieces is not None:
             return pieces
     out, text = [], ""
@@ -91,30 +91,28 @@ def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before:
     return out
 
 
-def _pieces_at_once(decode_batch, tokens: list[int], first: int, final: bool) -> list[str] | None:
-    """``token_pieces`` of ``tokens[first:]`` from one ``decode_batch`` call, or None when a
-    token before the last ends inside a character (then its piece waits for a later
-    token's, which the token-by-token loop handles). Otherwise that loop reads each
-    token i after the ``_WINDOW`` tokens before it, as here."""
-    at = range(first, len(tokens))
-    texts = decode_batch([tokens[max(0, i - _WINDOW):i + k] for i in at for k in (0, 1)])
-    prev, text = texts[0::2], texts[1::2]
-    if any(t.endswith("\ufffd") for t in text[:-1]):
+def _joined_pieces(decode, single, tokens: list[int], first: int) -> list[str] | None:
+    """``token_pieces`` of ``tokens[first:]`` as each token's text alone, or None unless the
+    decoder simply joins them there: the run decoded after the window of tokens before it
+    is that window's text and then theirs, with no U+FFFD (no character split across
+    tokens, nor held back at the window's end). Then every window the token-by-token loop
+    decodes joins so too."""
+    pieces = [single(t) for t in tokens[first:]]
+    joined = "".join(pieces)
+    window = tokens[max(0, first - _WINDOW):first]
+    head = decode(window)
+    if "\ufffd" in joined or head.endswith("\ufffd") or decode(window + tokens[first:]) != head + joined:
         return None
-    out = [t.rstrip("\ufffd")[len(p.rstrip("\ufffd")):] for p, t in zip(prev, text)]
-    if final:
-        out[-1] += text[-1][len(text[-1].rstrip("\ufffd")):]
-    return out
+    return pieces
 
 
 class TokenTexts:
-    """Token texts for ``Logprobs``, decoding each alternative id once (a ``Generator``
-    keeps one for all its calls). ``decode_batch``: many id lists at once, as ``decode``
-    each (``token_pieces``)."""
+    """Token texts for ``Logprobs``, decoding each id alone once (a ``Generator`` keeps one
+    for all its calls): the alternatives' texts, and the tokens' where the decoder joins
+    them (``token_pieces``)."""
 
-    def __init__(self, decode: Callable[[list[int]], str | None],
-                 decode_batch: Callable[[list[list[int]]], list[str]] | None = None):
-        self.decode, self.decode_batch = decode, decode_batch
+    def __init__(self, decode: Callable[[list[int]], str | None]):
+        self.decode = decode
         self.has_text = decode([]) is not None
         self._one: dict[int, str] = {}
 
@@ -146,7 +144,7 @@ class TokenTexts:
             top = lead + self.tops(ids_rows, scores.top_logprobs[:, :top_n].tolist())
         tokens = starts = None
         if self.has_text:
-            tokens = token_pieces(self.decode, ids, before, decode_batch=self.decode_batch)
+            tokens = token_pieces(self.decode, ids, before, single=self.one)
             starts, at = [], offset
             for t in tokens:
                 starts.append(at)
