@@ -4,10 +4,12 @@ Mirrored exactly in numpy by ``srm_max.serve.sampling`` (the tests' oracle)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from .ops import F32, I64, U64, const, floor_at
+from .ops import F32, I64, U64, const, cpu_ops_run, floor_at
 from .scoring import token_logprobs, top_width
 
 # Counter-based randomness: every sample's noise is a function of (its seed,
@@ -157,9 +159,10 @@ def _top_k_total(scaled, vals, k_eff, device) -> TensorValue:
     return ops.cumsum(w, axis=-1)[:, V - 1 :]
 
 
-def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
+def build_sample_graph(name: str, vocab_size: int, device: DeviceRef, kernel_library: Path | None = None) -> Graph:
     """Draw tokens for samples that share logits: the samples of one prompt forked from
-    a single prefill; and, asked for, their log-probabilities.
+    a single prefill; and, asked for, their log-probabilities (with ``kernel_library`` on a
+    CPU through the Mojo row op, as the prefill graphs' own draw: the same numbers).
 
     Inputs: logits [P, V] f32 (one row per prefilled prompt), rows [N] int64 (each
     sample's row), temperature / top_k / top_p / seed [N], mode [] (host), counter [N]
@@ -182,17 +185,29 @@ def build_sample_graph(name: str, vocab_size: int, device: DeviceRef) -> Graph:
         TensorType(I64, ["samples"], device),
         TensorType(I64, [], host),
     ]
-    with Graph(name, input_types=input_types) as g:
+    row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the row op is CPU code
+    with Graph(name, input_types=input_types, custom_extensions=[kernel_library] if row_op is not None else []) as g:
         logits, rows, temperature, top_k, top_p, seed, mode, counter, scored = (v.tensor for v in g.inputs)
         picked = ops.gather(logits, rows, axis=0)
         ids = sample(picked, temperature, top_k, top_p, seed, counter, mode, device)
-        N, K = rows.shape[0], top_width(vocab_size)
-        types = [TensorType(F32, [N], device), TensorType(F32, [N, K], device), TensorType(I64, [N, K], device)]
-
-        def unscored():
-            return [ops.broadcast_to(ops.constant(0, t.dtype, device=device), t.shape) for t in types]
-
-        lp = ops.cond(ops.equal(scored, ops.constant(1, I64, device=host)), types,
-                      lambda: list(token_logprobs(picked, ids)), unscored)
-        g.output(ids, *lp)
+        g.output(ids, *drawn_logprobs(picked, ids, scored, device, row_op))
     return g
+
+
+def drawn_logprobs(logits: TensorValue, ids: TensorValue, scored: TensorValue, device: DeviceRef,
+                   row_op_device: DeviceRef | None = None) -> list[TensorValue]:
+    """The log-probabilities of tokens just drawn, asked for at run time: logits [N, V],
+    ids [N] int64, scored [] int64 on the host. With ``scored`` 1: each token's raw
+    log-probability [N] f32 (log_softmax of the logits, no temperature or filters) and the
+    K likeliest tokens' [N, K] f32 with their ids [N, K] int64 (``scoring.token_logprobs``,
+    K = ``scoring.top_width(V)``; ``row_op_device``: through the Mojo row op); with 0,
+    zeros at no cost. So one compiled graph serves calls with and without them."""
+    host = DeviceRef.CPU()
+    N, K = ids.shape[0], top_width(int(logits.shape[-1]))
+    types = [TensorType(F32, [N], device), TensorType(F32, [N, K], device), TensorType(I64, [N, K], device)]
+
+    def unscored():
+        return [ops.broadcast_to(ops.constant(0, t.dtype, device=device), t.shape) for t in types]
+
+    return ops.cond(ops.equal(scored, ops.constant(1, I64, device=host)), types,
+                    lambda: list(token_logprobs(logits, ids, row_op_device)), unscored)

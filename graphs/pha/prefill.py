@@ -15,7 +15,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..ops import F32, I64, U64, cpu_ops_run, linear
-from ..sampler import sample
+from ..sampler import drawn_logprobs, sample
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
 from .model import PHAWeights, _Consts, _block, _embed, _ffn, _state_row
@@ -78,8 +78,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64 (also the random counter of the first new token),
              temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-             mode [] int64 on the host (``sampler.MODE_*``).
-    Outputs: logits [B, V] at each prompt's last token, next_ids [B], states [L, B, X].
+             mode [] int64 on the host (``sampler.MODE_*``), scored [] int64 on the host.
+    Outputs: logits [B, V] at each prompt's last token, next_ids [B], states [L, B, X],
+             and with ``scored`` 1 next_ids' raw log-probabilities [B] and the K likeliest
+             tokens' values [B, K] and ids [B, K] (``sampler.drawn_logprobs``; on a CPU
+             with the Mojo ops through the row op), else zeros at no cost.
     """
     device = device or DeviceRef.CPU()
     c, C = config, CHUNK
@@ -91,10 +94,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         TensorType(F32, ["batch"], device),  # top_p
         TensorType(U64, ["batch"], device),  # seed
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode, on the host
+        TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
     ]
     with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
                custom_extensions=[kernel_library] if tiled else []) as g:
-        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode = (v.tensor for v in g.inputs)
+        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode, scored = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
         last = lengths - 1
@@ -102,5 +106,6 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
         nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)
-        g.output(logits, nxt, ops.stack(states, axis=0))
+        row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
+        g.output(logits, nxt, ops.stack(states, axis=0), *drawn_logprobs(logits, nxt, scored, device, row_op))
     return g

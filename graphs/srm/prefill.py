@@ -9,10 +9,15 @@ Inputs (B = batch, N = number of chunks, C = ``CHUNK``; B and N symbolic):
     temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
     mode         [] int64 on the host (``sampler.MODE_*``),
     counter      [B] int64 (the position of the token to draw = start + prompt length)
+    scored       [] int64 on the host: 1 for the first new token's log-probabilities below
 Outputs:
     logits       [B, V] f32        at each prompt's last real token
     next_ids     [B]    int64      the first new token, drawn in the graph
     states       [L, B, H, hd] f32 recurrent state after the last real token
+    logprobs     [B] f32, top values [B, K] f32, top ids [B, K] int64: with ``scored`` 1,
+                 next_ids' raw log-probabilities and the K likeliest tokens'
+                 (``sampler.drawn_logprobs``; on a CPU with the Mojo ops through the row
+                 op), else zeros at no cost
 
 Token t of sample b sits at the absolute position start[b] + t: the mixer's
 per-position weights w, beta are read there, so a prompt continued from a state
@@ -37,7 +42,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 from .. import ops as gops
 from ..op_names import OP_SCAN
 from ..ops import F32, I64, U64
-from ..sampler import sample
+from ..sampler import drawn_logprobs, sample
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
 # Mixer chunk length of the prefill scan. lam >= 0.9, so lam**(C-1) >= 0.9**31 ~ 0.04:
@@ -171,14 +176,17 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
         TensorType(U64, ["batch"], device),  # seed
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (sampler.MODE_*), on the host
         TensorType(I64, ["batch"], device),  # counter
+        TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
     ]
     extensions = [kernel_library] if kernels else []
     with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
-        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter = (v.tensor for v in g.inputs)
+        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter, scored = (
+            v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
         logits = logits_of(W, xl)
         nxt = sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
-        g.output(logits, nxt, states)
+        row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
+        g.output(logits, nxt, states, *drawn_logprobs(logits, nxt, scored, device, row_op))
     return g

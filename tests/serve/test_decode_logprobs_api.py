@@ -1,8 +1,8 @@
 """``generate`` / ``stream`` / ``sample_many(..., logprobs=n)`` on an engine whose decode
 computes the log-probabilities (the SRM's whole-step op, ``decodes_logprobs``): they come
-from the decode itself (the first token's from the prefill's logits through the sample
-graph), with no score-graph pass, and equal scoring the text and the reference. TINY
-SRM, float32, the default CPU engine."""
+from the decode itself (the first token's from the prefill graph's own draw, or the sample
+graph's for forked samples), with no score-graph pass, and equal scoring the text and the
+reference. TINY SRM, float32, the default CPU engine."""
 
 from __future__ import annotations
 
@@ -145,3 +145,31 @@ def test_samples_asking_for_different_top_n_share_a_batch(generator, ref):
         np.testing.assert_allclose(sc.logprobs, want[np.arange(len(s.tokens)), s.tokens], rtol=0, atol=TOL)
         for row, ids in zip(want, sc.top_ids):
             np.testing.assert_allclose(row[ids], sorted(row, reverse=True)[:n], rtol=0, atol=TOL)
+
+
+def test_first_tokens_log_probabilities_come_from_the_prefills_draw(no_score_pass, ref, monkeypatch):
+    """Prompts of their own: the prefill graph draws each first token and scores it (no
+    sample-graph call); the tokens are those drawn without log-probabilities, the first
+    one's log-probability the reference's. A prompt's samples forked from one prefill
+    still draw through the sample graph, with the same numbers."""
+    gen = no_score_pass
+    prompts = random_prompts([2, 30, 9], TINY.vocab_size, seed=24)
+    options = dict(max_new_tokens=5, temperature=0.9, top_p=0.9, seed=13, steps_per_call=2)
+    plain = gen.generate(prompts, **options)
+    draw_scored = gen.engine.draw_scored
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the first tokens were drawn again")
+
+    monkeypatch.setattr(gen.engine, "draw_scored", refuse)
+    monkeypatch.setattr(gen.engine, "draw", refuse)
+    outs = gen.generate(prompts, logprobs=4, **options)
+    for p, a, c in zip(prompts, plain, outs):
+        assert c.ids == a.ids
+        check_completion(gen, ref, p, c, 4)
+    monkeypatch.setattr(gen.engine, "draw_scored", draw_scored)
+    forked = list(gen.sample_many(prompts[1:2], n=2, logprobs=4, **(options | {"seed": 3})))
+    for s in forked:
+        alone = gen.generate(prompts[1], logprobs=4, **(options | {"seed": s.seed}))
+        assert s.ids == alone.ids
+        np.testing.assert_allclose(s.logprobs.logprobs, alone.logprobs.logprobs, rtol=0, atol=TOL)

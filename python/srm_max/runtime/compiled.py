@@ -33,6 +33,7 @@ from ..graphs.scoring import TOP_N
 from ..scalars import is_int
 from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
+from .drawn import one_step_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
 
@@ -109,6 +110,7 @@ class PrefillResult:
     logits: Buffer  # [B, V] float32 at each prompt's last token (on the device)
     next_ids: np.ndarray  # [B] int64 the first new token
     states: Buffer  # [L, B, H, hd] float32 (on the device)
+    scores: "DecodeResult | None" = None  # prefill(..., logprobs=n): the first tokens' (runtime/drawn.py)
 
 
 @dataclass
@@ -258,10 +260,8 @@ class CompiledGraphs:
     def draw_scored(self, logits: Buffer, rows, sampling: SamplingArrays, counters, top_n: int) -> DecodeResult:
         """``draw``, with each token's raw log-probability and the ``top_n`` (0 .. TOP_N)
         likeliest tokens (graphs/sampler.py): a one-step ``DecodeResult`` without states."""
-        ids, lp, values, top = self._draw(logits, rows, sampling, counters, True)
-        order = np.lexsort((top, -values), axis=-1)[:, :top_n]  # descending, ties by lower id (as score)
-        return DecodeResult(ids[:, None], None, None, None, lp[:, None],
-                            np.take_along_axis(top, order, -1)[:, None], np.take_along_axis(values, order, -1)[:, None])
+        ids, *scores = self._draw(logits, rows, sampling, counters, True)
+        return DecodeResult(ids[:, None], None, None, None, *one_step_scores(*scores, top_n))
 
     def _draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters, scored: bool) -> list[np.ndarray]:
         with self._lock:

@@ -42,7 +42,7 @@ temperature, top-k or top-p, whatever sampled the token). ``score`` and
 ``loglikelihood`` run the engine's score graph. With ``logprobs=n`` a completion's
 tokens get theirs from the decode itself where the engine computes them there
 (``decodes_logprobs``: the whole-step decode ops on a CPU; the first token from the
-prefill's logits, graphs/sampler.py), else (the decode graphs without the op) the
+graph that drew it, graphs/sampler.py), else (the decode graphs without the op) the
 score graph scores them after the fact from the prompt's state
 (``scoring.completion_scores``). Either way the numbers equal scoring the text.
 """
@@ -157,6 +157,7 @@ class Generator:
         self.config = engine.config
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache  # shared by every pool of this generator
+        self.token_texts = TokenTexts(self.decode)  # each token's text decoded once
 
     @classmethod
     def from_engine(cls, engine: CompiledGraphs, tokenizer=None, prefix_cache_mb: float | None = None) -> "Generator":
@@ -218,9 +219,8 @@ class Generator:
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
         if top_n is not None:
             scores = completion_scores(self.engine, sequences, top_n, self.prefix_cache)
-            texts = TokenTexts(self.decode)
             for r, s in zip(results, scores):
-                r.logprobs = texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
+                r.logprobs = self.token_texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
         return results[0] if single else results
 
     def sample_many(self, prompts, n: int, verifier=None, max_batch="auto", seed=None, **options) -> SampleRun:
@@ -246,7 +246,7 @@ class Generator:
         top_n = check_top_n(logprobs, "logprobs", allow_none=True)
         sequences, _, pool = self._pool(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
                                         steps_per_call, stream_text=self.tokenizer is not None, logprobs=top_n)
-        return self._events(pool, top_n, TokenTexts(self.decode))
+        return self._events(pool, top_n, self.token_texts)
 
     def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
               stream_text: bool = False, logprobs: int | None = None):

@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
+
 from ..errors import GenerationError
 from .sampling import check_prompts, check_text, is_int, token_ids
 from .scoring import Scores, check_top_n, rolling_windows, score_continuations, score_windows
@@ -60,7 +62,7 @@ _WINDOW = 8  # tokens decoded around each one: more than the bytes of any charac
 
 
 def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before: Sequence[int] = (),
-                 final: bool = True) -> list[str]:
+                 final: bool = True, single: Callable[[int], str] | None = None) -> list[str]:
     """The text each of ``ids`` adds after the tokens ``before``. A token that ends
     inside a character (a byte-level tokenizer's first bytes of it, decoded as U+FFFD)
     adds ``""`` and the token that completes it adds the character, so the pieces add
@@ -68,8 +70,14 @@ def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before:
     incomplete (unless more tokens will follow, as in a stream).
 
     Each piece is the difference of two decodes of the same few tokens before it, so
-    that a decoder's rule for the start of a text (a leading space dropped) cancels."""
+    that a decoder's rule for the start of a text (a leading space dropped) cancels.
+    ``single`` (an id -> its text alone, e.g. ``TokenTexts.one``'s cache): where the
+    decoder simply joins those texts, they are the pieces (two decodes in all)."""
     tokens = list(before) + [int(t) for t in ids]
+    if single is not None and ids:
+        pieces = _joined_pieces(decode, single, tokens, len(before))
+        if pieces is not None:
+            return pieces
     out, text = [], ""
     held = len(before)  # the first token whose text may still be held back
     for i in range(len(before), len(tokens)):
@@ -83,8 +91,25 @@ def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int], before:
     return out
 
 
+def _joined_pieces(decode, single, tokens: list[int], first: int) -> list[str] | None:
+    """``token_pieces`` of ``tokens[first:]`` as each token's text alone, or None unless the
+    decoder simply joins them there: the run decoded after the window of tokens before it
+    is that window's text and then theirs, with no U+FFFD (no character split across
+    tokens, nor held back at the window's end). Then every window the token-by-token loop
+    decodes joins so too."""
+    pieces = [single(t) for t in tokens[first:]]
+    joined = "".join(pieces)
+    window = tokens[max(0, first - _WINDOW):first]
+    head = decode(window)
+    if "\ufffd" in joined or head.endswith("\ufffd") or decode(window + tokens[first:]) != head + joined:
+        return None
+    return pieces
+
+
 class TokenTexts:
-    """Token texts for ``Logprobs``, decoding each alternative id once."""
+    """Token texts for ``Logprobs``, decoding each id alone once (a ``Generator`` keeps one
+    for all its calls): the alternatives' texts, and the tokens' where the decoder joins
+    them (``token_pieces``)."""
 
     def __init__(self, decode: Callable[[list[int]], str | None]):
         self.decode = decode
@@ -96,6 +121,14 @@ class TokenTexts:
             self._one[token] = self.decode([token])
         return self._one[token]
 
+    def _texts(self, rows: list[list[int]]) -> list[list[str]]:
+        """Each id's text, row by row (each new id decoded once)."""
+        one = self._one
+        new = {t for row in rows for t in row if t not in one}
+        for t in new:
+            one[t] = self.decode([t])
+        return [[one[t] for t in row] for row in rows]
+
     def logprobs(self, ids: Sequence[int], scores: Scores, top_n: int | None, first_unscored: bool = False,
                  before: Sequence[int] = (), offset: int = 0) -> Logprobs:
         """``Logprobs`` of ``ids``, whose last ``len(scores)`` tokens were scored (the
@@ -106,12 +139,12 @@ class TokenTexts:
         values = lead + [float(v) for v in scores.logprobs]
         top = alt = None
         if top_n:  # as lists once: per-row numpy indexing costs more than the rest here
-            ids_rows, value_rows = scores.top_ids[:, :top_n].tolist(), scores.top_logprobs[:, :top_n].tolist()
+            ids_rows = scores.top_ids[:, :top_n].tolist()
             alt = lead + ids_rows
-            top = lead + [self.top(i, v, top_n) for i, v in zip(ids_rows, value_rows)]
+            top = lead + self.tops(ids_rows, scores.top_logprobs[:, :top_n].tolist())
         tokens = starts = None
         if self.has_text:
-            tokens = token_pieces(self.decode, ids, before)
+            tokens = token_pieces(self.decode, ids, before, single=self.one)
             starts, at = [], offset
             for t in tokens:
                 starts.append(at)
@@ -121,10 +154,21 @@ class TokenTexts:
     def top(self, ids, values, n: int) -> dict:
         """{token text (id without a tokenizer): log-probability} of the first n alternatives
         (arrays or lists)."""
-        ids, values = (x[:n].tolist() if hasattr(x, "tolist") else x[:n] for x in (ids, values))
-        out: dict = {}
-        for t, v in zip(ids, values):
-            out.setdefault(self.one(t) if self.has_text else int(t), float(v))
+        ids, values = (np.asarray(x)[:n].tolist() for x in (ids, values))
+        return self.tops([ids], [values])[0]
+
+    def tops(self, ids: list[list[int]], values: list[list[float]]) -> list[dict]:
+        """``top`` of many rows (lists), most likely first in each: the texts of all rows
+        looked up at once."""
+        keys = self._texts(ids) if self.has_text else ids
+        out = []
+        for k, v in zip(keys, values):
+            row = dict(zip(k, v))
+            if len(row) < len(k):  # two ids with one text: the first (likelier) keeps it
+                row = {}
+                for key, value in zip(k, v):
+                    row.setdefault(key, value)
+            out.append(row)
         return out
 
 
@@ -167,8 +211,7 @@ def score(generator, texts, top_n: int = 0, max_length: int | None = None):
     ids, single = check_texts(texts, generator.config, generator.encode)
     max_length = check_max_length(max_length, generator.config)
     scores = score_ids(generator.engine, ids, top_n, max_length)
-    texts_of = TokenTexts(generator.decode)
-    out = [texts_of.logprobs(t, s, top_n, first_unscored=True) for t, s in zip(ids, scores)]
+    out = [generator.token_texts.logprobs(t, s, top_n, first_unscored=True) for t, s in zip(ids, scores)]
     return out[0] if single else out
 
 

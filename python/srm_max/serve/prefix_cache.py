@@ -249,8 +249,8 @@ def usable_cache(engine, cache: PrefixCache | None) -> PrefixCache | None:
     return cache if usable else None
 
 
-def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], sampling=None):
-    """``engine.prefill(prompts, sampling)`` through ``cache`` (one that ``usable_cache``
+def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], sampling=None, **asked):
+    """``engine.prefill(prompts, sampling, **asked)`` through ``cache`` (one that ``usable_cache``
     passed): -> the same PrefillResult (up to the order of the scan's sums) and, per
     prompt, the tokens taken from the cache. Each prompt starts from its longest cached
     prefix; first the pieces up to its split points run (a piece shared by several
@@ -277,7 +277,7 @@ def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], samplin
             state[i] = ends[:, index[tuple(prompts[i][:cut])]].copy()
             start[i] = cut
             cache.insert(prompts[i][:cut], state[i], hashes[i])
-    pre = _prefill_from(engine, [p[s:] for p, s in zip(prompts, start)], sampling, state, start)
+    pre = _prefill_from(engine, [p[s:] for p, s in zip(prompts, start)], sampling, state, start, **asked)
     ends = engine.host(pre.states)
     for i, p in enumerate(prompts):
         cache.insert(p, ends[:, i], hashes[i])
@@ -285,14 +285,14 @@ def prefill_cached(engine, cache: PrefixCache, prompts: list[list[int]], samplin
     return pre, cached
 
 
-def _prefill_from(engine, pieces: list[list[int]], sampling, states: list, starts: list[int]):
+def _prefill_from(engine, pieces: list[list[int]], sampling, states: list, starts: list[int], **asked):
     """Prefill ``pieces``, each from its host state (None: a fresh one) at its start."""
     if all(s is None for s in states):
-        return engine.prefill(pieces, sampling)
+        return engine.prefill(pieces, sampling, **asked)
     like = next(s for s in states if s is not None)
     stacked = np.stack([np.zeros_like(like) if s is None else s for s in states], axis=1)
     return engine.prefill(pieces, sampling, start_states=engine.to_device(stacked),
-                          start_positions=np.asarray(starts, np.int64))
+                          start_positions=np.asarray(starts, np.int64), **asked)
 
 
 def _neighbours(prompts: list[list[int]]) -> list[list[list[int]]]:

@@ -22,8 +22,8 @@ states: the batch's states never go through the host, only token ids, positions 
 the row index do (the prefix cache below keeps host copies of prefilled states and
 hands cached ones to the prefill).
 
-A sequence asking for log-probabilities (``logprobs``) gets them with its tokens where the
-engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
+A sequence asking for log-probabilities (``logprobs``) gets them with its tokens (the first one's from the graph
+that drew it) where the engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
 
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
@@ -287,16 +287,13 @@ class SlotPool:
         go_on = [i for i, s in enumerate(starting) if s.reason is None]
         self._rebuild(self.live, [starting[i] for i in go_on], (states, [row_of[i] for i in go_on], first[go_on]))
 
-    def _first(self, logits, row_of: list[int], starting: list[Sequence], drawn=None) -> DecodeResult:
-        """Each starting sample's first token from its prompt's logits row (``drawn``: the
-        tokens the prefill drew, when every sample has a prompt of its own), as a one-step
-        DecodeResult, with their log-probabilities where ``decode_top_n``."""
+    def _first(self, logits, row_of: list[int], starting: list[Sequence]) -> DecodeResult:
+        """Forked samples' first tokens from the sample graph (one-step, scored where ``decode_top_n``)."""
         top_n = decode_top_n(self.engine, starting)
         args = (logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
         if top_n is not None:
             return self.engine.draw_scored(*args, top_n)
-        first = drawn if drawn is not None else self.engine.draw(*args)
-        return DecodeResult(np.asarray(first, np.int64)[:, None], None, None, None)
+        return DecodeResult(np.asarray(self.engine.draw(*args), np.int64)[:, None], None, None, None)
 
     def _prefill(self, starting: list[Sequence], turn: Turn) -> tuple[object, list[int], DecodeResult]:
         """Each distinct prompt is prefilled once and its state forked into its samples;
@@ -320,21 +317,24 @@ class SlotPool:
         self.stats.prompts_prefilled += len(rows)
         turn.prompts_prefilled += len(rows)
         prompts = [list(p) for p in rows]
-        own = len(rows) == len(starting)  # every sample has a prompt of its own: it draws in the prefill
-        pre, cached = self._prefill_prompts(prompts, _sampling_of(starting) if own else None)
+        own = len(rows) == len(starting)  # every sample has a prompt of its own: it draws (and scores) in the prefill
+        pre, cached = self._prefill_prompts(prompts, _sampling_of(starting) if own else None,
+                                            decode_top_n(self.engine, starting) if own else None)
         for s, r in zip(starting, row_of):
             s.cached_tokens = cached[r]
         turn.cache_hits += sum(c > 0 for c in cached)
         turn.cached_tokens += sum(cached)
         self.stats.prompt_tokens_cached += sum(cached)
         self._last_prefill = (rows, pre.states, pre.logits, cached)
-        return pre.states, row_of, self._first(pre.logits, row_of, starting, pre.next_ids if own else None)
+        first = pre.scores if own else self._first(pre.logits, row_of, starting)
+        return pre.states, row_of, first or DecodeResult(pre.next_ids[:, None], None, None, None)
 
-    def _prefill_prompts(self, prompts: list[list[int]], sampling: SamplingArrays | None):
-        """-> the prefill of the distinct ``prompts`` and the tokens of each the cache gave."""
+    def _prefill_prompts(self, prompts: list[list[int]], sampling: SamplingArrays | None, top_n: int | None):
+        """-> the prefill of the distinct ``prompts`` (``top_n``: scored) and the tokens of each the cache gave."""
+        asked = {} if top_n is None else {"logprobs": top_n}  # engines without them take no such argument
         if self.prefix_cache is None:
-            return self.engine.prefill(prompts, sampling), [0] * len(prompts)
-        return prefill_cached(self.engine, self.prefix_cache, prompts, sampling)
+            return self.engine.prefill(prompts, sampling, **asked), [0] * len(prompts)
+        return prefill_cached(self.engine, self.prefix_cache, prompts, sampling, **asked)
 
     def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled=None) -> None:
         """The batch of the ``kept`` rows, then the ``starting`` sequences (``prefilled``:

@@ -24,11 +24,11 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     (mojo/pha_decode_step.mojo), the prefill and score graphs' attention is the tiled
     Mojo op (mojo/pha_prefill_attention.mojo), and the score graph reduces its logits with
     the Mojo row op (mojo/score_rows.mojo); ``kernels`` changes no other graph."""
+    cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "sample":
-        return build_sample_graph("pha_sample", config.vocab_size, device)
+        return build_sample_graph("pha_sample", config.vocab_size, device, kernel_library=cpu_ops)
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
-    cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "prefill":
         return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops)
     if kind == "score":

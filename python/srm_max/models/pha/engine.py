@@ -29,6 +29,7 @@ from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
 from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, session_weights,
                                  right_padded)
+from ...runtime.drawn import one_step_scores, scored_input
 from . import build, packing
 from .config import PHAConfig
 from .schema import checkpoint_shapes
@@ -133,17 +134,20 @@ class PHAEngine(CompiledGraphs):
 
     # -- the calls
     def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
-                start_positions=None) -> PrefillResult:
+                start_positions=None, logprobs: int | None = None) -> PrefillResult:
         """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them
-        (from a fresh start: ``check_fresh``)."""
+        (from a fresh start: ``check_fresh``). ``logprobs`` as the SRM engine's."""
         self.check_fresh(start_states, start_positions)
         ids, pos, lengths = self._chunked(prompts)
         sampling = sampling or SamplingArrays.greedy(len(prompts))
         with self._lock:
-            logits, nxt, states = self.prefill_model.execute(
+            logits, nxt, states, *lp = self.prefill_model.execute(
                 self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
-                *self.sampling_buffers(sampling))
-        return PrefillResult(logits, self.host(nxt), states)
+                *self.sampling_buffers(sampling), scored_input(logprobs))
+        nxt = self.host(nxt)
+        first = None if logprobs is None else DecodeResult(
+            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
+        return PrefillResult(logits, nxt, states, first)
 
     def _run_score(self, inputs, targets, lengths, start, start_states):
         self.check_fresh(start_states, start)

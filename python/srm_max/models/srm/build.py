@@ -21,11 +21,11 @@ GRAPH_SALT = b"srm-graphs-v2"
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind``: "prefill", "score" (per-position log-probabilities), "decode", "sample" (``graphs.sampler.build_sample_graph``),
     "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
+    library = kernel_library() if kernels else None
     if kind == "sample":
-        return build_sample_graph("srm_sample", config.vocab_size, device)
+        return build_sample_graph("srm_sample", config.vocab_size, device, kernel_library=library)
     if kind == "regroup":
         return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
-    library = kernel_library() if kernels else None
     if kind == "prefill":
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
     if kind == "score":

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 from max.driver import CPU, Buffer
 
-from ...runtime.compiled import CompiledGraphs, PrefillResult, SamplingArrays, check_shapes, right_padded, \
+from ...runtime.compiled import CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, right_padded, \
     session_weights
+from ...runtime.drawn import one_step_scores, scored_input
 from ...graphs.srm import CHUNK
 from . import build, packing, schema
 from .config import SRMConfig
@@ -83,20 +84,25 @@ class Engine(CompiledGraphs):
 
     # -- the calls
     def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
-                start_positions=None) -> PrefillResult:
+                start_positions=None, logprobs: int | None = None) -> PrefillResult:
         """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them.
         ``start_states`` [L, B, H, hd] and ``start_positions`` [B]: continue each sample from
         the state it reached after that many tokens (default: fresh); the prompt's tokens
-        then sit at start .. start + len - 1, and the first new token is drawn at start + len."""
+        then sit at start .. start + len - 1, and the first new token is drawn at start + len.
+        ``logprobs`` (0 .. 20): the result's ``scores`` hold the first new tokens' raw
+        log-probabilities and that many alternatives, from the same graph call."""
         B = len(prompts)
         lengths = np.array([len(p) for p in prompts], np.int64)
         start = self.check_start(lengths, start_states, start_positions)
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
-            logits, nxt, states = self.prefill_model.execute(
+            logits, nxt, states, *lp = self.prefill_model.execute(
                 *self._prefix_inputs(prompts, lengths, start, start_states), *self.sampling_buffers(sampling),
-                self.to_device(start + lengths))
-        return PrefillResult(logits, self.host(nxt), states)
+                self.to_device(start + lengths), scored_input(logprobs))
+        nxt = self.host(nxt)
+        first = None if logprobs is None else DecodeResult(
+            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
+        return PrefillResult(logits, nxt, states, first)
 
     def _run_score(self, inputs, targets, lengths, start, start_states):
         prefix = self._prefix_inputs(inputs, lengths, start, start_states)
