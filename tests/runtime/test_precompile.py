@@ -50,8 +50,9 @@ def test_an_unguarded_script_runs_once_and_gets_the_workers_error(tmp_path, how)
 
 
 def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
-    """The sampler ignores the weight dtype and the Mojo ops: the suite's and an engine's
-    jobs for it name one graph, so precompile hands the workers one job for it."""
+    """The sampler ignores the weight dtype (not the Mojo ops: with them it scores its
+    draws through the row op): the jobs for it that differ only in the weight dtype name
+    one graph, so precompile hands the workers one job per graph."""
     from tests.support.tiny import TINY
     from srm_max.models import registry
     from srm_max.runtime import precompile as pc
@@ -64,4 +65,5 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     handed: list = []
     monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
     pc.precompile(jobs)
-    assert [(j.kind, j.dtype, j.kernels) for j in handed] == [("sample", "float32", True), ("regroup", "bfloat16", False)]
+    assert [(j.kind, j.dtype, j.kernels) for j in handed] == [
+        ("sample", "float32", True), ("sample", "float32", False), ("regroup", "bfloat16", False)]
