@@ -8,7 +8,7 @@ import torch
 
 from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
-from tests.support.checks import assert_close_rel
+from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.prompts import random_prompts, reference_prefill
 
 
@@ -92,3 +92,17 @@ def reference_start(reference, prompts, engine):
     states = np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
     assert states.shape[2] == engine.layout.width
     return logits.argmax(-1), engine.to_device(states)
+
+
+def assert_prefill_equals_plain_and_reference(engine, plain, reference, prompts, lengths):
+    """``engine``'s prefill (through the Mojo ops) against the reference (logits and
+    states) and against ``plain``'s (the plain-op graph: logits, next tokens, GSS states);
+    -> both engines' states, split by name, for the caller's further checks."""
+    res, logits, cache = assert_prefill_matches_reference(engine, reference, prompts, engine.config.vocab_size)
+    assert_states_close(engine, res.states, cache, lengths)
+    base = plain.prefill(prompts)
+    assert_close_rel(logits, plain.host(base.logits), rel=1e-4)
+    np.testing.assert_array_equal(res.next_ids, base.next_ids)
+    got, want = engine.split_states(res.states), plain.split_states(base.states)
+    assert_close_rel(got["gss_state"], want["gss_state"], rel=1e-4)
+    return got, want

@@ -18,9 +18,9 @@ import pytest
 
 from srm_max.graphs.op_names import OP_PHA_GSS_SCAN
 from srm_max.graphs.pha.gss import CHUNK
-from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
+from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of
+from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, prompts_of
 
 pytestmark = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
@@ -186,13 +186,7 @@ def test_prefill_through_the_op_equals_the_plain_graph_and_the_reference(weights
     engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
     plain = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
     prompts = prompts_of(LENGTHS, seed=11)
-    res, logits, cache = assert_prefill_matches_reference(engine, reference, prompts, CONFIG.vocab_size)
-    assert_states_close(engine, res.states, cache, LENGTHS)
-    base = plain.prefill(prompts)
-    assert_close_rel(logits, plain.host(base.logits), rel=1e-4)
-    np.testing.assert_array_equal(res.next_ids, base.next_ids)
-    got, want = engine.split_states(res.states), plain.split_states(base.states)
-    assert_close_rel(got["gss_state"], want["gss_state"], rel=1e-4)
+    got, want = assert_prefill_equals_plain_and_reference(engine, plain, reference, prompts, LENGTHS)
     for prompt in (prompts[0], prompts[3], prompts[-1]):
         alone, base = engine.prefill([prompt]), plain.prefill([prompt])
         assert_close_rel(engine.host(alone.logits), plain.host(base.logits), rel=1e-4)
