@@ -1,13 +1,13 @@
-"""The engine tests once more with CPU kernels compiled for AVX2 (``x86-64-v3``).
+"""The Mojo ops once more compiled for AVX2 (``x86-64-v3``).
 
 Compiled CPU code differs between instruction sets: a fault that only AVX2 code
 has (16 vector registers, 32-byte vectors) cannot show on an AVX-512 machine
 running its own code. So where the host is not itself an ``x86-64-v3`` CPU, the
-engine tests run again in child processes with ``SRM_MAX_CPU_TARGET=x86-64-v3``
-(``srm_max.runtime.cpu_target``): every engine path compiled for AVX2 and checked against
-the reference. A child that crashes in every run is reported as a failure naming the
-test each crash was in, instead of killing this run. ``SRM_MAX_TARGET_GUARD=1`` runs it on any
-x86-64 host (to check the guard itself).
+tests of the project's Mojo ops run again in child processes with
+``SRM_MAX_CPU_TARGET=x86-64-v3`` (``srm_max.runtime.cpu_target``), each op checked against
+its float64 or reference form. A child that crashes in every run is reported as a
+failure naming the test each crash was in, instead of killing this run.
+``SRM_MAX_TARGET_GUARD=1`` runs it on any x86-64 host (to check the guard itself).
 """
 
 from __future__ import annotations
@@ -25,39 +25,37 @@ from tests.support.graphs import KERNEL_GRAPHS_ONLY
 from tests.support.paths import REPO_ROOT as ROOT
 
 GUARD_TARGET = "x86-64-v3"
-PHA = "tests/models/pha/test_pha_engine.py::"
 PHA_OP = "tests/models/pha/test_pha_decode_op.py::"
 PREFILL_OP = "tests/models/pha/test_pha_prefill_attention_op.py::"
 GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
+# What the guard reruns: the project's own CPU code, the Mojo ops, whose tiles and vector
+# loops are written per SIMD width (AVX2: 8 float32 lanes, 16 registers; AVX-512: 16 and
+# 32), each against its float64 or reference form, through graphs of the op alone or of the
+# engine's decode op alone (each a small compile for x86-64-v3). The engines' other graphs
+# are MAX's own kernels around these ops, with no loop in them on a CPU (the MAX fault this
+# guard was made for struck plain ops inside ``ops.while_loop``, docs/avx2_crash.md, and the
+# CPU decode is one op now); they run as AVX2 code natively on the AVX2 CI machines.
+#
 # Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
-# faults at random calls once a model has been loaded into a process after another has run
-# (docs/avx2_crash.md; the same graphs run natively on AVX2 CPUs). A PHAEngine loads all
-# its graphs at its first use there, but a second engine would load after the first has
-# run, so each PHA engine's tests run in a child of their own: the engine's, then the
-# Generator's (both decode through the op, the default on a CPU), then the decode op's tests
-# against the reference (the op's engine alone), then the prefill's two ops alone against
-# float64, one per child: the attention op on lengths across its AVX2 tiles and the GSS scan
-# op (the engines' prefills already ran both).
-ENGINE_TESTS = (
-    ("tests/models/srm/test_engine.py",),
-    (PHA + "test_prefill_logits_and_states_match_reference", PHA + "test_multi_step_greedy_decode_matches_reference"),
-    tuple(PHA + name for name in (
-        "test_generate_greedy_equals_reference_generate",
-        "test_sampled_tokens_follow_the_seed_and_the_reference_distribution",
-        "test_slot_pool_refills_pha_states", "test_a_sample_past_the_context_does_not_disturb_its_batch_mates",
-        "test_stream_yields_the_generated_tokens")),
+# faults at random calls once a PHA model has been loaded into a process after another has
+# run (docs/avx2_crash.md), so the PHA's ops run apart from the SRM's and from each other:
+# the SRM's ops (the mixer's step and scan, the whole decode step and its steps with the
+# row sampler, the score graphs' head and row reduction), the PHA decode op's tests against
+# the reference (the op's engine alone), and the PHA prefill's two ops against float64 (the
+# attention op on lengths across its AVX2 tiles, the GSS scan op).
+GUARD_TESTS = (
+    ("tests/models/srm/test_kernels.py", "tests/models/srm/test_decode_step_op.py",
+     "tests/models/srm/test_score_head.py", "tests/models/srm/test_score_rows.py"),
     tuple(PHA_OP + name for name in (
         "test_greedy_batch_equals_the_reference", "test_greedy_batch_of_one_across_blocks_and_slices",
         "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
         "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
-    (PREFILL_OP + "test_the_op_equals_float64_causal_attention",),
-    (GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),
+    (PREFILL_OP + "test_the_op_equals_float64_causal_attention",
+     GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),
 )
-# The guard reruns the tests of the graphs the engines run by default (float32 with the
-# Mojo ops, the project's own code tiled per vector width, where an AVX2-only fault
-# hides). Tests that also need the bfloat16 or the plain-op graphs are left out: each
-# graph is a cold compile for x86-64-v3 in the guard, and those would double its time.
-GUARD_OPTIONS = (KERNEL_GRAPHS_ONLY,)
+# Only tests whose graphs are float32 graphs with the Mojo ops (the op-alone graphs declare
+# none); the slow ones (a virtual GPU's compile) are no CPU code.
+GUARD_OPTIONS = (KERNEL_GRAPHS_ONLY, "-m", "not slow")
 # A child that dies by a signal runs again, up to this many times in all: that runtime
 # fault strikes a child now and then, while a fault of the graphs' own AVX2 code strikes
 # every run (the crash this guard was made for did), so it still fails the guard.
@@ -145,9 +143,9 @@ def test_a_crash_that_does_not_recur_passes_and_a_failure_is_not_retried(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
-def test_engine_tests_pass_with_kernels_compiled_for_avx2():
+def test_the_mojo_ops_pass_compiled_for_avx2():
     problems = [run_for_target(tests, GUARD_TARGET, attempts=CRASH_ATTEMPTS, options=GUARD_OPTIONS)
-                for tests in ENGINE_TESTS]
+                for tests in GUARD_TESTS]
     problems = [p for p in problems if p]
     if problems:
         pytest.fail("\n\n".join(problems))
@@ -156,7 +154,7 @@ def test_engine_tests_pass_with_kernels_compiled_for_avx2():
 def test_the_guard_names_tests_that_exist():
     """A renamed test would leave the guard selecting nothing from it (pytest exits
     with 4 on an unknown node id, so this also keeps the error readable)."""
-    for tests in ENGINE_TESTS:
+    for tests in GUARD_TESTS:
         for test in tests:
             path, _, name = test.partition("::")
             assert (ROOT / path).exists(), test
@@ -168,7 +166,7 @@ def test_the_guard_selects_the_tests_of_the_float32_kernel_graphs_only():
     Mojo ops, so they compile no bfloat16 or plain-op graph for x86-64-v3."""
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *GUARD_OPTIONS,
-         *ENGINE_TESTS[0]], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "tests/models/srm/test_engine.py"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     selected = set(re.findall(r"^tests/\S+::(\S+)$", proc.stdout, flags=re.MULTILINE))
     assert "test_greedy_decode_in_one_op_equals_the_graph_loop[float32]" in selected

@@ -46,6 +46,20 @@ def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
     return model.eval()
 
 
+def bf16_rounded(model: PHA) -> PHA:
+    """``model`` with the matrices the engine keeps in bfloat16 rounded to it, in place:
+    what is left between it and a bfloat16 engine is the rounding of the activations
+    entering and leaving each product."""
+    from srm_max.graphs.pha import matrix_names
+
+    names = set(matrix_names(model.config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in names:
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return model
+
+
 def prompts_of(lengths, seed=0):
     return random_prompts(lengths, CONFIG.vocab_size, seed)
 

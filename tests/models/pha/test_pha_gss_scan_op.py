@@ -22,7 +22,9 @@ from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, prompts_of
 
-pytestmark = graphs(CONFIG, ("prefill",), kernels=True)
+# the engines' prefill graphs, for the tests that prefill through them (the op's own tests
+# compile a graph of the op alone)
+op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
 
 
@@ -176,6 +178,7 @@ def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
 LENGTHS = [1, 63, 64, 65, 127, 128, 129, 160]
 
 
+@op_prefill
 @plain_prefill
 def test_prefill_through_the_op_equals_the_plain_graph_and_the_reference(weights, reference):
     """A batch of mixed lengths, padded to 3 chunks: logits, next tokens and the GSS

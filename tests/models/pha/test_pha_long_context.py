@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from srm_max.graphs.pha import CHUNK, matrix_names
 from srm_max.models.pha.config import PHAConfig
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import assert_states_close, prompts_of, random_pha, ref_greedy
+from tests.support.pha import assert_states_close, bf16_rounded, prompts_of, random_pha, ref_greedy
 from tests.support.prompts import reference_prefill
 
 ABLATION = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
@@ -30,14 +29,8 @@ pytestmark = graphs(ABLATION, ("prefill", "decode"), "bfloat16", kernels=False)
 def rounded_reference():
     """The float32 reference with its big matrices rounded to bfloat16, so what is left
     between it and the engine is the rounding of the activations entering each matmul."""
-    model = random_pha(ABLATION, seed=3)
-    names = set(matrix_names(ABLATION))
-    assert "lm_head.weight" in names
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in names:
-                p.copy_(p.to(torch.bfloat16).to(torch.float32))
-    return model
+    assert "lm_head.weight" in matrix_names(ABLATION)
+    return bf16_rounded(random_pha(ABLATION, seed=3))
 
 
 @pytest.fixture(scope="module")

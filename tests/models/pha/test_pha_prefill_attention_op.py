@@ -23,7 +23,9 @@ from tests.support.checks import assert_close_rel, assert_prefill_matches_refere
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, assert_states_close, prompts_of, random_pha
 
-pytestmark = graphs(CONFIG, ("prefill",), kernels=True)
+# the engines' prefill graphs, for the tests that prefill through them (the op's own tests
+# compile a graph of the op alone)
+op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
 ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"))
 # lengths ending inside, on and after a tile of 32 and of 64 queries, and at the context
@@ -133,6 +135,7 @@ def engine(weights):
     return PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
 
 
+@op_prefill
 @plain_prefill
 def test_prefill_through_the_op_equals_the_plain_graph_and_the_reference(engine, weights, reference):
     """A batch of mixed lengths across the tiles: logits, next tokens, GSS states and the KV
