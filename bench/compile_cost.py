@@ -1,0 +1,131 @@
+"""What one cold MAX graph compile costs on this CPU, and what it grows with: the
+measurements behind the test suite's compile budget (docs/testing.md).
+
+    python -m bench.compile_cost [--models] [--out bench/results/compile_cost.json]
+
+Each graph compiles in a child process with a fresh, empty ``HOME`` (so MAX's own caches
+under ``~/.cache/modular`` start empty, as on a clean CI machine) and its CPU seconds are
+read from the child's resource usage, which other jobs on the cores do not inflate the way
+they inflate wall-clock time. The graphs:
+
+- ``add``: one elementwise op, the cost of any graph;
+- ``matmul``: one 2-D matmul; ``matmul_twice``: two of the same signature;
+- ``matmul_2d_and_3d``: a 2-D and a batched 3-D matmul (two signatures);
+- ``add_again_warm``: ``add`` once more in the first child's ``HOME``, to show which part
+  MAX's caches keep between processes (a graph identical to one compiled before);
+- with ``--models``: the test PHA's plain-op prefill graph (tests/support/pha.py's shape,
+  every branch on) with 2 blocks and with 1, to show whether the compile grows with depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import machine_info
+
+OUT = Path(__file__).with_name("results") / "compile_cost.json"
+GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
+
+
+def build(name: str):
+    """The named graph (see the module docs)."""
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    cpu, f32 = DeviceRef.CPU(), DType.float32
+
+    def t(*shape):
+        return TensorType(f32, list(shape), cpu)
+
+    if name.startswith("pha_plain_prefill_"):
+        import dataclasses
+
+        from srm_max.models import registry
+        from srm_max.models.pha.config import PHAConfig
+
+        config = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
+                           dss_state_size=8)
+        config = dataclasses.replace(config, n_layers=int(name.rsplit("_", 1)[1]))
+        return registry.of(config).graph_job("prefill", config, "float32", "cpu", False).graph()
+    inputs = {"add": [t("B", 16), t("B", 16)], "matmul": [t("B", 16), t(16, 40)],
+              "matmul_twice": [t("B", 16), t(16, 40), t(40, 16)],
+              "matmul_2d_and_3d": [t("B", 16), t(16, 40), t("B", 4, 16), t(16, 8)]}[name]
+    with Graph(name, input_types=inputs) as g:
+        x = [v.tensor for v in g.inputs]
+        if name == "add":
+            g.output(x[0] + x[1])
+        elif name == "matmul":
+            g.output(ops.matmul(x[0], x[1]))
+        elif name == "matmul_twice":
+            g.output(ops.matmul(ops.matmul(x[0], x[1]), x[2]))
+        else:
+            g.output(ops.matmul(x[0], x[1]), ops.matmul(x[2], x[3]))
+    return g
+
+
+def compile_once(name: str) -> None:
+    """In the child: build and compile the graph (MAX's ``InferenceSession.compile``, as
+    the engines' compile workers do; weights are bound later, at load)."""
+    from max.driver import CPU
+    from max.engine import InferenceSession
+
+    InferenceSession(devices=[CPU()]).compile(build(name))
+
+
+def measure(name: str, home: str) -> dict:
+    """Compile ``name`` in a child with ``HOME=home``: its CPU and wall seconds."""
+    import time
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "bench.compile_cost", "--child", name], capture_output=True,
+                          text=True, env=os.environ | {"HOME": home}, cwd=Path(__file__).parents[1])
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"compile_cost: compiling {name} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"graph": name, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+            "load_average": list(os.getloadavg())}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", action="store_true", help="also the test PHA's plain prefill at 2 and 1 blocks")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        compile_once(args.child)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory() as first_home:
+        names = list(GRAPHS) + (["pha_plain_prefill_2", "pha_plain_prefill_1"] if args.models else [])
+        for i, name in enumerate(names):
+            if i == 0:
+                rows.append(measure(name, first_home))
+            else:
+                with tempfile.TemporaryDirectory() as home:
+                    rows.append(measure(name, home))
+            print(json.dumps(rows[-1]), flush=True)
+        again = measure("add", first_home)
+        again["graph"] = "add_again_warm"
+        rows.append(again)
+        print(json.dumps(again), flush=True)
+    result = {"machine": machine_info(), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
