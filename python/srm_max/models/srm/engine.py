@@ -63,9 +63,10 @@ class Engine(CompiledGraphs):
 
     @property
     def decodes_logprobs(self) -> bool:
-        """The whole-step decode op returns the new tokens' log-probabilities
-        (graphs/srm/decode.py ``build_decode_steps_graph``); the decode graph's loop does not."""
-        return self.steps_in_one_op
+        """Every decode returns the new tokens' log-probabilities: the whole-step op
+        (graphs/srm/decode.py ``build_decode_steps_graph``) and the decode graph's loop
+        (graphs/loop.py)."""
+        return True
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
