@@ -373,17 +373,12 @@ class CompiledGraphs:
             sampling = self.sampling_buffers(sampling)
         return ids, positions, sampling
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """Whether ``decode(..., logprobs=n)`` works: where the architecture's engine says so."""
-        return False
-
     def logprob_inputs(self, logprobs: int | None) -> list[Buffer]:
-        """The last inputs of a decode-steps graph that computes log-probabilities: scored []
-        (host) and top [n] (``decode``'s ``logprobs``, checked)."""
-        if logprobs is not None and not (self.decodes_logprobs and is_int(logprobs) and 0 <= logprobs <= TOP_N):
-            raise GenerationError(f"decode: logprobs={logprobs!r} needs a decode that computes them "
-                                  f"(decodes_logprobs) and 0 to {TOP_N}")
+        """The decode graphs' log-probability inputs: scored [] (host; every decode graph) and
+        top [n] (the decode-steps graphs: its length is the alternatives their op returns),
+        from ``decode``'s ``logprobs`` (None, or 0 .. TOP_N: checked)."""
+        if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
+            raise GenerationError(f"decode: logprobs={logprobs!r} must be None or an integer from 0 to {TOP_N}")
         return [Buffer.from_numpy(np.array(int(logprobs is not None), np.int64)),
                 self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
 
@@ -401,7 +396,7 @@ class CompiledGraphs:
                logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
         ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs``
-        (0 .. TOP_N, where ``decodes_logprobs``): the result also carries each new token's
+        (0 .. TOP_N): the result also carries each new token's
         raw log-probability (log_softmax of the logits, no temperature or filters) and
         that many alternatives per step, computed in the decode op or graph."""
         scored, top = self.logprob_inputs(logprobs)

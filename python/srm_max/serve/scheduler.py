@@ -22,8 +22,8 @@ states: the batch's states never go through the host, only token ids, positions 
 the row index do (the prefix cache below keeps host copies of prefilled states and
 hands cached ones to the prefill).
 
-A sequence asking for log-probabilities (``logprobs``) gets them with its tokens (the first one's from the graph
-that drew it) where the engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
+A sequence asking for log-probabilities (``logprobs``) gets them with its tokens from the engine's decode (the
+first one's from the graph that drew it; ``scoring.decode_top_n``), each keeping its own top-n.
 
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
@@ -95,7 +95,8 @@ class Sequence:
     cancel_requested: bool = False
     cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
     # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``:
-    # each token's (log-probability, top ids, top log-probabilities: at least that many), where ``decode_top_n``
+    # each token's (log-probability, top ids, top log-probabilities: at least that many), from the
+    # decode (``decode_top_n``)
     logprobs: int | None = None
     token_scores: list[tuple] = field(default_factory=list)
 

@@ -133,7 +133,7 @@ def plain(tiny_weights):
     from srm_max.models.srm.engine import Engine
 
     engine = Engine(TINY, tiny_weights, kernels=False)
-    assert not engine.steps_in_one_op and engine.decodes_logprobs
+    assert not engine.steps_in_one_op
     return engine
 
 

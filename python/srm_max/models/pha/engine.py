@@ -157,18 +157,12 @@ class PHAEngine(CompiledGraphs):
         return self.score_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
                                         self.to_device(lengths), self.to_device(padded))
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """Every decode returns the new tokens' log-probabilities (graphs/pha/decode.py):
-        the decode op's graph and the one-step decode graph."""
-        return True
-
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
         caller's stay as they were: the slot pool forks kept prefill states). The copy
         is made once per call, then every step writes its rows into it in place.
-        ``logprobs``: as ``CompiledGraphs.decode``, where ``decodes_logprobs``."""
+        ``logprobs``: as ``CompiledGraphs.decode``, from the op or the one-step graph."""
         scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:

@@ -61,13 +61,6 @@ class Engine(CompiledGraphs):
         self._open(weights_registry(config, weights, self.dtype,
                                     packed=self.steps_in_one_op))
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """Every decode returns the new tokens' log-probabilities: the whole-step op
-        (graphs/srm/decode.py ``build_decode_steps_graph``) and the decode graph's loop
-        (graphs/loop.py)."""
-        return True
-
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
         return self.to_device(np.zeros((c.n_layers, batch, c.n_heads, c.head_dim), np.float32))
