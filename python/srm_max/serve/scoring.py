@@ -306,7 +306,7 @@ class ContinuationScorer:
 
 
 # ------------------------------------------------------------------ scored in the decode
-def decode_top_n(engine, sequences) -> int | None:
+def decode_top_n(sequences) -> int | None:
     """The alternatives per token that an engine call for ``sequences`` (the scheduler's)
     returns with their tokens' log-probabilities: the most any asks for (``logprobs``),
     or None where none asks. Every engine's decode computes them (the decode ops and the
