@@ -169,8 +169,6 @@ def bench_decode_op(engine, batch, prompt_len, new, repeats) -> dict:
     ``TOP_N`` alternatives, alternating; the median seconds and each over without."""
     from srm_max.runtime.compiled import SamplingArrays
 
-    if not getattr(engine, "decodes_logprobs", False):
-        return {"skipped": "this engine's decode does not compute log-probabilities"}
     prompts = fixed_prompts(batch, prompt_len, engine.config.vocab_size, seed=98).tolist()
     s = SamplingArrays(np.full(batch, 0.8, np.float32), np.zeros(batch, np.int64), np.full(batch, 0.95, np.float32),
                        np.arange(batch, dtype=np.uint64))

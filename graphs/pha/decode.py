@@ -20,7 +20,7 @@ from max.graph import BufferType, DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_DECODE_STEPS, OP_WRITE_STATE_ROWS
 from ..ops import F32, I64, U64, clamp_max, const, linear
-from ..sampler import sample
+from ..sampler import drawn_logprobs, sample
 from .attention import attn_step
 from .gss import gss_step
 from .model import PHAWeights, StateLayout, _Consts, _block, _embed, _ffn
@@ -115,19 +115,22 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     """One decode step for a batch (B symbolic), the states updated in place.
 
     Inputs: ids [B], positions [B], states [L, B, X] (a buffer), temperature / top_k /
-    top_p / seed [B], mode [] (host), as ``graphs/loop.py`` without its step counts.
+    top_p / seed [B], mode [] (host), as ``graphs/loop.py`` without its step counts, then
+    its scored [] (host: 1 for the log-probabilities below, 0 for zeros at no cost).
     Outputs: the drawn token [B] (its random counter is its position, positions + 1)
-    and positions + 1. ``kernel_library``: the Mojo package holding
-    ``srm_write_state_rows``.
+    and positions + 1; then the token's raw log-probability [B] f32 (log_softmax of the
+    logits, no temperature or filters) and the K likeliest tokens' [B, K] f32 with their
+    ids [B, K] int64 (``sampler.drawn_logprobs``, K = ``scoring.top_width(V)``).
+    ``kernel_library``: the Mojo package holding ``srm_write_state_rows``.
     """
     if kernel_library is None:
         raise ValueError("the PHA decode graph needs the Mojo kernel library (srm_write_state_rows)")
     device = device or DeviceRef.CPU()
     c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = _step_inputs(c, lay, device)
+    input_types = _step_inputs(c, lay, device) + [TensorType(I64, [], DeviceRef.CPU())]  # scored
     with Graph(name or f"pha_decode_{dt}", input_types=input_types, custom_extensions=[kernel_library]) as g:
-        ids, pos, states_buf, temperature, top_k, top_p, seed, mode = g.inputs
+        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, scored = g.inputs
         ids, pos = ids.tensor, pos.tensor
         states_buf = states_buf.buffer
         logits, (gss, keys, values) = step(PHAWeights(c, wdtype, device), ids, pos, ops.buffer_load(states_buf), device)
@@ -137,7 +140,7 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
             # logits: a value computed from every read of the state, so the write follows them
             ops.inplace_custom(OP_WRITE_STATE_ROWS, device=device, values=[states_buf, rows, index, logits],
                                out_types=[TensorType(F32, rows.shape, device)])
-        g.output(nxt, pos + 1)
+        g.output(nxt, pos + 1, *drawn_logprobs(logits, nxt, scored.tensor, device))
     return g
 
 

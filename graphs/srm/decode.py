@@ -8,12 +8,17 @@ Inputs (B and S symbolic):
     mode         []             int64  on the host: ``sampler.MODE_*`` for this batch
     steps        [S]            int64  0 .. S-1 (its length is the step count)
     n_steps      []             int64  S, on the host (the loop predicate)
+    scored       []             int64  on the host: 1 for the log-probabilities below, 0 for zeros
 Outputs:
     tokens       [B, S]         int64  the S new tokens per sample
     states       [L, B, H, hd]  f32    state after feeding the last new token but one
                                        (i.e. ready to take ``tokens[:, -1]`` next)
     ids          [B]            int64  = tokens[:, -1]
     positions    [B]            int64  = positions + S
+    logprobs     [B, S]         f32    each new token's raw log-probability (log_softmax of the
+                                       logits, no temperature or filters)
+    top values   [B, S, K]      f32    the K = ``scoring.top_width(V)`` likeliest tokens' at each
+    top ids      [B, S, K]      int64  step, and their ids (``sampler.drawn_logprobs``)
 
 With the Mojo kernels on a CPU the whole step (every layer and the logits) is one
 op, ``step_fused`` (mojo/decode_step.mojo), at every batch size; and the engine
@@ -184,4 +189,5 @@ def build_decode_graph(config, schema, wdtype: DType = DType.float32, device: De
             return lambda ids, pos, states: step_fused(W, c, packed, ids, pos, states, device)
         return lambda ids, pos, states: step(W, c, ids, pos, states, device, kernels)
 
-    return build_multistep_decode_graph(name, state_type, make_step, device, [kernel_library] if kernels else [])
+    return build_multistep_decode_graph(name, state_type, make_step, c.vocab_size, device,
+                                        [kernel_library] if kernels else [])

@@ -33,7 +33,7 @@ from ..graphs.scoring import TOP_N
 from ..scalars import is_int
 from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
-from .drawn import one_step_scores
+from .drawn import one_step_scores, steps_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
 
@@ -373,46 +373,43 @@ class CompiledGraphs:
             sampling = self.sampling_buffers(sampling)
         return ids, positions, sampling
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """Whether ``decode(..., logprobs=n)`` works: where the architecture's engine says so."""
-        return False
-
     def logprob_inputs(self, logprobs: int | None) -> list[Buffer]:
-        """The last inputs of a decode-steps graph that computes log-probabilities: scored []
-        (host) and top [n] (``decode``'s ``logprobs``, checked)."""
-        if logprobs is not None and not (self.decodes_logprobs and is_int(logprobs) and 0 <= logprobs <= TOP_N):
-            raise GenerationError(f"decode: logprobs={logprobs!r} needs a decode that computes them "
-                                  f"(decodes_logprobs) and 0 to {TOP_N}")
+        """The decode graphs' log-probability inputs: scored [] (host; every decode graph) and
+        top [n] (the decode-steps graphs: its length is the alternatives their op returns),
+        from ``decode``'s ``logprobs`` (None, or 0 .. TOP_N: checked)."""
+        if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
+            raise GenerationError(f"decode: logprobs={logprobs!r} must be None or an integer from 0 to {TOP_N}")
         return [Buffer.from_numpy(np.array(int(logprobs is not None), np.int64)),
                 self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
 
     def logprob_results(self, logprobs: int | None, outputs) -> list:
         """``DecodeResult``'s logprobs, top_ids, top_logprobs from the graph's outputs
-        (log-probabilities [B, S], top values, top ids), or nothing without ``logprobs``."""
+        (log-probabilities [B, S], top values, top ids), or nothing without ``logprobs``.
+        A decode op returns the ``logprobs`` alternatives asked for, in order; a plain
+        decode graph the K = ``scoring.top_width(V)`` likeliest, cut here."""
         if logprobs is None:
             return []
-        lp, values, ids = outputs
-        return [self.host(lp), self.host(ids), self.host(values)]
+        lp, values, ids = (self.host(t) for t in outputs)
+        return list(steps_scores(lp, values, ids, logprobs))
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
         ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs``
-        (0 .. TOP_N, where ``decodes_logprobs``): the result also carries each new token's
+        (0 .. TOP_N): the result also carries each new token's
         raw log-probability (log_softmax of the logits, no temperature or filters) and
-        that many alternatives per step, computed in the decode op."""
-        scored = self.logprob_inputs(logprobs) if self.decodes_logprobs or logprobs is not None else []
+        that many alternatives per step, computed in the decode op or graph."""
+        scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             if self.steps_in_one_op:
                 toks, states, last, pos, *lp = self.decode_steps_model.execute(
-                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), *scored)
-                return DecodeResult(self.host(toks), states, last, pos, *self.logprob_results(logprobs, lp))
-            toks, states, last, pos = self.decode_model.execute(
-                ids, positions, states, *sampling,
-                self.to_device(np.arange(steps, dtype=np.int64)), Buffer.from_numpy(np.array(steps, np.int64)))
-        return DecodeResult(self.host(toks), states, last, pos)
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), scored, top)
+            else:
+                toks, states, last, pos, *lp = self.decode_model.execute(
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)),
+                    Buffer.from_numpy(np.array(steps, np.int64)), scored)
+        return DecodeResult(self.host(toks), states, last, pos, *self.logprob_results(logprobs, lp))
 
 
 __all__ = ["CompiledGraphs", "DecodeResult", "NON_DECODE_KINDS", "PrefillResult", "SamplingArrays", "ScoreResult",

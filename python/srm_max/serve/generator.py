@@ -40,11 +40,9 @@ Scoring (``serve/logprobs.py``; docs/scoring.md):
 Every log-probability is the model's raw one (log_softmax of its logits: no
 temperature, top-k or top-p, whatever sampled the token). ``score`` and
 ``loglikelihood`` run the engine's score graph. With ``logprobs=n`` a completion's
-tokens get theirs from the decode itself where the engine computes them there
-(``decodes_logprobs``: the whole-step decode ops on a CPU; the first token from the
-graph that drew it, graphs/sampler.py), else (the decode graphs without the op) the
-score graph scores them after the fact from the prompt's state
-(``scoring.completion_scores``). Either way the numbers equal scoring the text.
+tokens get theirs from the decode itself (the whole-step decode ops and the plain decode
+graphs alike; the first token from the graph that drew it, graphs/sampler.py;
+``scoring.completion_scores``): no second pass, the same numbers as scoring the text.
 """
 
 from __future__ import annotations
@@ -72,7 +70,7 @@ from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, check_max_new_toke
     check_steps_per_call, check_stop, check_text, resolve_seed
 from . import scheduler
 from .scheduler import SlotPool
-from .scoring import ContinuationScorer, check_top_n, completion_scores
+from .scoring import check_top_n, completion_scores
 
 FINISH_REASONS = ("stop", "length", "context")
 
@@ -218,7 +216,7 @@ class Generator:
             progress(0, 0)
         results = [Completion(s.text(self.decode), list(s.tokens), s.reason, s.prompt, s.seed) for s in sequences]
         if top_n is not None:
-            scores = completion_scores(self.engine, sequences, top_n, self.prefix_cache)
+            scores = completion_scores(sequences, top_n)
             for r, s in zip(results, scores):
                 r.logprobs = self.token_texts.logprobs(r.ids, s, top_n, before=r.prompt_ids)
         return results[0] if single else results
@@ -267,13 +265,10 @@ class Generator:
 
     def _events(self, pool: SlotPool, top_n: int | None = None,
                 texts: TokenTexts | None = None) -> Iterator[StreamEvent]:
-        """The pool's ticks as events; with ``top_n`` their tokens' log-probabilities: those the
-        decode returned (``Taken.score``), else scored after each engine call (``_score_turn``)."""
+        """The pool's ticks as events; with ``top_n`` their tokens' log-probabilities, those the
+        decode returned (``Taken.score``)."""
         step = 0
-        in_decode = getattr(self.engine, "decodes_logprobs", False)
-        scorer = None if top_n is None or in_decode else ContinuationScorer(self.engine, top_n, self.prefix_cache)
         for turn in pool.run():
-            scored = _score_turn(turn, scorer) if scorer is not None else {}
             for tick in turn.ticks:
                 event = StreamEvent(step, {s.tag: t.token for s, t in tick.items() if t.joined},
                                     {s.tag: t.text for s, t in tick.items() if t.text is not None},
@@ -281,7 +276,7 @@ class Generator:
                 for s, t in tick.items():
                     if top_n is None or not t.joined:
                         continue
-                    value, ids, values = t.score if in_decode else next(scored[s])
+                    value, ids, values = t.score
                     event.logprobs[s.tag] = value
                     if top_n:
                         event.top_logprobs[s.tag] = texts.top(ids, values, top_n)
@@ -327,20 +322,6 @@ class Generator:
     def end_of_text_id(self) -> int | None:
         """The tokenizer's ``<|endoftext|>`` id (the document separator of `srm-max train`), or None."""
         return scoring_api.end_of_text_id(self.tokenizer)
-
-
-def _score_turn(turn, scorer: ContinuationScorer) -> dict:
-    """The log-probabilities of the tokens each sequence took in one turn, scored in one
-    batch: sequence -> an iterator of (log-probability, (top ids, top log-probabilities))."""
-    new: dict = {}
-    for tick in turn.ticks:
-        for s, t in tick.items():
-            if t.joined:
-                new.setdefault(s, []).append(t.token)
-    items = list(new.items())
-    scores = scorer.score([(s, s.prompt, tokens) for s, tokens in items])
-    scorer.forget([s for s in turn.finished])
-    return {s: iter(zip(sc.logprobs.tolist(), sc.top_ids, sc.top_logprobs)) for (s, _), sc in zip(items, scores)}
 
 
 __all__ = ["Completion", "FINISH_REASONS", "Generator", "SampleRun", "StreamEvent"]

@@ -13,8 +13,7 @@ whether it ran in a pool, in any slot, or alone with ``generate(..., seed=that)`
 
 ``logprobs=n`` (0-20): each Sample carries its tokens' raw log-probabilities (and the
 n likeliest tokens at each place), as ``generate(..., logprobs=n)``: computed in the
-decode where the engine does (``decodes_logprobs``), else the samples that finish in one
-engine call are scored together after it, from their prompts' states.
+decode (and the first token in the graph that drew it).
 """
 
 from __future__ import annotations
@@ -141,7 +140,7 @@ def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iter
     for turn in pool.run():
         scores = [None] * len(turn.finished)
         if top_n is not None and turn.finished:  # the samples of this engine call, together
-            scores = completion_scores(pool.engine, turn.finished, top_n, pool.prefix_cache)
+            scores = completion_scores(turn.finished, top_n)
         for s, scored in zip(turn.finished, scores):
             text = s.text(decode)
             score = None if verifier is None else float(verifier(text if text is not None else s.tokens))

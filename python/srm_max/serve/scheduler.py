@@ -22,8 +22,8 @@ states: the batch's states never go through the host, only token ids, positions 
 the row index do (the prefix cache below keeps host copies of prefilled states and
 hands cached ones to the prefill).
 
-A sequence asking for log-probabilities (``logprobs``) gets them with its tokens (the first one's from the graph
-that drew it) where the engine's decode computes them (``scoring.decode_top_n``), each keeping its own top-n.
+A sequence asking for log-probabilities (``logprobs``) gets them with its tokens from the engine's decode (the
+first one's from the graph that drew it; ``scoring.decode_top_n``), each keeping its own top-n.
 
 A sequence's tokens depend only on its prompt, sampling parameters, seed and
 positions (the in-graph sampler's random counter), never on its batch mates, its
@@ -94,8 +94,8 @@ class Sequence:
     shown: int = 0  # characters of the text its stream has shown
     cancel_requested: bool = False
     cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
-    # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``:
-    # each token's (log-probability, top ids, top log-probabilities: at least that many), where ``decode_top_n``
+    # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``: each
+    # token's (log-probability, top ids, top log-probabilities: at least that many) from the decode
     logprobs: int | None = None
     token_scores: list[tuple] = field(default_factory=list)
 
@@ -289,7 +289,7 @@ class SlotPool:
 
     def _first(self, logits, row_of: list[int], starting: list[Sequence]) -> DecodeResult:
         """Forked samples' first tokens from the sample graph (one-step, scored where ``decode_top_n``)."""
-        top_n = decode_top_n(self.engine, starting)
+        top_n = decode_top_n(starting)
         args = (logits, row_of, _sampling_of(starting), [len(s.prompt) for s in starting])
         if top_n is not None:
             return self.engine.draw_scored(*args, top_n)
@@ -319,7 +319,7 @@ class SlotPool:
         prompts = [list(p) for p in rows]
         own = len(rows) == len(starting)  # every sample has a prompt of its own: it draws (and scores) in the prefill
         pre, cached = self._prefill_prompts(prompts, _sampling_of(starting) if own else None,
-                                            decode_top_n(self.engine, starting) if own else None)
+                                            decode_top_n(starting) if own else None)
         for s, r in zip(starting, row_of):
             s.cached_tokens = cached[r]
         turn.cache_hits += sum(c > 0 for c in cached)
@@ -366,7 +366,7 @@ class SlotPool:
         S = max(1, min(self.steps_per_call, min(budgets) if self.pending else max(budgets)))
         ids, positions = self._device_inputs or (self._ids, self._positions)
         t0 = time.perf_counter()
-        top_n = decode_top_n(self.engine, live)
+        top_n = decode_top_n(live)
         asked = {} if top_n is None else {"logprobs": top_n}  # engines without them take no such argument
         res = self.engine.decode(ids, positions, self._states, self._sampling, S, **asked)
         turn.decode_seconds += time.perf_counter() - t0

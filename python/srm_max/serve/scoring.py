@@ -306,13 +306,13 @@ class ContinuationScorer:
 
 
 # ------------------------------------------------------------------ scored in the decode
-def decode_top_n(engine, sequences) -> int | None:
+def decode_top_n(sequences) -> int | None:
     """The alternatives per token that an engine call for ``sequences`` (the scheduler's)
     returns with their tokens' log-probabilities: the most any asks for (``logprobs``),
-    or None where none asks or the engine's decode does not compute them
-    (``decodes_logprobs``: then ``completion_scores`` scores the tokens afterwards)."""
+    or None where none asks. Every engine's decode computes them (the decode ops and the
+    plain decode graphs alike)."""
     asked = [s.logprobs for s in sequences if s.logprobs is not None]
-    return max(asked) if asked and getattr(engine, "decodes_logprobs", False) else None
+    return max(asked) if asked else None
 
 
 def step_scores(res, step: int) -> list:
@@ -335,14 +335,10 @@ def decoded_scores(sequence, top_n: int) -> Scores:
                   np.stack([r[:top_n] for r in values]).astype(np.float32))
 
 
-def completion_scores(engine, sequences, top_n: int, prefix_cache: PrefixCache | None = None) -> list[Scores]:
-    """The log-probabilities of finished sequences' tokens after their prompts: the ones
-    their decode returned where the engine computes them there (``decodes_logprobs``),
-    else scored afterwards from the prompts' states (``score_continuations``)."""
-    if getattr(engine, "decodes_logprobs", False):
-        return [decoded_scores(s, top_n) for s in sequences]
-    return score_continuations(engine, [s.prompt for s in sequences], [s.tokens for s in sequences], top_n,
-                               prefix_cache)
+def completion_scores(sequences, top_n: int) -> list[Scores]:
+    """The log-probabilities of finished sequences' tokens after their prompts, as their
+    decode returned them (``decoded_scores``): no second pass over the tokens."""
+    return [decoded_scores(s, top_n) for s in sequences]
 
 
 def score_continuations(engine, prompts: list[list[int]], continuations: list[list[int]], top_n: int,

@@ -1,8 +1,12 @@
-"""The PHA's whole-step decode op's log-probabilities (``PHAEngine.decode(...,
-logprobs=n)``, mojo/pha_decode_step.mojo with mojo/row_logprobs.mojo): each new token's
-raw log-probability and the top-n equal the PyTorch reference's log_softmax; asking
-changes no token; ``generate(..., logprobs=n)`` takes them from the decode (no score
-pass). tests/support/pha.py CONFIG (V = 40, context 160), float32."""
+"""The PHA decode's log-probabilities (``PHAEngine.decode(..., logprobs=n)``) through the
+whole-step decode op (mojo/pha_decode_step.mojo with mojo/row_logprobs.mojo) and the
+one-step decode graph of plain ops (``kernels=False``): each new token's raw
+log-probability and the top-n equal the PyTorch reference's log_softmax, the two paths
+equal each other on the same draws; asking changes no token; ``generate(...,
+logprobs=n)`` takes them from the op's decode (no score pass; the plain engine's
+generator would need graphs the suite does not compile, and tests/serve/
+test_decode_logprobs_api.py runs the SRM's plain one). tests/support/pha.py CONFIG (V = 40,
+context 160), float32."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from tests.support.pha import CONFIG, prompts_of
 from tests.support.reference_scores import ref_log_softmax
 
 pytestmark = graphs(CONFIG, ("prefill", "decode_steps", "sample", "regroup"))
+# the plain engine's graphs, as tests/models/pha/test_pha_decode_op.py declares them (no new graph)
+plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
 
 TOL = 1e-4
 # (temperature, top_k, top_p) per sample: greedy, plain, top-k, top-p
@@ -27,7 +33,16 @@ def engine(weights):
     from srm_max.models.pha.engine import PHAEngine
 
     engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
-    assert engine.decodes_logprobs
+    assert engine.steps_in_one_op
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(weights):
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
+    assert not engine.steps_in_one_op
     return engine
 
 
@@ -40,6 +55,34 @@ def sampling(rows) -> SamplingArrays:
 @pytest.mark.parametrize("steps", [1, 5])
 @pytest.mark.parametrize("rows", [ROWS[:1] * 3, ROWS], ids=["greedy", "sampled"])
 def test_pha_decode_logprobs_equal_the_reference(engine, reference, steps, rows):
+    check_against_reference(engine, reference, steps, rows)
+
+
+@plain_graphs
+@pytest.mark.parametrize("steps", [1, 5])
+def test_pha_plain_decode_graph_logprobs_equal_the_reference(plain, reference, steps):
+    check_against_reference(plain, reference, steps, ROWS)
+
+
+@plain_graphs
+def test_pha_plain_decode_graph_logprobs_equal_the_ops_on_the_same_draws(engine, plain):
+    """From the plain engine's prefill, the one-step graph and the op draw the same tokens
+    and give them the same log-probabilities and alternatives (0, 3 and all 20)."""
+    prompts = prompts_of([3, 31, 64, CONFIG.context_length - 3], seed=6)
+    s = sampling(ROWS)
+    pre = plain.prefill(prompts, s)
+    lengths = [len(p) for p in prompts]
+    for n in (0, 3, 20):
+        got = plain.decode(pre.next_ids, lengths, pre.states, s, 5, logprobs=n)
+        op = engine.decode(pre.next_ids, lengths, pre.states, s, 5, logprobs=n)
+        np.testing.assert_array_equal(got.tokens, op.tokens)
+        assert got.top_ids.shape == op.top_ids.shape == (len(prompts), 5, n)
+        np.testing.assert_allclose(got.logprobs, op.logprobs, rtol=0, atol=TOL)
+        np.testing.assert_array_equal(got.top_ids, op.top_ids)
+        np.testing.assert_allclose(got.top_logprobs, op.top_logprobs, rtol=0, atol=TOL)
+
+
+def check_against_reference(engine, reference, steps, rows):
     prompts = prompts_of([3, 31, 64, CONFIG.context_length - 3][:len(rows)], seed=4)
     s = sampling(rows)
     pre = engine.prefill(prompts, s)

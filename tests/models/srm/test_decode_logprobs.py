@@ -1,8 +1,9 @@
-"""The whole-step decode op's log-probabilities (``engine.decode(..., logprobs=n)``,
-mojo/decode_step.mojo with mojo/row_logprobs.mojo): each new token's raw
-log-probability and the top-n at each step equal the PyTorch reference's log_softmax
+"""The decode's log-probabilities (``engine.decode(..., logprobs=n)``): each new token's
+raw log-probability and the top-n at each step equal the PyTorch reference's log_softmax
 and what the score graph gives for the same tokens; asking for them changes no token.
-TINY SRM (V = 64, context 96), the default CPU engine (the Mojo ops)."""
+Through the whole-step decode op (mojo/decode_step.mojo with mojo/row_logprobs.mojo: the
+default CPU engine) and the plain decode graph's loop (graphs/loop.py, ``kernels=False``:
+the GPU's path), which also equals the op on the same draws. TINY SRM (V = 64, context 96)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from tests.support.tiny import TINY
 
 pytestmark = [graphs(TINY, ("prefill", "score", "decode_steps")),
               graphs(TINY, ("prefill", "decode_steps"), dtype="bfloat16")]
+
+# the plain-op engine's graphs, as tests/models/srm/test_engine.py declares them (no new graph)
+PLAIN_OPS = graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
 
 LOGPROB_ATOL = 1e-4  # float32 engine against the float32 reference's log_softmax
 # bfloat16 weights: within 2 % of the largest |log-probability| in the step's row of the float32
@@ -121,3 +125,42 @@ def test_bfloat16_decode_logprobs_within_the_stated_tolerance(engine_bf16, refer
 def test_bad_logprobs_are_refused(engine):
     with pytest.raises(GenerationError, match="logprobs=21"):
         run(engine, [[1, 2]], [(0.0, 0, 1.0)], 1, 21)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_weights):
+    """The engine of plain MAX ops (``kernels=False``): its decode is the graph's loop."""
+    from srm_max.models.srm.engine import Engine
+
+    engine = Engine(TINY, tiny_weights, kernels=False)
+    assert not engine.steps_in_one_op
+    return engine
+
+
+@PLAIN_OPS
+@pytest.mark.parametrize("steps", [1, 6])
+def test_plain_decode_graph_logprobs_are_the_raw_distributions(plain, reference, steps):
+    """The decode graph's loop: the same checks as the op's above (a mixed batch, 0 to 20
+    alternatives, the end of the context)."""
+    prompts = random_prompts([1, 9, 33, 50, 64], TINY.vocab_size, 2)
+    check(plain, reference, prompts, SAMPLED, steps)
+    check(plain, reference, prompts, SAMPLED, steps, top_n=0)
+    check(plain, reference, prompts[:2], SAMPLED[1:3], steps, top_n=20)
+    n = TINY.context_length
+    check(plain, reference, random_prompts([n - 2, n - 3, n - 4], TINY.vocab_size, 3), SAMPLED[:3], 4)
+
+
+@PLAIN_OPS
+def test_plain_decode_graph_logprobs_equal_the_ops_on_the_same_draws(engine, plain):
+    """From the same states, the loop of plain ops and the whole-step op draw the same
+    tokens and give them the same log-probabilities and alternatives."""
+    prompts = random_prompts([1, 9, 33, 50, 64], TINY.vocab_size, 5)
+    s = sampling(SAMPLED)
+    pre = plain.prefill(prompts, s)
+    lengths = [len(p) for p in prompts]
+    looped = plain.decode(pre.next_ids, lengths, pre.states, s, 6, logprobs=TOP)
+    op = engine.decode(pre.next_ids, lengths, pre.states, s, 6, logprobs=TOP)
+    np.testing.assert_array_equal(looped.tokens, op.tokens)
+    np.testing.assert_allclose(looped.logprobs, op.logprobs, rtol=0, atol=LOGPROB_ATOL)
+    np.testing.assert_array_equal(looped.top_ids, op.top_ids)
+    np.testing.assert_allclose(looped.top_logprobs, op.top_logprobs, rtol=0, atol=LOGPROB_ATOL)

@@ -8,6 +8,7 @@ import torch
 
 from srm_max.graphs import sampler
 from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.drawn import scored_input
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs
@@ -195,10 +196,10 @@ def test_greedy_decode_in_one_op_equals_the_graph_loop(request, dtype):
     greedy = SamplingArrays.greedy(len(prompts))
     steps = 10
     one_op = engine.decode(pre.next_ids, lengths, pre.states, greedy, steps)
-    toks, states, last, pos = engine.decode_model.execute(
+    toks, states, last, pos, *_ = engine.decode_model.execute(
         engine.to_device(pre.next_ids), engine.to_device(np.array(lengths, np.int64)), pre.states,
         *engine.sampling_buffers(greedy), engine.to_device(np.arange(steps, dtype=np.int64)),
-        Buffer.from_numpy(np.array(steps, np.int64)))
+        Buffer.from_numpy(np.array(steps, np.int64)), scored_input(None))
     np.testing.assert_array_equal(one_op.tokens, engine.host(toks))
     np.testing.assert_array_equal(engine.host(one_op.states), engine.host(states))
     np.testing.assert_array_equal(engine.host(one_op.ids), engine.host(last))

@@ -15,6 +15,7 @@ from max.graph import DeviceRef, Graph, TensorType, ops
 from srm_max.graphs import sampler
 from srm_max.graphs.op_names import OP_SAMPLE_ROWS
 from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.drawn import scored_input
 from srm_max.runtime.kernels import kernel_library
 from tests.support.sampler_mirror import filtered_probs
 from tests.support.graphs import graphs
@@ -39,10 +40,10 @@ def sampling_of(rows, seeds) -> SamplingArrays:
 
 def loop_decode(engine, ids, lengths, states, s: SamplingArrays, steps: int):
     """The decode graph's loop: one-step ops and the MAX sampler ops."""
-    toks, states, last, pos = engine.decode_model.execute(
+    toks, states, last, pos, *_ = engine.decode_model.execute(
         engine.to_device(ids), engine.to_device(np.asarray(lengths, np.int64)), states,
         *engine.sampling_buffers(s), engine.to_device(np.arange(steps, dtype=np.int64)),
-        Buffer.from_numpy(np.array(steps, np.int64)))
+        Buffer.from_numpy(np.array(steps, np.int64)), scored_input(None))
     return engine.host(toks), engine.host(states), engine.host(last), engine.host(pos)
 
 

@@ -29,7 +29,8 @@ from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
 from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, session_weights,
                                  right_padded)
-from ...runtime.drawn import one_step_scores, scored_input
+from ...graphs.scoring import top_width
+from ...runtime.drawn import one_step_scores, scored_input, steps_scores
 from . import build, packing
 from .config import PHAConfig
 from .schema import checkpoint_shapes
@@ -156,19 +157,13 @@ class PHAEngine(CompiledGraphs):
         return self.score_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
                                         self.to_device(lengths), self.to_device(padded))
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """The decode op returns the new tokens' log-probabilities (graphs/pha/decode.py
-        ``build_pha_decode_steps_graph``); the one-step decode graph does not."""
-        return self.steps_in_one_op
-
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None) -> DecodeResult:
         """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
         caller's stay as they were: the slot pool forks kept prefill states). The copy
         is made once per call, then every step writes its rows into it in place.
-        ``logprobs``: as ``CompiledGraphs.decode``, where ``decodes_logprobs``."""
-        scored = self.logprob_inputs(logprobs) if self.decodes_logprobs or logprobs is not None else []
+        ``logprobs``: as ``CompiledGraphs.decode``, from the op or the one-step graph."""
+        scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
             # Buffer.copy is asynchronous and an execute does not wait for it
@@ -177,18 +172,33 @@ class PHAEngine(CompiledGraphs):
             if self.steps_in_one_op:
                 # one op: every step's writes into the copy, the tokens chosen inside
                 toks, ids, positions, *lp = self.decode_steps_model.execute(
-                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), *scored)
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), scored, top)
                 self.device.synchronize()
                 return DecodeResult(self.host(toks), states, ids, positions, *self.logprob_results(logprobs, lp))
-            tokens = []
+            tokens, scores = [], []
             for _ in range(steps):
-                ids, positions = self.decode_model.execute(ids, positions, states, *sampling)
+                ids, positions, *lp = self.decode_model.execute(ids, positions, states, *sampling, scored)
                 tokens.append(ids)
+                scores.append(lp)
             # execute returns when its outputs are ready; the in-place write of the
             # states is not one of them: wait for it before anyone reads them
             self.device.synchronize()
-        toks = np.stack([self.host(t) for t in tokens], axis=1) if tokens else np.zeros((len(self.host(ids)), 0), np.int64)
-        return DecodeResult(toks, states, ids, positions)
+        B = len(self.host(ids))
+        toks = np.stack([self.host(t) for t in tokens], axis=1) if tokens else np.zeros((B, 0), np.int64)
+        return DecodeResult(toks, states, ids, positions, *self._stepwise_scores(logprobs, scores, B))
+
+    def _stepwise_scores(self, logprobs: int | None, scores: list, batch: int) -> list:
+        """``logprob_results`` of the one-step graph's calls: each call's log-probabilities
+        [B] and top values and ids [B, K], stacked along the steps."""
+        if logprobs is None:
+            return []
+        if not scores:
+            K = top_width(self.config.vocab_size)
+            lp, values, ids = np.zeros((batch, 0), np.float32), np.zeros((batch, 0, K), np.float32), \
+                np.zeros((batch, 0, K), np.int64)
+        else:
+            lp, values, ids = (np.stack([self.host(s[i]) for s in scores], axis=1) for i in range(3))
+        return list(steps_scores(lp, values, ids, logprobs))
 
 
 __all__ = ["PHAEngine", "check_weights", "op_refusal", "weights_registry"]

@@ -61,12 +61,6 @@ class Engine(CompiledGraphs):
         self._open(weights_registry(config, weights, self.dtype,
                                     packed=self.steps_in_one_op))
 
-    @property
-    def decodes_logprobs(self) -> bool:
-        """The whole-step decode op returns the new tokens' log-probabilities
-        (graphs/srm/decode.py ``build_decode_steps_graph``); the decode graph's loop does not."""
-        return self.steps_in_one_op
-
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
         return self.to_device(np.zeros((c.n_layers, batch, c.n_heads, c.head_dim), np.float32))

@@ -67,7 +67,7 @@ class EngineLoop:
         self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call,
                               prefix_cache=generator.prefix_cache)
         self.metrics.watch_prefix_cache(self._pool.prefix_cache)
-        self._scoring = RequestScoring(self.engine, generator.decode, generator.prefix_cache)  # logprobs / echo
+        self._scoring = RequestScoring(self.engine, generator.decode)  # logprobs / echo
         self._seconds_per_token = 0.05  # a running estimate, for Retry-After
 
     # ------------------------------------------------------------ the HTTP side
@@ -202,7 +202,7 @@ class EngineLoop:
         self._retire(requests.values())
         self._pool.pending.clear()
         self._pool.reset()
-        self._scoring = RequestScoring(self.engine, self.generator.decode, self.generator.prefix_cache)
+        self._scoring = RequestScoring(self.engine, self.generator.decode)
 
     def _drop_cancelled_waiting(self) -> None:
         """Samples of requests whose client went away leave the queue at once (under _cv)."""

@@ -4,18 +4,13 @@ the engine loop and carried to the answer in each ``Delta``.
 Every number is under the model's raw distribution (log_softmax of the logits: no
 temperature, top-k or top-p, whatever sampled the token), as vLLM reports them by default:
 
-- generated tokens: where the engine's decode computes their log-probabilities
-  (``decodes_logprobs``: the SRM's whole-step op), the ones it returned with them (the
-  scheduler keeps them per sample); elsewhere scored after their engine call by the
-  score graph (``serve/scoring.py``), from their prompt's state (a
-  ``ContinuationScorer`` shared by the loop: a streamed sample's new tokens every
-  call, picking up the state its last ones left; a whole sample once it finishes);
-  all of a turn's samples in one batch;
-- ``echo``: the prompt's tokens are scored once from its start, the first one ``null``
-  (no context).
+- generated tokens: the ones the decode returned with them (every engine's decode
+  computes them; the scheduler keeps them per sample), with no second pass;
+- ``echo``: the prompt's tokens are scored once from its start by the score graph
+  (``serve/scoring.py``), the first one ``null`` (no context).
 
-The scorer always asks for the 20 alternatives the score graph returns, the decode for
-the most any sample in its batch asks for; each request keeps its own n.
+The echo asks the score graph for its 20 alternatives, the decode for the most any
+sample in its batch asks for; each request keeps its own n.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..logprobs import TokenTexts, token_pieces
-from ..scoring import MAX_TOP_N, ContinuationScorer, Scores, decoded_scores, score_runs
+from ..scoring import MAX_TOP_N, Scores, decoded_scores, score_runs
 
 
 @dataclass
@@ -40,12 +35,10 @@ class TokenLogprob:
 class RequestScoring:
     """The engine loop's scoring of the samples whose requests ask for log-probabilities."""
 
-    def __init__(self, engine, decode, prefix_cache=None):
+    def __init__(self, engine, decode):
         self.engine = engine
         self.decode = decode
         self.texts = TokenTexts(decode)
-        self.scorer = ContinuationScorer(engine, MAX_TOP_N, prefix_cache)
-        self.in_decode = getattr(engine, "decodes_logprobs", False)
 
     def update(self, samples) -> None:
         """Score what the next deltas of ``samples`` (a turn's samples with news) will carry."""
@@ -59,14 +52,8 @@ class RequestScoring:
                 todo.append(s)
             if ready and r.echo and s.echo_scores is None:
                 echo.setdefault(tuple(s.prompt), []).append(s)
-        if todo and self.in_decode:
-            for s in todo:
-                s.scores, s.scored = decoded_scores(s, s.request.logprobs), len(s.tokens)
-        elif todo:
-            scores = self.scorer.score([(s, s.prompt, s.tokens[s.scored:]) for s in todo])
-            for s, sc in zip(todo, scores):
-                s.scores = sc if s.scores is None else Scores.join([s.scores, sc], MAX_TOP_N)
-                s.scored = len(s.tokens)
+        for s in todo:
+            s.scores, s.scored = decoded_scores(s, s.request.logprobs), len(s.tokens)
         if echo:
             prompts = [list(p) for p in echo if len(p) > 1]
             scored = dict(zip(map(tuple, prompts), score_runs(self.engine, [p[:-1] for p in prompts],
@@ -74,7 +61,6 @@ class RequestScoring:
             for p, members in echo.items():
                 for s in members:
                     s.echo_scores = scored.get(p, Scores.empty(MAX_TOP_N))
-        self.scorer.forget([s for s in samples if s.reason is not None])
 
     def tokens(self, ids, scores: Scores, n: int, before, offset: int, final: bool,
                first_unscored: bool = False) -> list[TokenLogprob]:
