@@ -104,7 +104,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.child:
         compile_once(args.child)
-        return
+        # MAX's worker threads can abort the interpreter's teardown after a finished
+        # compile ("terminate called without an active exception"): leave at once
+        os._exit(0)
     rows = []
     with tempfile.TemporaryDirectory() as first_home:
         names = list(GRAPHS) + (["pha_plain_prefill_2", "pha_plain_prefill_1"] if args.models else [])
