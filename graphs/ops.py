@@ -12,6 +12,8 @@ import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
+from .op_names import OP_LINEAR
+
 F32 = DType.float32
 I64 = DType.int64
 U64 = DType.uint64
@@ -50,6 +52,20 @@ def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None) -> Tens
     if y.dtype != F32:
         y = ops.cast(y, F32)
     return y if b is None else y + b
+
+
+def dense(x: TensorValue, w: TensorValue, b: TensorValue, op_device: DeviceRef | None) -> TensorValue:
+    """``linear(x, w, b)``; with ``op_device`` (a CPU device, the graph loading the kernel
+    library) and float32 weights through the Mojo op srm_linear (mojo/linear.mojo), whose
+    register-tiled product does more of the FMA peak than ``ops.matmul`` at the SRM's
+    layer shapes. bfloat16 weights and other devices keep ``ops.matmul``."""
+    if op_device is None or w.dtype != F32:
+        return linear(x, w, b)
+    n_out = int(w.shape[0])
+    rows = ops.reshape(x, [-1, x.shape[-1]])
+    y = ops.custom(OP_LINEAR, device=op_device, values=[rows, w, b],
+                   out_types=[TensorType(F32, [rows.shape[0], n_out], op_device)])[0].tensor
+    return ops.reshape(y, [*x.shape[:-1], n_out])
 
 
 

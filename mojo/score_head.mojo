@@ -15,86 +15,29 @@ them back (a GiB at 64 texts of 1,000 tokens and V = 4,096). Here a block of BLO
 rows is computed into a scratch tile of BLOCK_ROWS x V (a few hundred KiB, in the
 core's second-level cache) and reduced from there at once.
 
-How: the head is first packed into panels of NB = NV * W tokens, each panel [d, NB]
-(k-major, zero past V), so that a register tile of MR rows x NV vectors streams one
-panel front to back: per k, NV vector loads, MR broadcasts of x, MR * NV FMAs into
-accumulators that stay in registers (MR x NV per SIMD width: 5 x 2 with AVX2's 16
-registers, 6 x 4 with AVX-512's 32). Each worker (one per core) takes blocks of rows
-from a shared counter and keeps its own scratch, so nothing is allocated per block.
+How: the head is first packed into panels of NB tokens and each block's logits are
+computed a register tile at a time (mojo/tiled_product.mojo). Each worker (one per core)
+takes blocks of rows from a shared counter and keeps its own scratch, so nothing is
+allocated per block.
 """
 from std.atomic import Atomic
 from std.memory import stack_allocation
-from std.sys import num_physical_cores, simd_width_of
+from std.sys import num_physical_cores
 
 from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
 from .score_rows import DEPTH, TopList, score_row
+from .tiled_product import MR, NB, W, pack_panel, tile_product
 
 comptime F32 = DType.float32
-comptime W = simd_width_of[F32]()
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
-# A register tile: MR rows x NV vectors of tokens. MR * NV accumulators, NV weight
-# vectors and one broadcast fit in the vector registers (AVX2 16: 5 x 2 uses 13, and at
-# 6 x 2 the compiler keeps an accumulator on the stack; AVX-512 32: 6 x 4 uses 29).
-comptime NV = 2 if W == 8 else 4
-comptime MR = 5 if W == 8 else 6
-comptime NB = NV * W  # tokens per packed panel
 # rows per block: its scratch (BLOCK_ROWS x V floats: 320 KiB at V = 4,096 with AVX2)
 # stays in a core's second-level cache while a panel is reused for BLOCK_ROWS / MR tiles
 comptime BLOCK_ROWS = 4 * MR
-comptime KU = 4  # k unrolled
 comptime MAX_WORKERS = 8
-
-
-@always_inline
-def _tile(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, d: Int):
-    """t[r, 0 .. NB) = sum_k x[r, k] * p[k, 0 .. NB) for MR rows (x's rows ldx apart, t's
-    ldt apart); p is one packed panel [d, NB]. The accumulators are a fixed-size stack
-    array indexed by constants after unrolling, which the compiler keeps in registers."""
-    var acc = stack_allocation[MR * NV * W, Float32]()
-    var wv = stack_allocation[NV * W, Float32]()
-    comptime for a in range(MR * NV):
-        acc.unsafe_store(a * W, SIMD[F32, W](0))
-    var k = 0
-    while k + KU <= d:
-        comptime for kk in range(KU):
-            var wp = p.unsafe_offset((k + kk) * NB)
-            comptime for v in range(NV):
-                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W))
-            comptime for r in range(MR):
-                var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k + kk])
-                comptime for v in range(NV):
-                    comptime a = (r * NV + v) * W
-                    acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
-        k += KU
-    while k < d:
-        var wp = p.unsafe_offset(k * NB)
-        comptime for r in range(MR):
-            var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
-            comptime for v in range(NV):
-                comptime a = (r * NV + v) * W
-                acc.unsafe_store(a, xb.fma(wp.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
-        k += 1
-    comptime for r in range(MR):
-        comptime for v in range(NV):
-            t.unsafe_store(r * ldt + v * W, acc.unsafe_load[width=W]((r * NV + v) * W))
-
-
-def _pack_panel(packed: F32P, head: F32P, panel: Int, V: Int, d: Int):
-    """Panel ``panel`` of the head: packed[panel][k, j] = head[panel * NB + j, k], 0 past V."""
-    var out = packed.unsafe_offset(panel * d * NB)
-    for j in range(NB):
-        var v = panel * NB + j
-        if v < V:
-            var src = head.unsafe_offset(v * d)
-            for k in range(d):
-                out[unsafe_offset=k * NB + j] = src[unsafe_offset=k]
-        else:
-            for k in range(d):
-                out[unsafe_offset=k * NB + j] = 0
 
 
 @register("srm_score_head")
@@ -138,7 +81,7 @@ struct SrmScoreHead:
         var head_in = F32P(unsafe_from_address=Int(head.unsafe_ptr()))
 
         def pack(panel: Int) {var packed, var head_in, var V, var d}:
-            _pack_panel(packed, head_in, panel, V, d)
+            pack_panel(packed, head_in, panel, V, d)
 
         sync_parallelize(pack, panels)
 
@@ -175,8 +118,8 @@ struct SrmScoreHead:
                 for panel in range(panels):
                     var p = packed.unsafe_offset(panel * d * NB)
                     for g in range(tiles):
-                        _tile(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp, rows.unsafe_offset(g * MR * d),
-                              d, p, d)
+                        tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp,
+                                     rows.unsafe_offset(g * MR * d), d, p, d)
                 for i in range(n):
                     var r = first + i
                     score_row(scratch.unsafe_offset(i * Vp), V, Int(tg[unsafe_offset=r]), top, lanes,

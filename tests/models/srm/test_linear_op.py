@@ -1,0 +1,99 @@
+"""The dense layer op (mojo/linear.mojo, ``srm_linear``: y = x @ w^T + b) against numpy's
+float64 product, and the SRM graphs that call it (graphs/ops.py ``dense``).
+
+One compiled op graph with symbolic dimensions serves every case. Most inputs are small
+multiples of 1/8, so that every sum is exact in float32 whatever its order: the op must
+then equal the float64 product exactly. The shapes cross the op's edges: row counts that
+are not a multiple of its register tile (5 or 6 rows) or its block (3 tiles), output
+widths that are not a multiple of the SIMD width or of a panel (2 or 4 vectors), inner
+widths below and off the k unrolling (4) and the SIMD width, one row, one output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphs.op_names import OP_LINEAR
+from srm_max.runtime.compile_cache import load_compiled
+from srm_max.runtime.kernels import kernel_library
+from tests.support.mojo_ops import session
+from tests.support.tiny import TINY
+
+_model = []
+
+
+def srm_linear(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The op on x [R, K], w [N, K], b [N] -> y [R, N]."""
+    if not _model:
+        from max.dtype import DType
+        from max.graph import DeviceRef, Graph, TensorType, ops
+
+        dev, f32 = DeviceRef.CPU(), DType.float32
+        # w's width and b's length their own dimensions, so that a mismatch reaches the op's checks
+        types = [TensorType(f32, ["R", "K"], dev), TensorType(f32, ["N", "Kw"], dev), TensorType(f32, ["Nb"], dev)]
+        with Graph("linear_op", input_types=types, custom_extensions=[kernel_library()]) as g:
+            rows, weight, bias = (v.tensor for v in g.inputs)
+            y = ops.custom(OP_LINEAR, device=dev, values=[rows, weight, bias],
+                           out_types=[TensorType(f32, [rows.shape[0], weight.shape[0]], dev)])
+            g.output(y[0].tensor)
+        _model.append(load_compiled(session(), g))
+    out = _model[0].execute(*(np.ascontiguousarray(a, np.float32) for a in (x, w, b)))
+    return out[0].to_numpy()
+
+
+def eighths(rng, shape, spread: int = 3) -> np.ndarray:
+    """Values k / 8 for integers |k| <= spread: products and sums of them are exact in float32."""
+    return (rng.integers(-spread, spread + 1, shape) / 8).astype(np.float32)
+
+
+@pytest.mark.parametrize("R, K, N", [(1, 1, 1), (1, 16, 16), (7, 3, 20), (23, 33, 37), (31, 64, 17),
+                                     (61, 256, 256), (16, 257, 1001), (97, 1024, 40), (5, 8, 16)])
+def test_exact_products(R, K, N):
+    rng = np.random.default_rng(R * 10_000 + K * 10 + N)
+    x, w, b = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T + b
+    np.testing.assert_array_equal(srm_linear(x, w, b), expected)
+
+
+def test_many_rows_between_the_cores():
+    """Enough blocks of rows that every core takes some, random (inexact) values; every
+    row written, none past its own."""
+    rng = np.random.default_rng(5)
+    R, K, N = 4003, 96, 130
+    x = rng.standard_normal((R, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)) / 8).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T + b
+    np.testing.assert_allclose(srm_linear(x, w, b), expected, rtol=0, atol=1e-4)
+
+
+def test_no_rows():
+    rng = np.random.default_rng(6)
+    assert srm_linear(np.zeros((0, 8), np.float32), eighths(rng, (3, 8)), eighths(rng, 3)).shape == (0, 3)
+
+
+def test_bad_inputs_are_refused():
+    rng = np.random.default_rng(7)
+    x, w, b = eighths(rng, (3, 8)), eighths(rng, (5, 8)), eighths(rng, 5)
+    with pytest.raises(Exception, match="w is"):
+        srm_linear(x, eighths(rng, (5, 9)), b)
+    with pytest.raises(Exception, match="b has 4 entries for 5 outputs"):
+        srm_linear(x, w, eighths(rng, 4))
+
+
+def test_the_srm_layers_use_the_op_on_a_cpu_with_float32_weights():
+    """Prefill and score on a CPU with the Mojo ops and float32 weights run their dense
+    layers through srm_linear; bfloat16 weights and the plain graph keep MAX's matmul.
+    (That they compute what the reference does: tests/models/srm/test_engine.py,
+    test_scoring_engine.py and test_prefill_logprobs.py.)"""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from srm_max.models.srm.build import build_graph
+
+    for kind in ("prefill", "score"):
+        with_op = str(build_graph(kind, TINY, DType.float32, DeviceRef.CPU(), kernels=True))
+        assert with_op.count(OP_LINEAR) >= 4 * TINY.n_layers, kind
+        assert OP_LINEAR not in str(build_graph(kind, TINY, DType.bfloat16, DeviceRef.CPU(), kernels=True)), kind
+        assert OP_LINEAR not in str(build_graph(kind, TINY, DType.float32, DeviceRef.CPU(), kernels=False)), kind
