@@ -40,12 +40,14 @@ GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
 # faults at random calls once a PHA model has been loaded into a process after another has
 # run (docs/avx2_crash.md), so the PHA's ops run apart from the SRM's and from each other:
 # the SRM's ops (the mixer's step and scan, the whole decode step and its steps with the
-# row sampler, the score graphs' head and row reduction), the PHA decode op's tests against
-# the reference (the op's engine alone), and the PHA prefill's two ops against float64 (the
-# attention op on lengths across its AVX2 tiles, the GSS scan op).
+# row sampler, the score graphs' head and row reduction, the prefill's dense layer), the
+# PHA decode op's tests against the reference (the op's engine alone), and the PHA
+# prefill's two ops against float64 (the attention op on lengths across its AVX2 tiles,
+# the GSS scan op).
 GUARD_TESTS = (
     ("tests/models/srm/test_kernels.py", "tests/models/srm/test_decode_step_op.py",
-     "tests/models/srm/test_score_head.py", "tests/models/srm/test_score_rows.py"),
+     "tests/models/srm/test_score_head.py", "tests/models/srm/test_score_rows.py",
+     "tests/models/srm/test_linear_op.py"),
     tuple(PHA_OP + name for name in (
         "test_greedy_batch_equals_the_reference", "test_greedy_batch_of_one_across_blocks_and_slices",
         "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
