@@ -60,6 +60,16 @@ def bf16_rounded(model: PHA) -> PHA:
     return model
 
 
+def cpu_engine(weights: dict, dtype: str = "float32", plain: bool = False):
+    """The test PHA's engine on the CPU: its default, the whole-step decode op, or with
+    ``plain`` the plain-op graphs (``kernels=False``); checked to be the one asked for."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(CONFIG, weights, dtype=dtype, device="cpu", **({"kernels": False} if plain else {}))
+    assert engine.steps_in_one_op != plain
+    return engine
+
+
 def prompts_of(lengths, seed=0):
     return random_prompts(lengths, CONFIG.vocab_size, seed)
 

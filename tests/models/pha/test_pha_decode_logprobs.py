@@ -16,7 +16,7 @@ import pytest
 from srm_max import Generator
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, prompts_of
+from tests.support.pha import CONFIG, cpu_engine, prompts_of
 from tests.support.reference_scores import ref_log_softmax
 
 pytestmark = graphs(CONFIG, ("prefill", "decode_steps", "sample", "regroup"))
@@ -30,20 +30,12 @@ ROWS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 5, 1.0), (1.2, 0, 0.8)]
 
 @pytest.fixture(scope="module")
 def engine(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")
-    assert engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights)
 
 
 @pytest.fixture(scope="module")
 def plain(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
-    assert not engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights, plain=True)
 
 
 def sampling(rows) -> SamplingArrays:

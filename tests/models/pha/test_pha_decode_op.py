@@ -22,7 +22,7 @@ from srm_max.errors import GenerationError
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, random_pha, ref_greedy, reference_start
+from tests.support.pha import CONFIG, assert_states_close, cpu_engine, prompts_of, random_pha, ref_greedy, reference_start
 from tests.support.prompts import reference_prefill
 
 # the op's engine runs its decode_steps graph only; the plain engine prefills and decodes
@@ -36,20 +36,12 @@ ABLATIONS = {"gss_alone": dataclasses.replace(CONFIG, branches=("gss", "ffn")),
 
 @pytest.fixture(scope="module")
 def plain(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu", kernels=False)
-    assert not engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights, plain=True)
 
 
 @pytest.fixture(scope="module")
 def op(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="float32", device="cpu")  # the default
-    assert engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights)
 
 
 def decode_op(op, reference, prompts, calls):

@@ -34,7 +34,7 @@ import pytest
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, prompts_of, reference_start
+from tests.support.pha import CONFIG, assert_states_close, cpu_engine, prompts_of, reference_start
 from tests.support.prompts import reference_prefill
 from tests.support.reference_scores import ref_log_softmax
 
@@ -50,20 +50,12 @@ REF_REL = 4e-2
 
 @pytest.fixture(scope="module")
 def op(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="bfloat16", device="cpu")  # the default
-    assert engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights, "bfloat16")
 
 
 @pytest.fixture(scope="module")
 def plain(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="bfloat16", device="cpu", kernels=False)
-    assert not engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights, "bfloat16", plain=True)
 
 
 def decode_calls(engine, ids, states, lengths, calls, sampling=None, logprobs=None):

@@ -27,7 +27,7 @@ from srm_max.graphs.op_names import OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, bf16_rounded, prompts_of, random_pha
+from tests.support.pha import CONFIG, assert_states_close, bf16_rounded, cpu_engine, prompts_of, random_pha
 from tests.support.prompts import reference_prefill
 
 pytestmark = graphs(CONFIG, ("prefill", "decode_steps"), "bfloat16", kernels=True)
@@ -48,11 +48,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def engine(weights):
-    from srm_max.models.pha.engine import PHAEngine
-
-    engine = PHAEngine(CONFIG, weights, dtype="bfloat16", device="cpu")  # the default
-    assert engine.steps_in_one_op
-    return engine
+    return cpu_engine(weights, "bfloat16")
 
 
 def test_the_bfloat16_prefill_graph_takes_both_ops(engine):
