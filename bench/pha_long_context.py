@@ -20,6 +20,11 @@ memory depend only on shapes):
     state, read and written, and the KV rows before its position) over the read
     bandwidth measured in the same run (the best 2-thread torch sum over a 256 MiB
     array, before and after each context's engines): ``percent_of_streaming_b{B}``;
+  - against what a step touches: a token depends on the one before, so every step
+    multiplies by every matrix again; the matrices each step at the best 2-thread
+    re-read bandwidth of an array of their size (served from the last-level cache where
+    it fits), plus the per-sample state at the streaming bandwidth:
+    ``percent_of_reread_b{B}``;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
@@ -149,6 +154,29 @@ def stream_bytes_per_s(repeats: int = 5) -> float:
         a.sum()
         best = max(best, STREAM_BYTES / (time.perf_counter() - t))
     return best
+
+
+def reread_bytes_per_s(nbytes: int, repeats: int = 20) -> float:
+    """The best read bandwidth of 2-thread torch sums over the same ``nbytes`` array,
+    read again and again (a decode step's matrices: cache-resident if they fit)."""
+    import torch
+
+    torch.set_num_threads(2)
+    a = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    a.sum()
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, 4 * a.numel() / (time.perf_counter() - t))
+    return best
+
+
+def reread_limit_ms(bytes_per_step: float, matrix_bytes: int, steps: int, reread: float, stream: float) -> float:
+    """The fewest milliseconds a step can take when it multiplies by every matrix again
+    (at the ``reread`` bandwidth) and reads its samples' state (``bytes_per_step``
+    less the matrices' 1 / ``steps`` share, at the ``stream`` bandwidth)."""
+    return 1e3 * (matrix_bytes / reread + (bytes_per_step - matrix_bytes / steps) / stream)
 
 
 def graphs_used(engine, prefill: bool = True, decode: bool = True) -> list:
@@ -330,7 +358,7 @@ def main(argv=None) -> dict:
     run = {"command": command_line(), "machine": machine_info(), "quick": args.quick,
            "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
            "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
-           "stream_bytes_per_s": {}, "rows": [], "llama_cpp": []}
+           "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": []}
     earlier = json.loads(out.read_text())["runs"] if args.append and out.exists() else []
     result = {"runs": earlier + [run]}
     prefill = not args.no_prefill
@@ -364,6 +392,17 @@ def main(argv=None) -> dict:
                     limit = 1e3 * row[f"bytes_per_step_b{B}"] / bandwidth
                     row[f"streaming_limit_ms_b{B}"] = limit
                     row[f"percent_of_streaming_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]
+            for (name, _path, dtype), engine in engines.items():
+                mats = matrix_bytes(name, engine.config, weight_bytes_of(dtype))
+                key = f"{name}/{dtype}"
+                run["reread_bytes_per_s"].setdefault(str(n), {})[key] = reread = reread_bytes_per_s(mats)
+                for row in rows:
+                    if row["model"] != name or row["dtype"] != dtype:
+                        continue
+                    for B in decode_batches:
+                        limit = reread_limit_ms(row[f"bytes_per_step_b{B}"], mats, args.steps, reread, bandwidth)
+                        row[f"reread_limit_ms_b{B}"] = limit
+                        row[f"percent_of_reread_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]
         run["rows"] += rows
         run["load_average_after"] = list(os.getloadavg())
         write_json(out, result)  # partial results survive an interrupted run

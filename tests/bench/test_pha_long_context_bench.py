@@ -49,6 +49,19 @@ def test_a_step_reads_the_matrices_once_per_call_and_each_samples_state_every_st
         bench.sample_bytes("pha-attn", attn, 200) - bench.sample_bytes("pha-attn", attn, 100)) > 0
 
 
+def test_the_reread_limit_reads_the_matrices_every_step_and_the_state_at_the_streaming_rate():
+    c = bench.configs("pha", 512, quick=True)
+    mats = bench.matrix_bytes("pha", c)
+    per_step = bench.step_bytes("pha", c, 3, 100, 4)
+    state = per_step - mats / 4
+    # matrices at 2e9 B/s every step, the state at 1e9 B/s
+    assert bench.reread_limit_ms(per_step, mats, 4, 2e9, 1e9) == pytest.approx(1e3 * (mats / 2e9 + state / 1e9))
+    # with one step per call it is the streaming limit at equal bandwidths
+    one = bench.step_bytes("pha", c, 3, 100, 1)
+    assert bench.reread_limit_ms(one, mats, 1, 1e9, 1e9) == pytest.approx(1e3 * one / 1e9)
+    assert bench.reread_bytes_per_s(1 << 16, repeats=2) > 0
+
+
 def test_the_max_engines_are_compared_with_llama_cpps_best_run():
     rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0,
              "decode_tokens_per_s_b16": 800.0},
