@@ -304,12 +304,14 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
 
 
 def summarized(result: dict) -> dict:
-    """``result`` with its comparisons over all its runs: PHA over attention alone, and
-    the MAX engines over llama.cpp's best."""
+    """``result`` with its comparisons: PHA over attention alone (over all its runs), and
+    the MAX engines over llama.cpp's best within each run that timed both (the machine's
+    speed drifts between runs, so a ratio is only taken side by side; ``run`` counts
+    from 1 in ``runs``)."""
     rows = [r | {"steps_per_call": past["steps_per_call"]} for past in result["runs"] for r in past["rows"]]
-    llama = [r for past in result["runs"] for r in past["llama_cpp"]]
     result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
-    result["against_llama_cpp"] = against_llama_cpp(rows, llama)
+    result["against_llama_cpp"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
+                                   for e in against_llama_cpp(past["rows"], past["llama_cpp"])]
     return result
 
 

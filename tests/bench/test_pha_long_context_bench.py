@@ -94,3 +94,14 @@ def test_pha_over_attention_merges_a_models_rows_from_several_runs():
     assert ratio["decode_tokens_per_s_b1"] == 0.5
     assert ratio["prefill_tokens_per_s"] == 0.5
     assert bench.pha_vs_attention(rows, 2048) == []
+
+
+def test_llama_cpp_ratios_are_taken_within_a_run_only():
+    fast = {"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0}
+    runs = [{"steps_per_call": 16, "rows": [fast], "llama_cpp": [
+                {"context": 512, "batch": 1, "threads": 2, "decode_tokens_per_s": 50.0, "prompt_tokens_per_s": 1.0}]},
+            {"steps_per_call": 16, "rows": [fast | {"decode_tokens_per_s_b1": 30.0}], "llama_cpp": [
+                {"context": 512, "batch": 1, "threads": 2, "decode_tokens_per_s": 20.0, "prompt_tokens_per_s": 1.0}]},
+            {"steps_per_call": 16, "rows": [fast], "llama_cpp": []}]
+    out = bench.summarized({"runs": runs})["against_llama_cpp"]
+    assert [(e["run"], e["decode"]) for e in out] == [(1, 2.0), (2, 1.5)]
