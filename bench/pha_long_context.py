@@ -203,9 +203,10 @@ def spread(values: list[float]) -> float:
 
 
 def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed_run: bool = True,
-            prefill: bool = True, path: str = "op", start: int | None = None) -> dict:
+            prefill: bool = True, path: str = "op", start: int | None = None, donated: bool = False) -> dict:
     """One row: state size, prefill and decode timings; decode calls from position
-    ``start`` (default n - steps - 1: the last steps before the context's end)."""
+    ``start`` (default n - steps - 1: the last steps before the context's end), on a copy
+    of the states and, with ``donated``, also into the states themselves."""
     from srm_max.runtime.compiled import SamplingArrays
 
     c = engine.config
@@ -230,6 +231,10 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
         row[f"spread_b{B}"] = spread(runs)
         row[f"decode_tokens_per_s_b{B}"] = B * steps / min(runs)
         row[f"bytes_per_step_b{B}"] = int(step_bytes(name, c, B, start, steps, weight_bytes_of(engine.dtype)))
+        if donated:  # as the slot pool decodes: into its own states, no copy of the caches per call
+            runs = timed(repeats, lambda: engine.decode(ids, pos, states, greedy, steps, donate_states=True))
+            row[f"donated_step_ms_runs_b{B}"] = [1e3 * t / steps for t in runs]
+            row[f"donated_step_ms_b{B}"] = 1e3 * min(runs) / steps
     return row
 
 
@@ -338,6 +343,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-from", type=int, nargs="*",
                     help="positions the decode calls start from (default: n - steps - 1)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--donated", action="store_true",
+                    help="also time the decode into donated states (the slot pool's calls: no copy of the caches)")
     ap.add_argument("--state-only", action="store_true",
                     help="only the decode state per sample (nothing compiled or timed)")
     ap.add_argument("--out", type=Path, help="the JSON path")
@@ -382,7 +389,7 @@ def main(argv=None) -> dict:
                 # each path prefills through its own graph (the op's tiled attention or plain ops)
                 rows.append(measure(name, engine, n, args.steps, decode_batches, args.repeats, rng,
                                     timed_run=not args.state_only, prefill=prefill and i == 0,
-                                    path=path, start=start))
+                                    path=path, start=start, donated=args.donated))
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if not k.endswith("_runs")}, flush=True)
         if not args.state_only:

@@ -151,8 +151,11 @@ class ToyEngine:
     def regroup(self, pool, fresh, index):
         return np.concatenate([x for x in (pool, fresh) if x is not None], axis=1)[:, index]
 
-    def decode(self, ids, positions, states, sampling, steps=1):
-        ids, pos, st, tokens = np.array(ids), np.array(positions), states.copy(), []
+    def decode(self, ids, positions, states, sampling, steps=1, donate_states=False):
+        # donated states are written in place, as the PHA engine does: a pool that donated
+        # states the cache still holds would change what a later prompt starts from
+        st = states if donate_states else states.copy()
+        ids, pos, tokens = np.array(ids), np.array(positions), []
         for _ in range(steps):
             for b in range(len(ids)):
                 st[0, b] = self._run(st[0, b], [ids[b]], pos[b])

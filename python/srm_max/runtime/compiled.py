@@ -393,12 +393,15 @@ class CompiledGraphs:
         return list(steps_scores(lp, values, ids, logprobs))
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
-               logprobs: int | None = None) -> DecodeResult:
+               logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:
         """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
         ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs``
         (0 .. TOP_N): the result also carries each new token's
         raw log-probability (log_softmax of the logits, no temperature or filters) and
-        that many alternatives per step, computed in the decode op or graph."""
+        that many alternatives per step, computed in the decode op or graph.
+        ``donate_states``: the caller will not read ``states`` again, so an engine that
+        updates its states in place may write into them instead of into a copy (the
+        SRM's graphs return new states either way)."""
         scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:

@@ -368,7 +368,9 @@ class SlotPool:
         t0 = time.perf_counter()
         top_n = decode_top_n(live)
         asked = {} if top_n is None else {"logprobs": top_n}  # engines without them take no such argument
-        res = self.engine.decode(ids, positions, self._states, self._sampling, S, **asked)
+        # the pool's states are its own (each made by a regroup or the last decode, and
+        # dropped by reset after a failed call): the engine may write into them
+        res = self.engine.decode(ids, positions, self._states, self._sampling, S, donate_states=True, **asked)
         turn.decode_seconds += time.perf_counter() - t0
         turn.steps += S
         self._states = res.states

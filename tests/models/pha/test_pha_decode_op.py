@@ -159,6 +159,23 @@ def test_no_steps_returns_the_inputs_and_leaves_the_caller_states(op, reference)
     np.testing.assert_array_equal(op.host(states), before)  # decode works on a copy
 
 
+@pytest.mark.parametrize("engine", ["op", pytest.param("plain", marks=plain_graphs)])
+def test_donated_states_are_written_in_place_and_decode_the_same(request, engine, reference):
+    """``donate_states`` (the slot pool's own states) skips the copy of every cache: the
+    same tokens and states as a decode on a copy, written into the caller's buffer."""
+    engine = request.getfixturevalue(engine)
+    prompts = prompts_of([9, 70], seed=8)
+    ids, states = reference_start(reference, prompts, engine)
+    pos, greedy = np.array([9, 70]), SamplingArrays.greedy(2)
+    before = engine.host(states).copy()
+    on_copy = engine.decode(ids, pos, states, greedy, 5)
+    np.testing.assert_array_equal(engine.host(states), before)
+    donated = engine.decode(ids, pos, states, greedy, 5, donate_states=True)
+    np.testing.assert_array_equal(donated.tokens, on_copy.tokens)
+    np.testing.assert_array_equal(engine.host(donated.states), engine.host(on_copy.states))
+    np.testing.assert_array_equal(engine.host(states), engine.host(on_copy.states))
+
+
 @pytest.mark.parametrize("name", [pytest.param(name, marks=graphs(config, ("decode_steps",), kernels=True))
                                   for name, config in ABLATIONS.items()])
 def test_the_ablations_through_the_op_equal_the_reference(name):

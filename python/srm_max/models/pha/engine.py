@@ -158,17 +158,19 @@ class PHAEngine(CompiledGraphs):
                                         self.to_device(lengths), self.to_device(padded))
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
-               logprobs: int | None = None) -> DecodeResult:
-        """``steps`` tokens per sample, one ``execute`` each, on a copy of ``states`` (the
-        caller's stay as they were: the slot pool forks kept prefill states). The copy
-        is made once per call, then every step writes its rows into it in place.
+               logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:
+        """``steps`` tokens per sample, every step writing its rows into the states in
+        place: into a copy of ``states`` made once per call (the caller's stay as they
+        were, e.g. prefill states it forks again), or with ``donate_states`` into
+        ``states`` themselves, which saves copying every KV cache whole on each call.
         ``logprobs``: as ``CompiledGraphs.decode``, from the op or the one-step graph."""
         scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:
-            # Buffer.copy is asynchronous and an execute does not wait for it
-            states = states.copy()
-            self.device.synchronize()
+            if not donate_states:
+                # Buffer.copy is asynchronous and an execute does not wait for it
+                states = states.copy()
+                self.device.synchronize()
             if self.steps_in_one_op:
                 # one op: every step's writes into the copy, the tokens chosen inside
                 toks, ids, positions, *lp = self.decode_steps_model.execute(
