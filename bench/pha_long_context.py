@@ -265,20 +265,26 @@ def at_context_end(row: dict) -> bool:
     return "decode_from" not in row or row["decode_from"] == row["context"] - row.get("steps_per_call", 16) - 1
 
 
+NOT_MEASURED = ("context", "run", "steps_per_call", "decode_from")  # a row's settings, not its numbers
+
+
 def pha_vs_attention(rows: list[dict], n: int) -> list[dict]:
     """At context n, PHA over attention alone for every measured number (the paper's
-    claims at 8,192: state 0.78x, throughput 1.239x), each from the latest run that
-    measured it."""
-    at: dict[str, dict] = {}
-    for r in rows:  # a model's rows of several runs (decode, prefill, state) together
+    claims at 8,192: state 0.78x, throughput 1.239x), each from the latest run (a row's
+    ``run``) that measured it for both models: a run of one model alone, or of other
+    settings, leaves the ratio as it was."""
+    by_run: dict = {}
+    for r in rows:  # a model's rows of one run (decode, prefill, state) together
         float32 = r.get("dtype", "float32") == "float32"
         if r["context"] == n and r.get("path") == "op" and float32 and at_context_end(r):
-            at.setdefault(r["model"], {}).update(r)
-    if "pha" not in at or "pha-attn" not in at:
-        return []
-    pha, attn = at["pha"], at["pha-attn"]
-    return [{"context": n} | {k: pha[k] / attn[k] for k in pha if isinstance(pha[k], (int, float))
-                              and k != "context" and isinstance(attn.get(k), (int, float)) and attn[k]}]
+            by_run.setdefault(r.get("run"), {}).setdefault(r["model"], {}).update(r)
+    ratios: dict = {}
+    for models in by_run.values():  # in the rows' order: a later run's ratio wins
+        pha, attn = models.get("pha"), models.get("pha-attn")
+        if pha and attn:
+            ratios |= {k: pha[k] / attn[k] for k in pha if k not in NOT_MEASURED and isinstance(pha[k], (int, float))
+                       and isinstance(attn.get(k), (int, float)) and attn[k]}
+    return [{"context": n} | ratios] if ratios else []
 
 
 def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
@@ -313,7 +319,8 @@ def summarized(result: dict) -> dict:
     the MAX engines over llama.cpp's best within each run that timed both (the machine's
     speed drifts between runs, so a ratio is only taken side by side; ``run`` counts
     from 1 in ``runs``)."""
-    rows = [r | {"steps_per_call": past["steps_per_call"]} for past in result["runs"] for r in past["rows"]]
+    rows = [r | {"steps_per_call": past["steps_per_call"], "run": i}
+            for i, past in enumerate(result["runs"], 1) for r in past["rows"]]
     result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
     result["against_llama_cpp"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
                                    for e in against_llama_cpp(past["rows"], past["llama_cpp"])]

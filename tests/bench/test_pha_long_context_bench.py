@@ -94,6 +94,10 @@ def test_pha_over_attention_merges_a_models_rows_from_several_runs():
     assert ratio["decode_tokens_per_s_b1"] == 0.5
     assert ratio["prefill_tokens_per_s"] == 0.5
     assert bench.pha_vs_attention(rows, 2048) == []
+    # a later run of the PHA alone leaves the ratio of the runs that timed both
+    alone = {"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 99.0, "run": 2}
+    (ratio,) = bench.pha_vs_attention([r | {"run": 1} for r in rows] + [alone], 512)
+    assert ratio["decode_tokens_per_s_b1"] == 0.5 and "run" not in ratio and "decode_from" not in ratio
 
 
 def test_llama_cpp_ratios_are_taken_within_a_run_only():
