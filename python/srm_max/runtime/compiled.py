@@ -30,10 +30,9 @@ from ..errors import GenerationError
 from ..graphs.ops import cpu_ops_run
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
-from ..scalars import is_int
 from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
-from .drawn import one_step_scores, steps_scores
+from .drawn import one_step_scores, scored_input, steps_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
 
@@ -376,11 +375,8 @@ class CompiledGraphs:
     def logprob_inputs(self, logprobs: int | None) -> list[Buffer]:
         """The decode graphs' log-probability inputs: scored [] (host; every decode graph) and
         top [n] (the decode-steps graphs: its length is the alternatives their op returns),
-        from ``decode``'s ``logprobs`` (None, or 0 .. TOP_N: checked)."""
-        if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
-            raise GenerationError(f"decode: logprobs={logprobs!r} must be None or an integer from 0 to {TOP_N}")
-        return [Buffer.from_numpy(np.array(int(logprobs is not None), np.int64)),
-                self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
+        from ``decode``'s ``logprobs`` (None, or 0 .. TOP_N: checked by ``scored_input``)."""
+        return [scored_input(logprobs), self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
 
     def logprob_results(self, logprobs: int | None, outputs) -> list:
         """``DecodeResult``'s logprobs, top_ids, top_logprobs from the graph's outputs

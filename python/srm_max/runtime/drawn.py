@@ -19,7 +19,7 @@ def scored_input(logprobs: int | None) -> Buffer:
     """The ``scored`` input [] int64 (host): 1 with ``logprobs`` (0 .. TOP_N alternatives,
     checked), 0 without (None)."""
     if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
-        raise GenerationError(f"logprobs must be None or an integer from 0 to {TOP_N}, got {logprobs!r}")
+        raise GenerationError(f"logprobs must be None or an integer from 0 to {TOP_N}, got logprobs={logprobs!r}")
     return Buffer.from_numpy(np.array(int(logprobs is not None), np.int64))
 
 

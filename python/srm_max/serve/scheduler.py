@@ -365,11 +365,9 @@ class SlotPool:
         # steps the longest needs (past a sequence's end its tokens are dropped)
         S = max(1, min(self.steps_per_call, min(budgets) if self.pending else max(budgets)))
         ids, positions = self._device_inputs or (self._ids, self._positions)
-        t0 = time.perf_counter()
-        top_n = decode_top_n(live)
+        t0, top_n = time.perf_counter(), decode_top_n(live)
         asked = {} if top_n is None else {"logprobs": top_n}  # engines without them take no such argument
-        # the pool's states are its own (each made by a regroup or the last decode, and
-        # dropped by reset after a failed call): the engine may write into them
+        # donated: the pool's states are its own (made by a regroup or the last decode; reset drops them)
         res = self.engine.decode(ids, positions, self._states, self._sampling, S, donate_states=True, **asked)
         turn.decode_seconds += time.perf_counter() - t0
         turn.steps += S
