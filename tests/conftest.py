@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from srm_max.models.srm.config import SRMConfig
-from tests.support.graphs import KERNEL_GRAPHS_ONLY, declared_graph_jobs, needs_only_float32_kernel_graphs
+from tests.support import op_graphs
+from tests.support.graphs import KERNEL_GRAPHS_ONLY, declared_graph_jobs, needs_only_float32_kernel_graphs, undeclared
 from tests.support.tiny import TINY, make_reference, weights_of
 
 
@@ -54,7 +55,28 @@ def suite_graphs(request):
 
     jobs = declared_graph_jobs(request.session.items)
     install(jobs)  # the embedded model's graphs ship with the package (checked, not compiled)
-    return precompile(jobs)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", op_graphs.pythonpath_with_repo_root())  # the workers build the op graphs
+        return precompile(jobs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    op_graphs.forget_uses()  # before the test's fixtures, which may load op graphs
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Fail a test that used an op graph it does not declare: run alone, it would compile
+    that graph inside the test, one at a time, instead of up front."""
+    result = yield
+    missing = undeclared(item, op_graphs.used())
+    if missing:
+        named = ", ".join(job.kind if job.config.vocab is None else f"{job.kind} with vocab={job.config.vocab}"
+                          for job in missing)
+        pytest.fail(f"{item.nodeid} uses op graphs it does not declare: add op_graphs({named}) "
+                    "(tests/support/graphs.py) to its marks")
+    return result
 
 
 @pytest.fixture(scope="session")

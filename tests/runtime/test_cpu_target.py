@@ -55,8 +55,9 @@ GUARD_TESTS = (
     (PREFILL_OP + "test_the_op_equals_float64_causal_attention",
      GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),
 )
-# Only tests whose graphs are float32 graphs with the Mojo ops (the op-alone graphs declare
-# none); the slow ones (a virtual GPU's compile) are no CPU code.
+# Only tests whose graphs are float32 graphs with the Mojo ops (the op-alone graphs are, so
+# each child compiles those it runs up front, side by side); the slow ones (a virtual GPU's
+# compile) are no CPU code.
 GUARD_OPTIONS = (KERNEL_GRAPHS_ONLY, "-m", "not slow")
 # A child that dies by a signal runs again, up to this many times in all: that runtime
 # fault strikes a child now and then, while a fault of the graphs' own AVX2 code strikes

@@ -67,3 +67,73 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     pc.precompile(jobs)
     assert [(j.kind, j.dtype, j.kernels) for j in handed] == [
         ("sample", "float32", True), ("sample", "float32", False), ("regroup", "bfloat16", False)]
+
+
+# The op tests' graphs (tests/support/op_graphs.py) are compile jobs like the engines': the
+# marker declares them, the session compiles them up front in the same workers, and a test
+# that uses one it does not declare fails.
+
+
+class Declaring:
+    """A stand-in for a test item carrying the given marks."""
+
+    def __init__(self, *marks):
+        self.nodeid = "tests/x.py::test_x"
+        self.marks = [m.mark for m in marks]
+
+    def iter_markers(self, name):
+        return [m for m in self.marks if m.name == name]
+
+
+def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
+    from srm_max.graphs.op_names import OP_LINEAR, OP_SAMPLE_ROWS, OP_SCAN, OP_WRITE_STATE_ROWS
+    from tests.support.graphs import declared_graph_jobs, graphs, needs_only_float32_kernel_graphs, op_graphs, undeclared
+    from tests.support.op_graphs import job
+    from tests.support.tiny import TINY
+
+    item = Declaring(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64))
+    assert declared_graph_jobs([item]) == [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]
+    assert undeclared(item, [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]) == []
+    assert undeclared(item, [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]) == [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]
+    assert needs_only_float32_kernel_graphs(item)
+    assert not needs_only_float32_kernel_graphs(Declaring(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False)))
+    with pytest.raises(ValueError, match=f"no graph of the op '{OP_WRITE_STATE_ROWS}' alone"):
+        op_graphs(OP_WRITE_STATE_ROWS)
+
+
+def test_a_test_using_an_op_graph_it_does_not_declare_fails():
+    """tests/conftest.py's check after each test: run alone, such a test would compile the
+    graph inside itself, one at a time."""
+    import tests.conftest as conftest
+    from srm_max.graphs.op_names import OP_LINEAR, OP_SCAN
+    from tests.support import op_graphs
+    from tests.support.graphs import op_graphs as declare
+
+    item = Declaring(declare(OP_SCAN))
+    # the uses a test made (patched only around each check: this test's own check follows)
+    for used, problem in (({op_graphs.job(OP_SCAN)}, None),
+                          ({op_graphs.job(OP_SCAN), op_graphs.job(OP_LINEAR)}, rf"add op_graphs\({OP_LINEAR}\)")):
+        call = conftest.pytest_runtest_call(item)
+        next(call)  # the test runs here
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(op_graphs, "used", lambda: used)
+            with pytest.raises(pytest.fail.Exception if problem else StopIteration, match=problem):
+                call.send(None)
+
+
+def test_a_compile_worker_started_anywhere_builds_an_op_graph(tmp_path):
+    """What a worker does before it compiles: unpickle the job, whose builder lives in
+    tests.support, and build its graph; from outside the repository, with the PYTHONPATH
+    tests/conftest.py gives the workers."""
+    import os
+    import pickle
+
+    from srm_max.graphs.op_names import OP_LINEAR
+    from tests.support.op_graphs import job, pythonpath_with_repo_root
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()).graph().name)"],
+        input=pickle.dumps(job(OP_LINEAR)), capture_output=True, timeout=300, cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": pythonpath_with_repo_root()})
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert proc.stdout.decode().splitlines()[-1] == job(OP_LINEAR).graph().name

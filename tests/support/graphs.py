@@ -1,6 +1,7 @@
 """The ``graphs`` marker: a test module declares the compiled graphs it needs
-(``pytestmark = graphs(TINY)``) and the session compiles all of them up front, side by
-side (tests/conftest.py ``suite_graphs``)."""
+(``pytestmark = graphs(TINY)``; the graphs of Mojo ops alone: ``op_graphs(OP_SCAN)``) and
+the session compiles all of them up front, side by side (tests/conftest.py
+``suite_graphs``)."""
 
 from __future__ import annotations
 
@@ -19,13 +20,33 @@ def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = T
     return pytest.mark.graphs(*[(kind, config, dtype, kernels) for kind in kinds])
 
 
+def op_graphs(*ops: str, vocab: int | None = None):
+    """A marker naming graphs of Mojo ops alone (tests/support/op_graphs.py, by op name;
+    ``vocab``: the row width of the graphs that need one), which the marked tests load with
+    ``op_graphs.model``. They are float32 graphs with the Mojo ops, so the x86-64-v3 guard
+    keeps the tests that declare them."""
+    from tests.support.op_graphs import OpGraphConfig, job
+
+    for op in ops:
+        job(op, vocab)  # refuses an op with no graph of its own here
+    return graphs(OpGraphConfig(vocab), ops)
+
+
 def declared_graph_jobs(items) -> list:
     """The compile jobs of every graph the ``items`` declare (``graphs`` markers)."""
     from srm_max.models import registry
+    from tests.support import op_graphs
 
     specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
-    return [registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
+    return [op_graphs.job(kind, config.vocab) if isinstance(config, op_graphs.OpGraphConfig)
+            else registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
             for kind, config, dtype, kernels in specs]
+
+
+def undeclared(item, used) -> list:
+    """The graphs among ``used`` that ``item`` does not declare."""
+    declared = set(declared_graph_jobs([item]))
+    return [job for job in used if job not in declared]
 
 
 # the pytest option (tests/conftest.py) that keeps only the tests for which

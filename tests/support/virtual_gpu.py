@@ -14,7 +14,7 @@ from pathlib import Path
 from srm_max.files import atomic_file
 from srm_max.runtime.compile_cache import cache_dir
 from srm_max.runtime.kernels import OP_STEP_FUNCTIONAL, kernel_library
-from tests.support.mojo_ops import scan_op
+from tests.support.op_graph_builders import scan_op
 
 
 def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:

@@ -19,36 +19,22 @@ import pytest
 from srm_max.graphs.op_names import OP_PHA_GSS_SCAN
 from srm_max.graphs.pha.gss import CHUNK
 from tests.support.checks import assert_close_rel
-from tests.support.graphs import graphs
+from tests.support.graphs import graphs, op_graphs
+from tests.support.op_graphs import model as op_graph_model
 from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, prompts_of
 
-# the engines' prefill graphs, for the tests that prefill through them (the op's own tests
-# compile a graph of the op alone)
+# the op's own tests run a graph of the op alone; the tests that prefill through it, the
+# engines' prefill graphs
+op_alone = op_graphs(OP_PHA_GSS_SCAN)
 op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def op_graph():
     """The op alone: (ends [B, M, H, 2N], a_chunk [2N], ct [H, 2N], chunks [B]) ->
     (carried [B, M, H, 2N], entering_last [B, H, 2N])."""
-    from max.driver import CPU
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType, ops
-
-    from srm_max.runtime.kernels import kernel_library
-
-    dev, f32 = DeviceRef.CPU(), DType.float32
-    types = [TensorType(f32, ["B", "M", "H", "R"], dev), TensorType(f32, ["A"], dev),
-             TensorType(f32, ["CH", "CR"], dev), TensorType(DType.int64, ["NB"], dev)]
-    with Graph("pha_gss_scan_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
-        ends, a_chunk, ct, chunks = (x.tensor for x in g.inputs)
-        carried, last = ops.custom(OP_PHA_GSS_SCAN, device=dev, values=[ends, a_chunk, ct, chunks],
-                                   out_types=[TensorType(f32, ends.shape, dev),
-                                              TensorType(f32, [ends.shape[0], ends.shape[2], ends.shape[3]], dev)])
-        g.output(carried.tensor, last.tensor)
-    return InferenceSession(devices=[CPU()]).load(g)
+    return op_graph_model(OP_PHA_GSS_SCAN)
 
 
 def run_op(model, ends, a_chunk, ct, chunks):
@@ -110,6 +96,7 @@ def op_inputs(ends, lam, ct):
     return pairs(ends).astype(np.float32), a_chunk.astype(np.float32), pairs(ct).astype(np.float32)
 
 
+@op_alone
 @pytest.mark.parametrize("B, H, N, lengths", [
     (1, 3, 8, [1]),  # one token
     (1, 2, 8, [63]),  # inside the first chunk
@@ -132,6 +119,7 @@ def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths):
             assert not got_last[b].any()
 
 
+@op_alone
 def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
     """128 chunks of modes that keep 0.9999 of their size per token: the state entering
     each chunk against a complex128 sum of the powers of A, within the float32 rounding of
@@ -151,6 +139,7 @@ def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
                                atol=1e-5 * np.abs(entering[0, -1]).max())
 
 
+@op_alone
 @pytest.mark.parametrize("shapes, chunks, problem", [
     (((1, 2, 3, 7), (7,), (3, 7)), [1], r"last axis \(7\) must be 2N"),
     (((1, 2, 3, 8), (6,), (3, 8)), [1], "a_chunk has 6 entries, ends' rows 8"),

@@ -20,11 +20,13 @@ import pytest
 
 from srm_max.graphs.op_names import OP_PHA_PREFILL_ATTENTION
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
-from tests.support.graphs import graphs
+from tests.support.graphs import graphs, op_graphs
+from tests.support.op_graphs import model as op_graph_model
 from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, assert_states_close, prompts_of, random_pha
 
-# the engines' prefill graphs, for the tests that prefill through them (the op's own tests
-# compile a graph of the op alone)
+# the op's own tests run a graph of the op alone; the tests that prefill through it, the
+# engines' prefill graphs
+op_alone = op_graphs(OP_PHA_PREFILL_ATTENTION)
 op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
 ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"))
@@ -32,25 +34,10 @@ ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"))
 LENGTHS = [1, 31, 32, 33, 63, 64, 65, 100, 160]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def op_graph():
     """The op alone: (q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended."""
-    from max.driver import CPU
-    from max.dtype import DType
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType, ops
-
-    from srm_max.runtime.kernels import kernel_library
-
-    dev, f32 = DeviceRef.CPU(), DType.float32
-    types = [TensorType(f32, ["B", "T", "Hq", "dh"], dev), TensorType(f32, ["B", "T", "Hkv", "dh"], dev),
-             TensorType(f32, ["B", "T", "Hkv", "dh"], dev), TensorType(DType.int64, ["B"], dev)]
-    with Graph("pha_prefill_attention_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
-        q, k, v, lengths = (x.tensor for x in g.inputs)
-        (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=[q, k, v, lengths],
-                            out_types=[TensorType(f32, q.shape, dev)])
-        g.output(att.tensor)
-    return InferenceSession(devices=[CPU()]).load(g)
+    return op_graph_model(OP_PHA_PREFILL_ATTENTION)
 
 
 def run_op(model, q, k, v, lengths) -> np.ndarray:
@@ -89,6 +76,7 @@ def random_qkv(B, T, Hq, Hkv, dh, scale, seed):
     return q, unit((B, T, Hkv, dh)).astype(np.float32), rng.normal(size=(B, T, Hkv, dh)).astype(np.float32)
 
 
+@op_alone
 @pytest.mark.parametrize("B, T, Hq, Hkv, dh, lengths, scale", [
     (1, 1, 4, 2, 16, [1], 10.0),  # one token
     (2, 33, 4, 2, 16, [33, 5], 10.0),
@@ -106,6 +94,7 @@ def test_the_op_equals_float64_causal_attention(op_graph, B, T, Hq, Hkv, dh, len
         assert not got[b, n:].any()  # the padding's rows are zeros, not left unwritten
 
 
+@op_alone
 @pytest.mark.parametrize("shapes, lengths, problem", [
     (((1, 8, 3, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], "3 query heads are not a multiple of 2 KV heads"),
     (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [9], r"lengths\[0\] = 9 outside \[0, 8\]"),

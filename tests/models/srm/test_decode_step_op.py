@@ -6,8 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from srm_max.graphs.op_names import OP_DECODE_STEP, OP_DECODE_STEPS
 from tests.support import mojo_ops as K
+from tests.support.graphs import op_graphs
 from tests.support.mixer_reference import close, make_params, ref_step
+
+pytestmark = op_graphs(OP_DECODE_STEP, OP_DECODE_STEPS)
 
 
 def ref_decode_layer(x, state, positions, p, eps):

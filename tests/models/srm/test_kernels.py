@@ -1,7 +1,7 @@
 """Mojo custom ops of the SRM token mixer vs a float64 numpy loop.
 
-Two CPU graphs (one step, scan) with all dims symbolic,
-each compiled once per cache (``srm_max.runtime.compile_cache``). The GPU-path compile check runs in a subprocess
+Two CPU graphs (one step, scan) with all dims symbolic, declared below so the session
+compiles them up front (tests/support/op_graphs.py). The GPU-path compile check runs in a subprocess
 (virtual device mode) and can be skipped with SRM_MAX_SKIP_GPU_COMPILE=1 or
 ``-k "not virtual_gpu"``.
 """
@@ -15,23 +15,29 @@ import sys
 import numpy as np
 import pytest
 
+from srm_max.graphs.op_names import OP_SCAN, OP_STEP_FUNCTIONAL
 from srm_max.runtime import kernels as library
 from tests.support import mojo_ops as K
+from tests.support import op_graph_builders
+from tests.support.graphs import op_graphs
 from tests.support.mixer_reference import close, closed_form_state, make_params, ref_scan, ref_step
+from tests.support.op_graphs import model
 from tests.support.paths import REPO_ROOT
+
+pytestmark = op_graphs(OP_SCAN, OP_STEP_FUNCTIONAL)
 
 
 # ----------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def step_functional_model():
-    return K._model("step_functional")
+    return model(OP_STEP_FUNCTIONAL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def scan_model():
-    return K._model("scan")
+    return model(OP_SCAN)
 
 
 # ----------------------------------------------------------------- library
@@ -50,8 +56,8 @@ def test_ops_registered():
     from max.graph import DeviceRef
 
     # building the graphs checks that every op is registered in the library
-    K.build_step_graph(DeviceRef.CPU())
-    K.build_scan_graph(DeviceRef.CPU())
+    op_graph_builders.step_graph(DeviceRef.CPU())
+    op_graph_builders.scan_graph(DeviceRef.CPU())
 
 
 # ----------------------------------------------------------------- scan

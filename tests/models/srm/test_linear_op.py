@@ -14,31 +14,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphs.op_names import OP_LINEAR
-from srm_max.runtime.compile_cache import load_compiled
-from srm_max.runtime.kernels import kernel_library
-from tests.support.mojo_ops import session
+from srm_max.graphs.op_names import OP_LINEAR
+from tests.support.graphs import op_graphs
+from tests.support.op_graphs import model
 from tests.support.tiny import TINY
 
-_model = []
+pytestmark = op_graphs(OP_LINEAR)
 
 
 def srm_linear(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     """The op on x [R, K], w [N, K], b [N] -> y [R, N]."""
-    if not _model:
-        from max.dtype import DType
-        from max.graph import DeviceRef, Graph, TensorType, ops
-
-        dev, f32 = DeviceRef.CPU(), DType.float32
-        # w's width and b's length their own dimensions, so that a mismatch reaches the op's checks
-        types = [TensorType(f32, ["R", "K"], dev), TensorType(f32, ["N", "Kw"], dev), TensorType(f32, ["Nb"], dev)]
-        with Graph("linear_op", input_types=types, custom_extensions=[kernel_library()]) as g:
-            rows, weight, bias = (v.tensor for v in g.inputs)
-            y = ops.custom(OP_LINEAR, device=dev, values=[rows, weight, bias],
-                           out_types=[TensorType(f32, [rows.shape[0], weight.shape[0]], dev)])
-            g.output(y[0].tensor)
-        _model.append(load_compiled(session(), g))
-    out = _model[0].execute(*(np.ascontiguousarray(a, np.float32) for a in (x, w, b)))
+    out = model(OP_LINEAR).execute(*(np.ascontiguousarray(a, np.float32) for a in (x, w, b)))
     return out[0].to_numpy()
 
 

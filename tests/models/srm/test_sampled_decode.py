@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from max.driver import CPU, Buffer
-from max.dtype import DType
-from max.engine import InferenceSession
-from max.graph import DeviceRef, Graph, TensorType, ops
+from max.driver import Buffer
 
 from srm_max.graphs import sampler
 from srm_max.graphs.op_names import OP_SAMPLE_ROWS
 from srm_max.runtime.compiled import SamplingArrays
 from srm_max.runtime.drawn import scored_input
-from srm_max.runtime.kernels import kernel_library
 from tests.support.sampler_mirror import filtered_probs
-from tests.support.graphs import graphs
+from tests.support.graphs import graphs, op_graphs
+from tests.support.op_graphs import model as op_graph_model
 from tests.support.prompts import random_prompts
 from tests.support.tiny import TINY
 
@@ -129,22 +126,7 @@ CRAFTED_PARAMS = [(1.0, 0, 0.9), (1.0, 0, 1e-6), (0.7, 0, 0.5), (1.0, 0, 0.99999
                   (1.0, CRAFTED_V, 1.0), (1.0, 0, 1.0)]
 
 
-def sample_rows_graph(V: int) -> Graph:
-    """sampler.sample and the op's draw (mojo/sample_rows.mojo) on the same logits."""
-    dev = DeviceRef.CPU()
-    types = [TensorType(DType.float32, ["b", V], dev), TensorType(DType.float32, ["b"], dev),
-             TensorType(DType.int64, ["b"], dev), TensorType(DType.float32, ["b"], dev),
-             TensorType(DType.uint64, ["b"], dev), TensorType(DType.int64, ["b"], dev),
-             TensorType(DType.int64, [], dev)]
-    with Graph("sample_rows_vs_graph", input_types=types, custom_extensions=[kernel_library()]) as g:
-        logits, t, k, p, seed, counter, mode = (v.tensor for v in g.inputs)
-        (op,) = ops.custom(OP_SAMPLE_ROWS, device=dev, values=[logits, t, k, p, seed, counter,
-                                                                   ops.reshape(mode, [1])],
-                           out_types=[TensorType(DType.int64, [logits.shape[0]], dev)])
-        g.output(sampler.sample(logits, t, k, p, seed, counter, mode, dev), op.tensor)
-    return g
-
-
+@op_graphs(OP_SAMPLE_ROWS, vocab=CRAFTED_V)
 def test_the_op_draws_the_graphs_nucleus_on_crafted_rows():
     """Ties, flat, peaked, long-tailed and underflowing rows, with top-p alone (keeping
     one token up to nearly all), small and large top-k, alone and with top-p: the op
@@ -156,7 +138,7 @@ def test_the_op_draws_the_graphs_nucleus_on_crafted_rows():
     inputs = [logits, t.astype(np.float32), k.astype(np.int64), p.astype(np.float32),
               (seed * 7919 + 3).astype(np.uint64), np.full(len(cases), 40, np.int64),
               np.array(sampler.MODE_FILTERED, np.int64)]
-    model = InferenceSession(devices=[CPU()]).load(sample_rows_graph(CRAFTED_V))
+    model = op_graph_model(OP_SAMPLE_ROWS, vocab=CRAFTED_V)  # sampler.sample's tokens and the op's
     graph_tokens, op_tokens = (r.to_numpy() for r in model.execute(*(Buffer.from_numpy(x) for x in inputs)))
     np.testing.assert_array_equal(op_tokens, graph_tokens)
     for (name, t_, k_, p_, _), token, row in zip(cases, op_tokens, logits):

@@ -14,38 +14,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphs.op_names import OP_SCORE_HEAD
-from srm_max.runtime.compile_cache import load_compiled
-from srm_max.runtime.kernels import kernel_library
-from tests.support.mojo_ops import session
+from srm_max.graphs.op_names import OP_SCORE_HEAD
+from tests.support.graphs import op_graphs
+from tests.support.op_graphs import model
 from tests.support.score_checks import ATOL, check_scores, log_softmax64
 
-_model = None
+pytestmark = op_graphs(OP_SCORE_HEAD)
 
 
 def score_head(x: np.ndarray, head: np.ndarray, targets: np.ndarray, K: int):
     """The op on x [R, d], head [V, d] -> (logprobs [R], top_values [R, K], top_ids [R, K])."""
-    global _model
-    if _model is None:
-        from max.dtype import DType
-        from max.graph import DeviceRef, Graph, TensorType, ops
-
-        dev = DeviceRef.CPU()
-        f32, i64 = DType.float32, DType.int64
-        # the head's width its own dimension, so that a mismatch reaches the op's check; an
-        # input of K values only names the outputs' width K, so one graph serves every K
-        types = [TensorType(f32, ["R", "d"], dev), TensorType(f32, ["V", "dh"], dev), TensorType(i64, ["R"], dev),
-                 TensorType(i64, ["K"], dev)]
-        with Graph("score_head_any_k", input_types=types, custom_extensions=[kernel_library()]) as g:
-            rows, w, tg, width = (v.tensor for v in g.inputs)
-            R, k_dim = rows.shape[0], width.shape[0]
-            out = ops.custom(OP_SCORE_HEAD, device=dev, values=[rows, w, tg],
-                             out_types=[TensorType(f32, [R], dev), TensorType(f32, [R, k_dim], dev),
-                                        TensorType(i64, [R, k_dim], dev)])
-            g.output(*(o.tensor for o in out))
-        _model = load_compiled(session(), g)
-    outs = _model.execute(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(head, np.float32),
-                          np.ascontiguousarray(targets, np.int64), np.zeros(K, np.int64))
+    outs = model(OP_SCORE_HEAD).execute(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(head, np.float32),
+                                        np.ascontiguousarray(targets, np.int64), np.zeros(K, np.int64))
     return tuple(o.to_numpy() for o in outs)
 
 

@@ -10,36 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.runtime.compile_cache import load_compiled
-from srm_max.runtime.kernels import kernel_library
-from graphs.op_names import OP_SCORE_ROWS
-from tests.support.mojo_ops import session
+from srm_max.graphs.op_names import OP_SCORE_ROWS
+from tests.support.graphs import op_graphs
+from tests.support.op_graphs import model
 from tests.support.score_checks import check_scores
 
-_model = None
+pytestmark = op_graphs(OP_SCORE_ROWS)
 
 
 def score_rows(logits: np.ndarray, targets: np.ndarray, K: int):
     """The op on [R, V] logits -> (logprobs [R], top_values [R, K], top_ids [R, K])."""
-    global _model
-    if _model is None:
-        from max.dtype import DType
-        from max.graph import DeviceRef, Graph, TensorType, ops
-
-        dev = DeviceRef.CPU()
-        f32, i64 = DType.float32, DType.int64
-        # an input of K values only names the outputs' width K, so one graph serves every K
-        types = [TensorType(f32, ["R", "V"], dev), TensorType(i64, ["R"], dev), TensorType(i64, ["K"], dev)]
-        with Graph("score_rows_any_k", input_types=types, custom_extensions=[kernel_library()]) as g:
-            rows, tg, width = (v.tensor for v in g.inputs)
-            R, k_dim = rows.shape[0], width.shape[0]
-            out = ops.custom(OP_SCORE_ROWS, device=dev, values=[rows, tg],
-                             out_types=[TensorType(f32, [R], dev), TensorType(f32, [R, k_dim], dev),
-                                        TensorType(i64, [R, k_dim], dev)])
-            g.output(*(o.tensor for o in out))
-        _model = load_compiled(session(), g)
-    outs = _model.execute(np.ascontiguousarray(logits, np.float32), np.ascontiguousarray(targets, np.int64),
-                          np.zeros(K, np.int64))
+    outs = model(OP_SCORE_ROWS).execute(np.ascontiguousarray(logits, np.float32),
+                                        np.ascontiguousarray(targets, np.int64), np.zeros(K, np.int64))
     return tuple(o.to_numpy() for o in outs)
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
+from srm_max.graphs.op_names import OP_SCAN
 from srm_max.runtime.compiled import SamplingArrays
 from tests.support import mojo_ops as K
-from tests.support.graphs import graphs
+from tests.support.graphs import graphs, op_graphs
 from tests.support.pha import CONFIG as PHA_CONFIG, random_pha
 from tests.support.prompts import padded_batch, random_prompts
 from tests.support.tiny import TINY
@@ -201,6 +202,7 @@ def test_score_and_start_states_refuse_bad_input(engine):
 # ---------------------------------------------------------------- the scan op from a state
 
 
+@op_graphs(OP_SCAN)
 def test_the_scan_op_continues_from_a_state():
     rng = np.random.default_rng(12)
     B, T, H, hd, n = 3, 40, 4, 7, 48
