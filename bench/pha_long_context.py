@@ -142,34 +142,29 @@ def step_bytes(name: str, config, batch: int, start: int, steps: int, weight_byt
     return matrix_bytes(name, config, weight_bytes) / steps + batch * per_sample
 
 
-def stream_bytes_per_s(repeats: int = 5) -> float:
-    """The best read bandwidth of 2-thread torch sums over STREAM_BYTES."""
-    import torch
-
-    torch.set_num_threads(2)
-    a = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a.sum()
-        best = max(best, STREAM_BYTES / (time.perf_counter() - t))
-    return best
-
-
-def reread_bytes_per_s(nbytes: int, repeats: int = 20) -> float:
-    """The best read bandwidth of 2-thread torch sums over the same ``nbytes`` array,
-    read again and again (a decode step's matrices: cache-resident if they fit)."""
+def read_bytes_per_s(nbytes: int, repeats: int) -> float:
+    """The best read bandwidth of ``repeats`` 2-thread torch sums over one ``nbytes`` array."""
     import torch
 
     torch.set_num_threads(2)
     a = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    a.sum()
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
         a.sum()
         best = max(best, 4 * a.numel() / (time.perf_counter() - t))
     return best
+
+
+def stream_bytes_per_s(repeats: int = 5) -> float:
+    """The streaming bandwidth: an array of STREAM_BYTES, far beyond the caches."""
+    return read_bytes_per_s(STREAM_BYTES, repeats)
+
+
+def reread_bytes_per_s(nbytes: int, repeats: int = 20) -> float:
+    """The bandwidth of reading the same ``nbytes`` again and again (a decode step's
+    matrices: cache-resident if they fit; the first sums bring them in)."""
+    return read_bytes_per_s(nbytes, repeats)
 
 
 def reread_limit_ms(bytes_per_step: float, matrix_bytes: int, steps: int, reread: float, stream: float) -> float:
