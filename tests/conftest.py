@@ -12,7 +12,9 @@ import pytest
 
 from srm_max.models.srm.config import SRMConfig
 from tests.support import op_graphs
-from tests.support.graphs import KERNEL_GRAPHS_ONLY, declared_graph_jobs, needs_only_float32_kernel_graphs, undeclared
+from tests.support.graphs import (
+    KERNEL_GRAPHS_ONLY, compile_report, declared_graph_jobs, needs_only_float32_kernel_graphs, undeclared,
+)
 from tests.support.tiny import TINY, make_reference, weights_of
 
 
@@ -57,7 +59,21 @@ def suite_graphs(request):
     install(jobs)  # the embedded model's graphs ship with the package (checked, not compiled)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", op_graphs.pythonpath_with_repo_root())  # the workers build the op graphs
-        return precompile(jobs)
+        seconds = precompile(jobs)
+    request.config.stash[COMPILED] = compile_report(seconds, request.session.items) if seconds else []
+    return seconds
+
+
+COMPILED = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """What the up-front compiles cost, graph by graph (a cold run's time is mostly these)."""
+    lines = config.stash.get(COMPILED, [])
+    if lines:
+        terminalreporter.section("graphs compiled up front")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -137,3 +137,18 @@ def test_a_compile_worker_started_anywhere_builds_an_op_graph(tmp_path):
         env=os.environ | {"PYTHONPATH": pythonpath_with_repo_root()})
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     assert proc.stdout.decode().splitlines()[-1] == job(OP_LINEAR).graph().name
+
+
+def test_the_compile_report_names_each_graph_dearest_first_with_the_file_declaring_it():
+    """The session's summary of its up-front compiles (tests/conftest.py): one line a
+    graph, the dearest first, each with the first test file that declares it."""
+    from srm_max.graphs.op_names import OP_LINEAR, OP_SCAN
+    from tests.support.graphs import compile_report, op_graphs
+    from tests.support.op_graphs import job
+
+    first, second = Declaring(op_graphs(OP_SCAN)), Declaring(op_graphs(OP_SCAN, OP_LINEAR))
+    second.nodeid = "tests/y.py::test_y"
+    lines = compile_report({job(OP_SCAN): 12.4, job(OP_LINEAR): 40.0}, [first, second])
+    assert lines[0].startswith("2 graphs compiled up front, 52 s of compiling")
+    assert lines[1:] == [f"     40 s  {OP_LINEAR} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
+                         f"     12 s  {OP_SCAN} (mojo_ops, float32, Mojo ops), declared by tests/x.py"]

@@ -43,6 +43,24 @@ def declared_graph_jobs(items) -> list:
             for kind, config, dtype, kernels in specs]
 
 
+def compile_report(seconds: dict, items) -> list[str]:
+    """Lines naming each graph the session compiled up front (``seconds``: what
+    ``precompile`` returned), dearest first, with the first test file that declares it:
+    which graphs the cold suite's time goes to."""
+    first_file: dict = {}
+    for item in items:
+        for job in declared_graph_jobs([item]):
+            first_file.setdefault(job.mef_path(), item.nodeid.split("::")[0])
+    lines = [f"{len(seconds)} graph{'s' if len(seconds) != 1 else ''} compiled up front, "
+             f"{sum(seconds.values()):.0f} s of compiling "
+             "(side by side, so more than the wall-clock time):"]
+    for job, s in sorted(seconds.items(), key=lambda js: -js[1]):
+        ops = "Mojo ops" if job.kernels else "plain ops"
+        where = first_file.get(job.mef_path(), "?")
+        lines.append(f"{s:7.0f} s  {job.kind} ({job.architecture}, {job.dtype}, {ops}), declared by {where}")
+    return lines
+
+
 def undeclared(item, used) -> list:
     """The graphs among ``used`` that ``item`` does not declare."""
     declared = set(declared_graph_jobs([item]))
