@@ -14,7 +14,15 @@ they inflate wall-clock time. The graphs:
 - ``add_again_warm``: ``add`` once more in the first child's ``HOME``, to show which part
   MAX's caches keep between processes (a graph identical to one compiled before);
 - with ``--models``: the test PHA's plain-op prefill graph (tests/support/pha.py's shape,
-  every branch on) with 2 blocks and with 1, to show whether the compile grows with depth.
+  every branch on) with 2 blocks and with 1, to show whether the compile grows with depth;
+  and the suite's SRM config's (tests/support/tiny.py) plain-op prefill and score graphs,
+  the score once in the prefill's ``HOME`` (``srm_plain_score_after_prefill``) and once in
+  an empty one, to show how much two graphs of one model share.
+
+MAX compiles a graph's kernels (after fusing its ops) one by one and keeps each in a
+kernel cache under ``~/.cache/modular``; with ``MODULAR_ENABLE_CACHE_LOGGING=1`` it logs,
+per batch of kernels, how many there were and how many that cache already held. Each row
+gives those counts (``kernels``, ``kernel_cache_hits``), so the cost per kernel can be read.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -32,6 +41,10 @@ from bench.common import machine_info
 
 OUT = Path(__file__).with_name("results") / "compile_cost.json"
 GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
+MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_score_after_prefill",
+                "srm_plain_score")
+# compiled one after the other in one HOME (the rest each in an empty one)
+SHARED_HOME = ("srm_plain_prefill", "srm_plain_score_after_prefill")
 
 
 def build(name: str):
@@ -44,6 +57,12 @@ def build(name: str):
     def t(*shape):
         return TensorType(f32, list(shape), cpu)
 
+    if name.startswith("srm_plain_"):
+        from srm_max.models import registry
+        from tests.support.tiny import TINY
+
+        kind = name.removeprefix("srm_plain_").removesuffix("_after_prefill")
+        return registry.of(TINY).graph_job(kind, TINY, "float32", "cpu", False).graph()
     if name.startswith("pha_plain_prefill_"):
         import dataclasses
 
@@ -79,26 +98,40 @@ def compile_once(name: str) -> None:
     InferenceSession(devices=[CPU()]).compile(build(name))
 
 
+# MAX's kernel cache log: "checkCache summary: 66 kernels, MOGG hit=8 miss=58, ..."
+KERNEL_SUMMARY = re.compile(r"checkCache summary: (\d+) kernels, MOGG hit=(\d+) miss=(\d+)")
+
+
+def kernel_counts(log: str) -> dict:
+    """The kernels MAX compiled or found in its kernel cache, summed over the log's batches."""
+    found = [tuple(map(int, m)) for m in KERNEL_SUMMARY.findall(log)]
+    return {"kernels": sum(f[0] for f in found), "kernel_cache_hits": sum(f[1] for f in found)}
+
+
 def measure(name: str, home: str) -> dict:
-    """Compile ``name`` in a child with ``HOME=home``: its CPU and wall seconds."""
+    """Compile ``name`` in a child with ``HOME=home``: its CPU and wall seconds, and its
+    kernels (``kernel_counts``)."""
     import time
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
+    env = os.environ | {"HOME": home, "MODULAR_ENABLE_CACHE_LOGGING": "1"}
     done = subprocess.run([sys.executable, "-m", "bench.compile_cost", "--child", name], capture_output=True,
-                          text=True, env=os.environ | {"HOME": home}, cwd=Path(__file__).parents[1])
+                          text=True, env=env, cwd=Path(__file__).parents[1])
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"compile_cost: compiling {name} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"graph": name, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
-            "load_average": list(os.getloadavg())}
+            **kernel_counts(done.stdout + done.stderr), "load_average": list(os.getloadavg())}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", action="store_true", help="also the test PHA's plain prefill at 2 and 1 blocks")
+    parser.add_argument("--models", action="store_true",
+                        help="also the test PHA's plain prefill at 2 and 1 blocks, and the test SRM's plain prefill "
+                             "and score (the score after the prefill in one HOME, and alone)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -109,14 +142,17 @@ def main(argv=None) -> None:
         os._exit(0)
     rows = []
     with tempfile.TemporaryDirectory() as first_home:
-        names = list(GRAPHS) + (["pha_plain_prefill_2", "pha_plain_prefill_1"] if args.models else [])
-        for i, name in enumerate(names):
-            if i == 0:
-                rows.append(measure(name, first_home))
-            else:
-                with tempfile.TemporaryDirectory() as home:
-                    rows.append(measure(name, home))
-            print(json.dumps(rows[-1]), flush=True)
+        names = list(GRAPHS) + (list(MODEL_GRAPHS) if args.models else [])
+        with tempfile.TemporaryDirectory() as model_home:
+            for i, name in enumerate(names):
+                if i == 0:
+                    rows.append(measure(name, first_home))
+                elif name in SHARED_HOME:  # after the graphs before it in this HOME
+                    rows.append(measure(name, model_home))
+                else:
+                    with tempfile.TemporaryDirectory() as home:
+                        rows.append(measure(name, home))
+                print(json.dumps(rows[-1]), flush=True)
         again = measure("add", first_home)
         again["graph"] = "add_again_warm"
         rows.append(again)

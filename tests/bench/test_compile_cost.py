@@ -5,13 +5,26 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compile_cost import GRAPHS, build
+from bench.compile_cost import GRAPHS, MODEL_GRAPHS, build, kernel_counts
 
 
-@pytest.mark.parametrize("name", [*GRAPHS, "pha_plain_prefill_2", "pha_plain_prefill_1"])
+@pytest.mark.parametrize("name", [*GRAPHS, *MODEL_GRAPHS])
 def test_every_graph_builds(name):
     graph = str(build(name))
     assert "matmul" in graph or name == "add"
+
+
+def test_the_srm_score_graphs_are_one_graph_whatever_home_they_compile_in():
+    assert str(build("srm_plain_score_after_prefill")) == str(build("srm_plain_score"))
+    assert str(build("srm_plain_score")) != str(build("srm_plain_prefill"))
+
+
+def test_kernel_counts_sum_the_batches_of_the_log():
+    log = ("[modular-cache][mogg] checkCache summary: 6 kernels, MOGG hit=6 miss=0, Mojo hit=6 miss=0\n"
+           "other line\n"
+           "[modular-cache][mogg] checkCache summary: 66 kernels, MOGG hit=8 miss=58, Mojo hit=8 miss=0\n")
+    assert kernel_counts(log) == {"kernels": 72, "kernel_cache_hits": 14}
+    assert kernel_counts("") == {"kernels": 0, "kernel_cache_hits": 0}
 
 
 def test_depth_is_what_differs_between_the_pha_graphs():
