@@ -55,15 +55,17 @@ def link_ops(source: Path, into: Path) -> Path:
     return into
 
 
-def build(include: Path, output: Path, cpu_target: str | None) -> Path:
+def build(include: Path, output: Path, cpu_target: str | None, driver: Path = DRIVER) -> Path:
+    """``driver`` (a Mojo file importing the op's package as ``ops``) built against
+    ``include/ops``, for this host or ``cpu_target``."""
     from srm_max.runtime.kernels import run_mojo
 
     command = ["build", "-I", str(include)]
     if cpu_target:
         command += ["--target-cpu", cpu_target]
-    done = run_mojo([*command, str(DRIVER), "-o", str(output)])
+    done = run_mojo([*command, str(driver), "-o", str(output)])
     if done.returncode != 0 or not output.is_file():
-        raise SystemExit(f"decode_op_ab: building {include / PACKAGE} failed:\n{done.stdout}{done.stderr}")
+        raise SystemExit(f"building {driver.name} against {include / PACKAGE} failed:\n{done.stdout}{done.stderr}")
     return output
 
 

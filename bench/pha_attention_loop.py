@@ -1,0 +1,105 @@
+"""Where the PHA decode op's attention time goes: its block loop over the cached keys and
+values (bench/pha_attention_loop.mojo, the op's own block functions) against a plain read
+of the same bytes, from memory and from the cache, on 1 and 2 cores.
+
+    python -m bench.pha_attention_loop [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
+
+Four cells per worker count, each the median of ``--rounds`` interleaved rounds (each round
+runs every cell once, so the machine's drift over minutes falls on all of them alike):
+
+- ``stream_memory``: a plain sum over 128 MiB of keys and values (128 units of 2,048 rows);
+- ``loop_memory``: the attention's block loop over the same bytes;
+- ``stream_cache`` and ``loop_cache``: the same over 1 MiB (8 units of 256 rows) passed
+  over again and again, so it stays in the cache: the loop's own speed, memory aside.
+
+If reading and computing did not overlap at all, the loop from memory would run at
+``1 / (1 / stream_memory + 1 / loop_cache)`` (``no_overlap_gbps``); if they overlapped
+fully, at ``min(stream_memory, loop_cache)``. Where ``loop_memory`` falls between the two
+says what to change: a faster loop, or more of its reads in flight while it computes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.common import command_line, machine_info, write_json
+from bench.decode_op_ab import ROOT, build, link_ops
+
+DRIVER = Path(__file__).with_name("pha_attention_loop.mojo")
+OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
+# (rows per unit, units, passes): 128 MiB from memory; 1 MiB kept in the cache
+SHAPES = {"memory": (2048, 128, 3), "cache": (256, 8, 400)}
+MODES = ("stream", "loop")
+
+
+def parse_run(output: str) -> float:
+    """The GB/s a run of the driver printed."""
+    for line in output.splitlines():
+        words = line.split()
+        if words[:1] == ["mode"] and "gbps" in words:
+            return float(words[words.index("gbps") + 1])
+    raise ValueError(f"no 'mode ... gbps' line in the driver's output: {output[-500:]!r}")
+
+
+def run_cell(binary: Path, mode: str, where: str, workers: int) -> float:
+    rows, units, passes = SHAPES[where]
+    done = subprocess.run([str(binary), mode, str(rows), str(units), str(workers), str(passes)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"pha_attention_loop: the driver failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_run(done.stdout)
+
+
+def summarize(cells: dict[str, list[float]]) -> dict:
+    """Medians of each cell's rounds, and what the loop from memory would reach with its
+    reads and its computing not overlapping at all, or overlapping fully."""
+    med = {name: statistics.median(values) for name, values in cells.items()}
+    no_overlap = 1 / (1 / med["stream_memory"] + 1 / med["loop_cache"])
+    full_overlap = min(med["stream_memory"], med["loop_cache"])
+    return {**{f"{name}_gbps": round(v, 2) for name, v in med.items()},
+            "no_overlap_gbps": round(no_overlap, 2), "full_overlap_gbps": round(full_overlap, 2),
+            "loop_memory_over_stream_memory": round(med["loop_memory"] / med["stream_memory"], 3),
+            "rounds_gbps": {name: [round(v, 2) for v in values] for name, values in cells.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or min(args.workers) < 1:
+        p.error("--rounds and --workers must be positive")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pha_attention_loop-") as tmp:
+        binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "pha_attention_loop", args.cpu_target,
+                       DRIVER)
+        for workers in args.workers:
+            cells: dict[str, list[float]] = {f"{m}_{w}": [] for w in SHAPES for m in MODES}
+            for _ in range(args.rounds):
+                for where in SHAPES:
+                    for mode in MODES:
+                        cells[f"{mode}_{where}"].append(run_cell(binary, mode, where, workers))
+            row = {"workers": workers, **summarize(cells)}
+            rows.append(row)
+            print(f"{workers} worker(s): loop from memory {row['loop_memory_gbps']} GB/s, a plain read "
+                  f"{row['stream_memory_gbps']}; the loop from the cache {row['loop_cache_gbps']}; "
+                  f"no overlap would give {row['no_overlap_gbps']}, full overlap {row['full_overlap_gbps']}",
+                  flush=True)
+    write_json(args.out, {
+        "what": "the PHA decode op's attention block loop (bench/pha_attention_loop.mojo) against a plain read "
+                "of the same keys and values, from memory and from the cache; medians of interleaved rounds",
+        "head_width": 64, "query_heads_per_kv_head": 2, "shapes": SHAPES, "rounds": args.rounds,
+        "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
+        "rows": rows})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""bench/pha_attention_loop.py: its parsing and summary, and that the driver imports what
+the PHA decode op defines (building and timing it is the benchmark: not here)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import pha_attention_loop as pal
+from tests.support.paths import REPO_ROOT
+
+
+def test_parse_run_reads_the_drivers_line():
+    out = "noise\nmode loop rows 256 units 8 workers 1 bytes 1048576 best_s 4.9e-05 gbps 21.25\n"
+    assert pal.parse_run(out) == 21.25
+    with pytest.raises(ValueError, match="no 'mode ... gbps' line"):
+        pal.parse_run("Segmentation fault\n")
+
+
+def test_summary_bounds_the_loop_from_memory_by_no_and_full_overlap():
+    cells = {"stream_memory": [18.0, 20.0, 22.0], "loop_memory": [9.0, 10.0, 8.0],
+             "stream_cache": [50.0, 50.0, 50.0], "loop_cache": [30.0, 20.0, 30.0]}
+    s = pal.summarize(cells)
+    assert s["stream_memory_gbps"] == 20.0 and s["loop_cache_gbps"] == 30.0 and s["loop_memory_gbps"] == 9.0
+    assert s["no_overlap_gbps"] == 12.0  # 1 / (1/20 + 1/30)
+    assert s["full_overlap_gbps"] == 20.0
+    assert s["loop_memory_over_stream_memory"] == 0.45
+    assert s["rounds_gbps"]["loop_cache"] == [30.0, 20.0, 30.0]
+
+
+def test_the_driver_imports_names_the_op_defines():
+    driver = pal.DRIVER.read_text()
+    imported = re.search(r"from ops\.pha_decode_step import (.+)", driver).group(1)
+    op = (REPO_ROOT / "mojo" / "pha_decode_step.mojo").read_text()
+    for name in (n.strip() for n in imported.split(",")):
+        assert re.search(rf"^(def|comptime) {name}\b", op, re.M), f"{name} is not defined in the op"
