@@ -2,7 +2,7 @@
 its block loop alone, against a plain read of the same bytes: how fast that loop reads
 the keys and values from memory and from the cache, and a read that does nothing else.
 
-    pha_attention_loop MODE ROWS UNITS WORKERS REPEATS
+    pha_attention_loop MODE ROWS UNITS DISTINCT WORKERS REPEATS
     -> mode MODE rows ROWS units UNITS workers WORKERS bytes B best_s S gbps G
 
 MODE ``loop``: each unit is a (sample, KV head) slice of ROWS cached rows of 64 channels
@@ -10,9 +10,11 @@ MODE ``loop``: each unit is a (sample, KV head) slice of ROWS cached rows of 64 
 (``_dots4``, ``_max_of``, ``_exp_shifted``, ``_scale``, ``_weighted_rows``) for the 2 query
 heads of a group, in blocks of the op's ``BLOCK`` rows with the online softmax, as
 ``_attn_unit`` runs them. MODE ``stream``: the same bytes summed, nothing else. The units
-are claimed by WORKERS threads; the best of REPEATS passes is reported. Many large units
-(far beyond the last-level cache) time the reads from memory; a few small ones passed
-over again and again time them from the cache. Built by bench/pha_attention_loop.py
+are claimed by WORKERS threads; the best of REPEATS passes is reported. UNITS units read
+DISTINCT blocks of data (unit u reads block u mod DISTINCT): as many blocks as units, large
+(far beyond the last-level cache), time the reads from memory; a few small blocks read by
+many units time them from the cache, each pass long enough that starting the threads does
+not count. Built by bench/pha_attention_loop.py
 against ``mojo/`` (imported as the package ``ops``).
 """
 from std.atomic import Atomic
@@ -64,19 +66,19 @@ def _stream(keys: F32P, values: F32P, part: F32P, n: Int):
     part[unsafe_offset=0] = (a + b).reduce_add()
 
 
-def _pass(stream: Bool, data: F32P, units: Int, n: Int, workers: Int, scratch: F32P) -> Float64:
+def _pass(stream: Bool, data: F32P, units: Int, distinct: Int, n: Int, workers: Int, scratch: F32P) -> Float64:
     """Every unit once, claimed by ``workers`` threads; -> seconds."""
     var claimed = List[Int64](length=8, fill=0)
     var counter = Pointer[Int64, MutUntrackedOrigin](unsafe_from_address=Int(claimed.unsafe_ptr()))
     var t0 = perf_counter_ns()
 
-    def work(w: Int) {var data, var counter, var scratch, var units, var n, var stream}:
+    def work(w: Int) {var data, var counter, var scratch, var units, var distinct, var n, var stream}:
         var ws = scratch.unsafe_offset(w * 1024)  # queries, a block's weights, the sums
         while True:
             var u = Int(Atomic[Int64].fetch_add(counter, 1))
             if u >= units:
                 break
-            var keys = data.unsafe_offset(u * 2 * n * DH)
+            var keys = data.unsafe_offset((u % distinct) * 2 * n * DH)
             if stream:
                 _stream(keys, keys.unsafe_offset(n * DH), ws.unsafe_offset(512), n)
             else:
@@ -90,16 +92,17 @@ def _pass(stream: Bool, data: F32P, units: Int, n: Int, workers: Int, scratch: F
 
 def main() raises:
     var args = argv()
-    if len(args) < 6:
-        raise Error("usage: pha_attention_loop loop|stream ROWS UNITS WORKERS REPEATS")
+    if len(args) < 7:
+        raise Error("usage: pha_attention_loop loop|stream ROWS UNITS DISTINCT WORKERS REPEATS")
     var stream = String(args[1]) == "stream"
     var n = Int(args[2])
     var units = Int(args[3])
-    var workers = Int(args[4])
-    var repeats = Int(args[5])
-    if n % 4 != 0:
-        raise Error("ROWS must be a multiple of 4")
-    var total = units * 2 * n * DH
+    var distinct = Int(args[4])
+    var workers = Int(args[5])
+    var repeats = Int(args[6])
+    if n % 4 != 0 or distinct < 1 or distinct > units:
+        raise Error("ROWS must be a multiple of 4, and DISTINCT from 1 to UNITS")
+    var total = distinct * 2 * n * DH
     var data = List[Float32](length=total, fill=0)
     for i in range(total):
         data[i] = Float32((i * 7919) % 1000) * 0.001 - 0.5
@@ -108,8 +111,8 @@ def main() raises:
     var sp = F32P(unsafe_from_address=Int(scratch.unsafe_ptr()))
     var best = Float64(1e30)
     for _ in range(repeats):
-        best = min(best, _pass(stream, dp, units, n, workers, sp))
-    var bytes = total * 4
+        best = min(best, _pass(stream, dp, units, distinct, n, workers, sp))
+    var bytes = units * 2 * n * DH * 4
     print("mode", "stream" if stream else "loop", "rows", n, "units", units, "workers", workers, "bytes", bytes,
           "best_s", best, "gbps", Float64(bytes) / best / 1e9)
     _ = data^
