@@ -48,6 +48,10 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# the lines of compile_report for the session's summary
+COMPILED = pytest.StashKey[list]()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def suite_graphs(request):
     """Compile every graph the run needs up front, side by side (one process per core):
@@ -62,9 +66,6 @@ def suite_graphs(request):
         seconds = precompile(jobs)
     request.config.stash[COMPILED] = compile_report(seconds, request.session.items) if seconds else []
     return seconds
-
-
-COMPILED = pytest.StashKey[list]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
