@@ -69,13 +69,19 @@ def build(include: Path, output: Path, cpu_target: str | None, driver: Path = DR
     return output
 
 
-def parse_run(output: str) -> float:
-    """The median tokens/s that a run of bench/decode_op.mojo printed."""
+def value_after(output: str, first: str, key: str) -> float:
+    """The number after ``key`` on the first line of a driver's ``output`` that starts with
+    the word ``first`` and holds ``key`` (the Mojo drivers print ``first ... key value``)."""
     for line in output.splitlines():
         words = line.split()
-        if words[:1] == ["batch"] and "median_tok_s" in words:
-            return float(words[words.index("median_tok_s") + 1])
-    raise ValueError(f"no 'batch ... median_tok_s' line in the driver's output: {output[-500:]!r}")
+        if words[:1] == [first] and key in words:
+            return float(words[words.index(key) + 1])
+    raise ValueError(f"no '{first} ... {key}' line in the driver's output: {output[-500:]!r}")
+
+
+def parse_run(output: str) -> float:
+    """The median tokens/s that a run of bench/decode_op.mojo printed."""
+    return value_after(output, "batch", "median_tok_s")
 
 
 def run_binary(binary: Path, batch: int, calls: int, workers: int) -> float:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops
+from bench.decode_op_ab import ROOT, build, link_ops, value_after
 
 DRIVER = Path(__file__).with_name("pha_attention_loop.mojo")
 OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
@@ -39,11 +39,7 @@ MODES = ("stream", "loop")
 
 def parse_run(output: str) -> float:
     """The GB/s a run of the driver printed."""
-    for line in output.splitlines():
-        words = line.split()
-        if words[:1] == ["mode"] and "gbps" in words:
-            return float(words[words.index("gbps") + 1])
-    raise ValueError(f"no 'mode ... gbps' line in the driver's output: {output[-500:]!r}")
+    return value_after(output, "mode", "gbps")
 
 
 def run_cell(binary: Path, mode: str, where: str, workers: int) -> float:
