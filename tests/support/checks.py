@@ -15,6 +15,19 @@ def assert_close_rel(actual, expected, rel=1e-4):
     assert err <= rel * scale, f"max error {err:.3g} > {rel} * {scale:.3g}"
 
 
+def assert_within_bfloat16_step(actual, expected, rel=1e-5):
+    """Each |actual - expected| <= one bfloat16 rounding step at |expected| (at most
+    2**-7 |expected|) + rel * max |expected|: values rounded to bfloat16 that may land on
+    either side of a rounding edge, and nothing more."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    bound = 2.0**-7 * np.abs(expected) + rel * np.abs(expected).max()
+    worst = np.argmax(np.abs(actual - expected) - bound)
+    err = np.abs(actual - expected).flat[worst]
+    where = tuple(int(i) for i in np.unravel_index(worst, expected.shape))
+    assert err <= bound.flat[worst], (f"error {err:.3g} at {where} "
+                                      f"(expected {expected.flat[worst]:.6g}) > one bfloat16 step + {rel} of the largest")
+
+
 def assert_prefill_matches_reference(engine, reference, prompts, vocab_size: int):
     """Prefill ``prompts`` in the engine and in the torch reference: the last-token logits
     agree (``assert_close_rel``) and the engine's next ids are their argmax. Returns the
