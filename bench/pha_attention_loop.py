@@ -1,6 +1,8 @@
 """Where the PHA decode op's attention time goes: its block loop over the cached keys and
-values (bench/pha_attention_loop.mojo, the op's own block functions) against a plain read
-of the same bytes, from memory and from the cache, on 1 and 2 cores.
+values (bench/pha_attention_loop.mojo, the op's own functions) against a plain read of the
+same bytes, from memory and from the cache, on 1 and 2 cores; and the op's loop with the
+group's query heads together (``loop``) against one head after the other (``per_head``,
+what the op runs for head widths it does not group).
 
     python -m bench.pha_attention_loop [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
 
@@ -8,9 +10,12 @@ Four cells per worker count, each the median of ``--rounds`` interleaved rounds 
 runs every cell once, so the machine's drift over minutes falls on all of them alike):
 
 - ``stream_memory``: a plain sum over 128 MiB of keys and values (128 units of 2,048 rows);
-- ``loop_memory``: the attention's block loop over the same bytes;
-- ``stream_cache`` and ``loop_cache``: the same over 1 MiB (8 blocks of 256 rows) read by
-  800 units, so it stays in the cache: the loop's own speed, memory aside.
+- ``loop_memory``: the op's block loop over the same bytes (2 query heads per KV head,
+  head width 64: the group's heads together); ``per_head_memory``: a head at a time;
+- ``stream_cache``, ``loop_cache`` and ``per_head_cache``: the same over 1 MiB (8 blocks of
+  256 rows) read by 800 units, so it stays in the cache: the loops' own speed, memory aside.
+
+Before timing, the driver checks that both loops give the same sums (``check``).
 
 If reading and computing did not overlap at all, the loop from memory would run at
 ``1 / (1 / stream_memory + 1 / loop_cache)`` (``no_overlap_gbps``); if they overlapped
@@ -34,12 +39,21 @@ OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
 # (rows per unit, units, distinct blocks of data, passes): 128 MiB from memory; 1 MiB read
 # over and over from the cache, in passes of about 100 MiB
 SHAPES = {"memory": (2048, 128, 128, 3), "cache": (256, 800, 8, 5)}
-MODES = ("stream", "loop")
+MODES = ("stream", "loop", "per_head")
 
 
 def parse_run(output: str) -> float:
     """The GB/s a run of the driver printed."""
     return value_after(output, "mode", "gbps")
+
+
+def check_loops_agree(binary: Path) -> None:
+    """The op's grouped loop and the per-head loop must give the same sums (rows across
+    blocks and a short tail)."""
+    for rows in (2048, 1000, 36):
+        done = subprocess.run([str(binary), "check", str(rows), "1", "1", "1", "1"], capture_output=True, text=True)
+        if done.returncode != 0 or value_after(done.stdout, "check", "max_difference") != 0:
+            raise SystemExit(f"pha_attention_loop: the two loops differ at {rows} rows:\n{done.stdout}{done.stderr[-2000:]}")
 
 
 def run_cell(binary: Path, mode: str, where: str, workers: int) -> float:
@@ -60,6 +74,7 @@ def summarize(cells: dict[str, list[float]]) -> dict:
     return {**{f"{name}_gbps": round(v, 2) for name, v in med.items()},
             "no_overlap_gbps": round(no_overlap, 2), "full_overlap_gbps": round(full_overlap, 2),
             "loop_memory_over_stream_memory": round(med["loop_memory"] / med["stream_memory"], 3),
+            "loop_over_per_head_memory": round(med["loop_memory"] / med["per_head_memory"], 3),
             "rounds_gbps": {name: [round(v, 2) for v in values] for name, values in cells.items()}}
 
 
@@ -76,6 +91,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="pha_attention_loop-") as tmp:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "pha_attention_loop", args.cpu_target,
                        DRIVER)
+        check_loops_agree(binary)
         for workers in args.workers:
             cells: dict[str, list[float]] = {f"{m}_{w}": [] for w in SHAPES for m in MODES}
             for _ in range(args.rounds):
@@ -84,13 +100,15 @@ def main(argv=None) -> int:
                         cells[f"{mode}_{where}"].append(run_cell(binary, mode, where, workers))
             row = {"workers": workers, **summarize(cells)}
             rows.append(row)
-            print(f"{workers} worker(s): loop from memory {row['loop_memory_gbps']} GB/s, a plain read "
+            print(f"{workers} worker(s): loop from memory {row['loop_memory_gbps']} GB/s "
+                  f"(a head at a time: {row['per_head_memory_gbps']}), a plain read "
                   f"{row['stream_memory_gbps']}; the loop from the cache {row['loop_cache_gbps']}; "
                   f"no overlap would give {row['no_overlap_gbps']}, full overlap {row['full_overlap_gbps']}",
                   flush=True)
     write_json(args.out, {
-        "what": "the PHA decode op's attention block loop (bench/pha_attention_loop.mojo) against a plain read "
-                "of the same keys and values, from memory and from the cache; medians of interleaved rounds",
+        "what": "the PHA decode op's attention block loop (bench/pha_attention_loop.mojo), with the group's "
+                "query heads together (loop) and a head at a time (per_head), against a plain read of the same "
+                "keys and values, from memory and from the cache; medians of interleaved rounds",
         "head_width": 64, "query_heads_per_kv_head": 2, "shapes": SHAPES, "rounds": args.rounds,
         "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
         "rows": rows})

@@ -572,19 +572,31 @@ def _attn_unit(a: Pha, l: Int, u: Int, ws: F32P):
                       scale.unsafe_offset(h * dh), True)
     var keys = _kv(a, l, r, kh, False)
     var values = _kv(a, l, r, kh, True)
+    var part = a.part.unsafe_offset(((r * a.Hq + kh * G) * a.slices + sl) * (dh + 2))
+    var part_step = a.slices * (dh + 2)  # from one query head's sums to the next's
     for g in range(G):
-        var o = a.part.unsafe_offset(((r * a.Hq + kh * G + g) * a.slices + sl) * (dh + 2))
+        var o = part.unsafe_offset(g * part_step)
         o[unsafe_offset=0] = NEG
         o[unsafe_offset=1] = 0
         for i in range(dh):
             o[unsafe_offset=2 + i] = 0
+    if dh % W == 0:
+        if G == 1:
+            _attn_group_blocks[1](keys, values, qs, sc, part, part_step, j0, j1, dh)
+            return
+        if G == 2:
+            _attn_group_blocks[2](keys, values, qs, sc, part, part_step, j0, j1, dh)
+            return
+        if G == 4:
+            _attn_group_blocks[4](keys, values, qs, sc, part, part_step, j0, j1, dh)
+            return
     var j = j0
     while j < j1:
         # a block's keys and values stay in the L1 cache while every head of the group
         # reads them
         var nb = min(BLOCK, j1 - j)
         for g in range(G):
-            var o = a.part.unsafe_offset(((r * a.Hq + kh * G + g) * a.slices + sl) * (dh + 2))
+            var o = part.unsafe_offset(g * part_step)
             var s = sc.unsafe_offset(g * BLOCK)
             var qg = qs.unsafe_offset(g * dh)
             var i = 0
@@ -594,16 +606,78 @@ def _attn_unit(a: Pha, l: Int, u: Int, ws: F32P):
             while i < nb:
                 s[unsafe_offset=i] = _dot(qg, keys.unsafe_offset((j + i) * dh), dh)
                 i += 1
-            var m_old = o[unsafe_offset=0]
-            var m_new = max(m_old, _max_of(s, nb))
-            var corr = exp(m_old - m_new)
-            var total = _exp_shifted(s, nb, m_new)
-            o[unsafe_offset=0] = m_new
-            o[unsafe_offset=1] = o[unsafe_offset=1] * corr + total
-            if corr != 1:
-                _scale(corr, o.unsafe_offset(2), dh)
+            _online_softmax_update(o, s, nb, dh)
             _weighted_rows(o.unsafe_offset(2), values.unsafe_offset(j * dh), s, nb, dh)
         j += nb
+
+
+@always_inline
+def _online_softmax_update(o: F32P, s: F32P, nb: Int, dh: Int):
+    """A block's logits s[:nb] into a head's running (max, sum, sums o[2:]): s becomes
+    the block's weights, and the sums so far are rescaled to the new max."""
+    var m_old = o[unsafe_offset=0]
+    var m_new = max(m_old, _max_of(s, nb))
+    var corr = exp(m_old - m_new)
+    var total = _exp_shifted(s, nb, m_new)
+    o[unsafe_offset=0] = m_new
+    o[unsafe_offset=1] = o[unsafe_offset=1] * corr + total
+    if corr != 1:
+        _scale(corr, o.unsafe_offset(2), dh)
+
+
+def _attn_group_blocks[G: Int](
+    keys: F32P, values: F32P, qs: F32P, sc: F32P, part: F32P, part_step: Int, j0: Int, j1: Int, dh: Int
+):
+    """``_attn_unit``'s block loop with the G query heads of the group together (dh a
+    multiple of W): each key row is loaded once for the G logits and each value row once
+    for the G weighted sums, which stay in registers across the block's rows. Reading a
+    row once instead of once per head, with G times the arithmetic per load, is what lets
+    the reads from memory overlap the computing (bench/pha_attention_loop.py). The same
+    sums in the same order as the per-head loop."""
+    comptime CW = 64 if G <= 2 else 128 // G  # the columns of one pass over a block's values
+    var acc = stack_allocation[G * W, Float32]()
+    var sums = stack_allocation[G * CW, Float32]()
+    var j = j0
+    while j < j1:
+        var nb = min(BLOCK, j1 - j)
+        for i in range(nb):
+            var k = keys.unsafe_offset((j + i) * dh)
+            comptime for g in range(G):
+                acc.unsafe_store(g * W, SIMD[F32, W](0))
+            var c = 0
+            while c < dh:
+                var kv = k.unsafe_load[width=W](c)
+                comptime for g in range(G):
+                    acc.unsafe_store(g * W, qs.unsafe_load[width=W](g * dh + c).fma(kv, acc.unsafe_load[width=W](g * W)))
+                c += W
+            comptime for g in range(G):
+                sc[unsafe_offset=g * BLOCK + i] = acc.unsafe_load[width=W](g * W).reduce_add()
+        comptime for g in range(G):
+            _online_softmax_update(part.unsafe_offset(g * part_step), sc.unsafe_offset(g * BLOCK), nb, dh)
+        var v = values.unsafe_offset(j * dh)
+        var c0 = 0
+        while c0 + CW <= dh:
+            _group_weighted_rows[G, CW](part, part_step, v, sc, sums, nb, dh, c0)
+            c0 += CW
+        while c0 < dh:
+            _group_weighted_rows[G, W](part, part_step, v, sc, sums, nb, dh, c0)
+            c0 += W
+        j += nb
+
+
+@always_inline
+def _group_weighted_rows[G: Int, CW: Int](
+    part: F32P, part_step: Int, v: F32P, sc: F32P, sums: F32P, nb: Int, dh: Int, c0: Int
+):
+    """Columns c0 .. c0+CW of each head's sums += its weights times the block's nb value rows."""
+    comptime for g in range(G):
+        sums.unsafe_store(g * CW, part.unsafe_load[width=CW](g * part_step + 2 + c0))
+    for i in range(nb):
+        var row = v.unsafe_load[width=CW](i * dh + c0)
+        comptime for g in range(G):
+            sums.unsafe_store(g * CW, row.fma(sc[unsafe_offset=g * BLOCK + i], sums.unsafe_load[width=CW](g * CW)))
+    comptime for g in range(G):
+        part.unsafe_store(g * part_step + 2 + c0, sums.unsafe_load[width=CW](g * CW))
 
 
 def _merge_unit[WD: DType](a: Pha, l: Int, u: Int, ws: F32P):

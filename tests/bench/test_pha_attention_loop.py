@@ -19,13 +19,14 @@ def test_parse_run_reads_the_drivers_line():
 
 
 def test_summary_bounds_the_loop_from_memory_by_no_and_full_overlap():
-    cells = {"stream_memory": [18.0, 20.0, 22.0], "loop_memory": [9.0, 10.0, 8.0],
-             "stream_cache": [50.0, 50.0, 50.0], "loop_cache": [30.0, 20.0, 30.0]}
+    cells = {"stream_memory": [18.0, 20.0, 22.0], "loop_memory": [9.0, 10.0, 8.0], "per_head_memory": [6.0, 6.0, 6.0],
+             "stream_cache": [50.0, 50.0, 50.0], "loop_cache": [30.0, 20.0, 30.0], "per_head_cache": [9.0, 9.0, 9.0]}
     s = pal.summarize(cells)
     assert s["stream_memory_gbps"] == 20.0 and s["loop_cache_gbps"] == 30.0 and s["loop_memory_gbps"] == 9.0
     assert s["no_overlap_gbps"] == 12.0  # 1 / (1/20 + 1/30)
     assert s["full_overlap_gbps"] == 20.0
     assert s["loop_memory_over_stream_memory"] == 0.45
+    assert s["loop_over_per_head_memory"] == 1.5
     assert s["rounds_gbps"]["loop_cache"] == [30.0, 20.0, 30.0]
 
 

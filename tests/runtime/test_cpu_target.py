@@ -51,6 +51,7 @@ GUARD_TESTS = (
     tuple(PHA_OP + name for name in (
         "test_greedy_batch_equals_the_reference", "test_greedy_batch_of_one_across_blocks_and_slices",
         "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
+        "test_query_heads_read_in_groups_equal_the_reference",
         "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
     (PREFILL_OP + "test_the_op_equals_float64_causal_attention",
      GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),

@@ -32,6 +32,12 @@ plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
 # the ablations, each through the op (one small graph each)
 ABLATIONS = {"gss_alone": dataclasses.replace(CONFIG, branches=("gss", "ffn")),
              "attention_alone": dataclasses.replace(CONFIG, branches=("attn", "ffn"))}
+# Head widths that are a multiple of the vector width, where the op's attention reads each
+# cached row once for the query heads of a group together (``_attn_group_blocks``, sums
+# kept in registers: 64 columns a pass for 2 heads, 32 for 4); CONFIG's head width of 4
+# takes the loop of one head at a time. One small graph each.
+GROUPED_HEADS = {"2_heads_of_64": dataclasses.replace(CONFIG, d_model=128, n_q_heads=2, n_kv_heads=1),
+                 "4_heads_of_32": dataclasses.replace(CONFIG, d_model=128, n_q_heads=4, n_kv_heads=1)}
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +196,27 @@ def test_the_ablations_through_the_op_equal_the_reference(name):
     assert engine.steps_in_one_op
     lengths = [1, 33, 97, 140]
     prompts = prompts_of(lengths, seed=6)
+    calls = [5, 1, 6]
+    tokens, states, pos = decode_op(engine, reference, prompts, calls)
+    expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
+    np.testing.assert_array_equal(tokens, expected[:, 1:])
+    assert_states_close(engine, states, cache, pos)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=graphs(config, ("decode_steps",), kernels=True))
+                                  for name, config in GROUPED_HEADS.items()])
+@pytest.mark.parametrize("lengths", [[1, 33, 97, 140], [97]])
+def test_query_heads_read_in_groups_equal_the_reference(name, lengths):
+    """The grouped attention loop, greedy from prompts ending on and across its blocks of
+    32 rows and the context's slices (a batch of one cuts it in two)."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    config = GROUPED_HEADS[name]
+    reference = random_pha(config, seed=7)
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+    engine = PHAEngine(config, weights, dtype="float32", device="cpu")
+    assert engine.steps_in_one_op
+    prompts = prompts_of(lengths, seed=9)
     calls = [5, 1, 6]
     tokens, states, pos = decode_op(engine, reference, prompts, calls)
     expected, cache = ref_greedy(reference, prompts, 1 + sum(calls))
