@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from srm_max.runtime.cpu_target import host_x86_level
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -210,7 +212,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "processor": _cpu_model(),
-        "x86_level": _x86_level(),  # x86-64-v4: AVX-512; x86-64-v3: AVX2 + FMA
+        "x86_level": host_x86_level(),  # x86-64-v4: AVX-512; x86-64-v3: AVX2 + FMA; None elsewhere
         "mem_total_gib": round(_mem_total() / GiB, 1) if _mem_total() else None,
         "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
@@ -218,14 +220,6 @@ def machine_info() -> dict:
         with contextlib.suppress(Exception):
             info[f"{mod}_version"] = __import__(mod).__version__
     return info
-
-
-def _x86_level() -> str | None:
-    with contextlib.suppress(Exception):
-        from srm_max.runtime.cpu_target import host_x86_level
-
-        return host_x86_level()
-    return None
 
 
 def _cpu_model() -> str:
