@@ -9,8 +9,8 @@ Each unit is a (sample, KV head) slice of ROWS cached rows of 64 channels (the b
 models' head width), keys then values, for the 2 query heads of a group, in blocks of the
 op's ``BLOCK`` rows with the online softmax. MODE ``loop``: the op's own loop
 (``_attn_group_blocks``: both heads per row read). MODE ``per_head``: the op's loop for
-head widths it does not take in groups, one head after the other over each block, with
-the op's block functions (``_dots4``, ``_online_softmax_update``, ``_weighted_rows``).
+head widths it does not take in groups (``_attn_head_blocks``), one head after the other
+over each block.
 MODE ``stream``: the same bytes summed, nothing else. The units
 are claimed by WORKERS threads; the best of REPEATS passes is reported. UNITS units read
 DISTINCT blocks of data (unit u reads block u mod DISTINCT): as many blocks as units, large
@@ -25,7 +25,7 @@ from std.sys import argv
 from std.time import perf_counter_ns
 from max.algorithm import sync_parallelize
 
-from ops.pha_decode_step import BLOCK, F32P, NEG, W, _attn_group_blocks, _dots4, _online_softmax_update, _weighted_rows
+from ops.pha_decode_step import F32P, W, _attn_group_blocks, _attn_head_blocks, _start_sums
 
 comptime DH = 64
 comptime G = 2  # query heads per KV head (the bench models' 4 query / 2 KV heads)
@@ -34,35 +34,15 @@ comptime LOOP = 1
 comptime PER_HEAD = 2
 
 
-def _start(part: F32P):
-    """Each query head's running max, sum and weighted values, before any row."""
-    for g in range(G):
-        var o = part.unsafe_offset(g * (DH + 2))
-        o[unsafe_offset=0] = NEG
-        o[unsafe_offset=1] = 0
-        for i in range(DH):
-            o[unsafe_offset=2 + i] = 0
-
-
 def _per_head(keys: F32P, values: F32P, qs: F32P, sc: F32P, part: F32P, n: Int):
-    """One unit, a head at a time over each block."""
-    _start(part)
-    var j = 0
-    while j < n:
-        var nb = min(BLOCK, n - j)  # n is a multiple of 4 here: no single-row tail
-        for g in range(G):
-            var o = part.unsafe_offset(g * (DH + 2))
-            var s = sc.unsafe_offset(g * BLOCK)
-            for i in range(0, nb, 4):
-                _dots4(qs.unsafe_offset(g * DH), keys.unsafe_offset((j + i) * DH), DH, s.unsafe_offset(i))
-            _online_softmax_update(o, s, nb, DH)
-            _weighted_rows(o.unsafe_offset(2), values.unsafe_offset(j * DH), s, nb, DH)
-        j += nb
+    """One unit, as the op runs head widths it does not take in groups: a head at a time."""
+    _start_sums(part, DH + 2, G, DH)
+    _attn_head_blocks(keys, values, qs, sc, part, DH + 2, 0, n, DH, G)
 
 
 def _grouped(keys: F32P, values: F32P, qs: F32P, sc: F32P, part: F32P, n: Int):
     """One unit, as the op runs it: the group's heads together."""
-    _start(part)
+    _start_sums(part, DH + 2, G, DH)
     _attn_group_blocks[G](keys, values, qs, sc, part, DH + 2, 0, n, DH)
 
 

@@ -574,12 +574,7 @@ def _attn_unit(a: Pha, l: Int, u: Int, ws: F32P):
     var values = _kv(a, l, r, kh, True)
     var part = a.part.unsafe_offset(((r * a.Hq + kh * G) * a.slices + sl) * (dh + 2))
     var part_step = a.slices * (dh + 2)  # from one query head's sums to the next's
-    for g in range(G):
-        var o = part.unsafe_offset(g * part_step)
-        o[unsafe_offset=0] = NEG
-        o[unsafe_offset=1] = 0
-        for i in range(dh):
-            o[unsafe_offset=2 + i] = 0
+    _start_sums(part, part_step, G, dh)
     if dh % W == 0:
         if G == 1:
             _attn_group_blocks[1](keys, values, qs, sc, part, part_step, j0, j1, dh)
@@ -590,6 +585,25 @@ def _attn_unit(a: Pha, l: Int, u: Int, ws: F32P):
         if G == 4:
             _attn_group_blocks[4](keys, values, qs, sc, part, part_step, j0, j1, dh)
             return
+    _attn_head_blocks(keys, values, qs, sc, part, part_step, j0, j1, dh, G)
+
+
+def _start_sums(part: F32P, part_step: Int, G: Int, dh: Int):
+    """Each of the G query heads' running max, sum of exp and weighted values (``dh + 2``
+    floats, ``part_step`` apart), before any cached row."""
+    for g in range(G):
+        var o = part.unsafe_offset(g * part_step)
+        o[unsafe_offset=0] = NEG
+        o[unsafe_offset=1] = 0
+        for i in range(dh):
+            o[unsafe_offset=2 + i] = 0
+
+
+def _attn_head_blocks(
+    keys: F32P, values: F32P, qs: F32P, sc: F32P, part: F32P, part_step: Int, j0: Int, j1: Int, dh: Int, G: Int
+):
+    """``_attn_unit``'s block loop for any head width: one query head after the other over
+    each block of rows (``_attn_group_blocks`` takes the heads together where it can)."""
     var j = j0
     while j < j1:
         # a block's keys and values stay in the L1 cache while every head of the group
