@@ -177,9 +177,9 @@ class CompiledGraphs:
 
     # Under a virtual CPU target, MAX 26.7's runtime faults now and then when a model is
     # loaded into a process after another model has run (docs/avx2_crash.md): an engine
-    # class that sets this loads every graph at its first use there instead. Only the
-    # PHA's graphs have faulted so; the SRM engine tests load a few of many graph kinds
-    # per config, and loading them all would compile the rest for nothing.
+    # class that sets this loads every graph at its first use there (unless ``load`` named
+    # the ones to run). Only the PHA's graphs have faulted so; the SRM engine tests load a
+    # few of many graph kinds per config, and loading them all would compile the rest for nothing.
     preload_under_virtual_target = False
 
     # Whether prefill and score continue from given states (start_states, start_positions):
@@ -224,14 +224,19 @@ class CompiledGraphs:
 
     def warmup(self):
         """Load every graph; cold ones compile side by side, one process each."""
+        return self.load(self.graph_kinds())
+
+    def load(self, kinds):
+        """Load the graphs ``kinds`` now (cold ones compile side by side): a caller that runs
+        only these loads no other (the rest still load at their first use)."""
+        if unknown := [kind for kind in kinds if kind not in self.graph_kinds()]:
+            raise ValueError(f"this engine has no {', '.join(unknown)} graph; it runs {', '.join(self.graph_kinds())}")
         with self._lock:
             t0 = time.perf_counter()
-            compiled = precompile(self.graph_jobs())
-            if compiled:
+            if precompile([self.graph_job(kind) for kind in kinds]):
                 self.compile_seconds["parallel_compile"] = time.perf_counter() - t0
-            for kind in self.graph_kinds():
-                if kind not in self._models:
-                    self._models[kind] = self._load(kind)
+            for kind in (kind for kind in kinds if kind not in self._models):
+                self._models[kind] = self._load(kind)
         return self
 
     # -- helpers

@@ -47,7 +47,18 @@ def plain(weights):
 
 @pytest.fixture(scope="module")
 def op(weights):
-    return cpu_engine(weights)
+    return cpu_engine(weights).load(["decode_steps"])
+
+
+def op_engine(config, weights):
+    """The op's engine of ``config``, its decode_steps graph loaded alone: the tests here
+    decode from the reference's prefill, and under a virtual CPU target (the x86-64-v3
+    guard) a PHA engine's first use would otherwise load, and compile, every graph."""
+    from srm_max.models.pha.engine import PHAEngine
+
+    engine = PHAEngine(config, weights, dtype="float32", device="cpu").load(["decode_steps"])
+    assert engine.steps_in_one_op
+    return engine
 
 
 def decode_op(op, reference, prompts, calls):
@@ -187,13 +198,9 @@ def test_donated_states_are_written_in_place_and_decode_the_same(request, engine
 def test_the_ablations_through_the_op_equal_the_reference(name):
     """The GSS branch alone (no KV cache in the state) and attention alone (no GSS state),
     greedy from prompts crossing the blocks and slices, in calls of several steps."""
-    from srm_max.models.pha.engine import PHAEngine
-
     config = ABLATIONS[name]
     reference = random_pha(config, seed=5)
-    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
-    engine = PHAEngine(config, weights, dtype="float32", device="cpu")
-    assert engine.steps_in_one_op
+    engine = op_engine(config, {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()})
     lengths = [1, 33, 97, 140]
     prompts = prompts_of(lengths, seed=6)
     calls = [5, 1, 6]
@@ -209,13 +216,9 @@ def test_the_ablations_through_the_op_equal_the_reference(name):
 def test_query_heads_read_in_groups_equal_the_reference(name, lengths):
     """The grouped attention loop, greedy from prompts ending on and across its blocks of
     32 rows and the context's slices (a batch of one cuts it in two)."""
-    from srm_max.models.pha.engine import PHAEngine
-
     config = GROUPED_HEADS[name]
     reference = random_pha(config, seed=7)
-    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
-    engine = PHAEngine(config, weights, dtype="float32", device="cpu")
-    assert engine.steps_in_one_op
+    engine = op_engine(config, {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()})
     prompts = prompts_of(lengths, seed=9)
     calls = [5, 1, 6]
     tokens, states, pos = decode_op(engine, reference, prompts, calls)
@@ -241,6 +244,11 @@ def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
         PHAEngine(sequential, weights, kernels=True)
 
 
+def test_load_refuses_a_graph_the_engine_does_not_run(op):
+    with pytest.raises(ValueError, match="no decode graph; it runs prefill, score"):
+        op.load(["decode"])  # the op's engine decodes in decode_steps (nothing compiled here)
+
+
 def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
     """The op's engine loads its decode_steps graph alone here; the plain one, its prefill
     and decode for the tests marked ``plain_graphs``."""
@@ -248,6 +256,7 @@ def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
 
     assert "decode_steps" in op.graph_kinds() and "decode" not in op.graph_kinds()
     assert set(declared_graph_jobs([request.node])) == {op.graph_job("decode_steps")}
+    assert set(op.compile_seconds) - {"parallel_compile"} == {"decode_steps"}  # loaded, the others not
     uses_plain = [item for item in request.session.items if item.module is request.module and
                   item.name.startswith(("test_greedy_tokens_and_states_equal", "test_sampled_tokens_equal"))]
     if uses_plain:
