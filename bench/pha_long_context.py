@@ -142,6 +142,22 @@ def step_bytes(name: str, config, batch: int, start: int, steps: int, weight_byt
     return matrix_bytes(name, config, weight_bytes) / steps + batch * per_sample
 
 
+def reread_step_bytes(name: str, config, batch: int, start: int, steps: int, weight_bytes: int = 4) -> float:
+    """The bytes one step reads when it multiplies by every matrix again (a token needs the
+    one before; ``reread_limit_ms``), and each sample's state, averaged over the call."""
+    per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
+    return matrix_bytes(name, config, weight_bytes) + batch * per_sample
+
+
+def llama_cpp_step_bytes(config, batch: int, start: int, steps: int, parameters: int) -> float:
+    """The same for llama.cpp's Llama of ``config``'s attention shape: its ``parameters``
+    float32 matrices every step (the tied embedding read whole as the output head) and
+    each sequence's float16 keys and values of the rows before, averaged over the steps."""
+    c = config
+    kv_row = 2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim  # keys and values, 2 bytes each
+    return 4 * parameters + batch * sum(kv_row * (start + s) for s in range(steps)) / steps
+
+
 def read_bytes_per_s(nbytes: int, repeats: int) -> float:
     """The best read bandwidth of ``repeats`` 2-thread torch sums over one ``nbytes`` array."""
     import torch
@@ -226,6 +242,8 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
         row[f"spread_b{B}"] = spread(runs)
         row[f"decode_tokens_per_s_b{B}"] = B * steps / min(runs)
         row[f"bytes_per_step_b{B}"] = int(step_bytes(name, c, B, start, steps, weight_bytes_of(engine.dtype)))
+        row[f"reread_bytes_per_step_b{B}"] = int(reread_step_bytes(name, c, B, start, steps,
+                                                                    weight_bytes_of(engine.dtype)))
         if donated:  # as the slot pool decodes: into its own states, no copy of the caches per call
             runs = timed(repeats, lambda: engine.decode(ids, pos, states, greedy, steps, donate_states=True))
             row[f"donated_step_ms_runs_b{B}"] = [1e3 * t / steps for t in runs]
@@ -249,7 +267,9 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
                          "prompt_tokens": runs[0][i]["pp"], "decode_steps": steps,
                          "decode_tokens_per_s_runs": decode, "decode_tokens_per_s": max(decode),
                          "decode_spread": spread(decode), "prompt_tokens_per_s_runs": prompt,
-                         "prompt_tokens_per_s": max(prompt), "step_ms": 1e3 * B / max(decode)})
+                         "prompt_tokens_per_s": max(prompt), "step_ms": 1e3 * B / max(decode),
+                         "reread_bytes_per_step": int(llama_cpp_step_bytes(pha_config_of(n), B, n - steps, steps,
+                                                                           params))})
             print(rows[-1], flush=True)
     return rows
 
@@ -284,13 +304,15 @@ def pha_vs_attention(rows: list[dict], n: int) -> list[dict]:
 
 def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
     """The MAX engines' decode (per batch) and prefill (batch 1) over llama.cpp's best at
-    the same context and batch, whatever its thread count: > 1 is faster than llama.cpp."""
+    the same context and batch, whatever its thread count: > 1 is faster than llama.cpp.
+    Where both rows give the bytes a step re-reads, also their ratio and the decode per
+    byte (> 1: the engine reads its bytes faster than llama.cpp reads its own)."""
     best: dict[tuple, dict] = {}
     for ll in llama:
         for key in ("decode_tokens_per_s", "prompt_tokens_per_s"):
             at = best.setdefault((ll["context"], ll["batch"]), {})
             if key not in at or ll[key] > at[key][0]:
-                at[key] = (ll[key], ll.get("threads", 2))
+                at[key] = (ll[key], ll.get("threads", 2), ll.get("reread_bytes_per_step"))
     out = []
     for r in rows:
         for (n, B), ll in sorted(best.items()):
@@ -299,10 +321,13 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
             entry = {"model": r["model"], "path": r.get("path"), "dtype": r.get("dtype", "float32"), "context": n,
                      "batch": B, "decode_from": r.get("decode_from")}
             if f"decode_tokens_per_s_b{B}" in r:
-                rate, threads = ll["decode_tokens_per_s"]
+                rate, threads, llama_bytes = ll["decode_tokens_per_s"]
                 entry |= {"decode": r[f"decode_tokens_per_s_b{B}"] / rate, "llama_cpp_decode_threads": threads}
+                if llama_bytes and f"reread_bytes_per_step_b{B}" in r:
+                    more = r[f"reread_bytes_per_step_b{B}"] / llama_bytes
+                    entry |= {"bytes_per_step_over_llama_cpp": more, "decode_per_byte": entry["decode"] * more}
             if B == 1 and "prefill_tokens_per_s" in r:
-                rate, threads = ll["prompt_tokens_per_s"]
+                rate, threads, _ = ll["prompt_tokens_per_s"]
                 entry |= {"prefill": r["prefill_tokens_per_s"] / rate, "llama_cpp_prefill_threads": threads}
             if len(entry) > 6:
                 out.append(entry)

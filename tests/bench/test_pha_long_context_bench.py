@@ -79,6 +79,29 @@ def test_the_max_engines_are_compared_with_llama_cpps_best_run():
     assert all(e["context"] == 512 for e in out)
 
 
+def test_the_bytes_a_step_rereads_for_the_max_engines_and_for_llama_cpp():
+    c = bench.configs("pha", 512, quick=True)
+    per_sample = sum(bench.sample_bytes("pha", c, 100 + s) for s in range(4)) / 4
+    assert bench.reread_step_bytes("pha", c, 3, 100, 4) == pytest.approx(bench.matrix_bytes("pha", c) + 3 * per_sample)
+    # llama.cpp: float32 parameters every step, float16 keys and values per sequence and row
+    kv_row = 2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim
+    assert bench.llama_cpp_step_bytes(c, 2, 100, 4, 1000) == pytest.approx(4000 + 2 * kv_row * 101.5)
+
+
+def test_the_decode_per_byte_weighs_the_ratio_by_the_bytes_each_step_rereads():
+    rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0,
+             "reread_bytes_per_step_b1": 3000}]
+    llama = [{"context": 512, "batch": 1, "decode_tokens_per_s": 125.0, "prompt_tokens_per_s": 1.0,
+              "reread_bytes_per_step": 2000}]
+    (entry,) = bench.against_llama_cpp(rows, llama)
+    assert entry["decode"] == 0.8 and entry["bytes_per_step_over_llama_cpp"] == 1.5
+    assert entry["decode_per_byte"] == pytest.approx(1.2)
+    # a llama.cpp row of an older run, without its bytes, gives the ratio alone
+    del llama[0]["reread_bytes_per_step"]
+    (entry,) = bench.against_llama_cpp(rows, llama)
+    assert entry["decode"] == 0.8 and "decode_per_byte" not in entry
+
+
 def test_pha_over_attention_merges_a_models_rows_from_several_runs():
     rows = [{"model": "pha", "path": "op", "context": 512, "decode_tokens_per_s_b1": 1.0, "prefill_tokens_per_s": 9.0},
             {"model": "pha-attn", "path": "op", "context": 512, "decode_tokens_per_s_b1": 100.0},
