@@ -24,7 +24,9 @@ memory depend only on shapes):
     multiplies by every matrix again; the matrices each step at the best 2-thread
     re-read bandwidth of an array of their size (served from the last-level cache where
     it fits), plus the per-sample state at the streaming bandwidth:
-    ``percent_of_reread_b{B}``;
+    ``percent_of_reread_b{B}``; with ``--donated`` also for the decode into the states
+    themselves (the slot pool's calls, and llama.cpp's: no copy of the caches per call):
+    ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
@@ -248,6 +250,8 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
             runs = timed(repeats, lambda: engine.decode(ids, pos, states, greedy, steps, donate_states=True))
             row[f"donated_step_ms_runs_b{B}"] = [1e3 * t / steps for t in runs]
             row[f"donated_step_ms_b{B}"] = 1e3 * min(runs) / steps
+            row[f"donated_spread_b{B}"] = spread(runs)
+            row[f"donated_decode_tokens_per_s_b{B}"] = B * steps / min(runs)
     return row
 
 
@@ -323,6 +327,8 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
             if f"decode_tokens_per_s_b{B}" in r:
                 rate, threads, llama_bytes = ll["decode_tokens_per_s"]
                 entry |= {"decode": r[f"decode_tokens_per_s_b{B}"] / rate, "llama_cpp_decode_threads": threads}
+                if f"donated_decode_tokens_per_s_b{B}" in r:  # into the states, as llama.cpp's cache
+                    entry["decode_donated"] = r[f"donated_decode_tokens_per_s_b{B}"] / rate
                 if llama_bytes and f"reread_bytes_per_step_b{B}" in r:
                     more = r[f"reread_bytes_per_step_b{B}"] / llama_bytes
                     entry |= {"bytes_per_step_over_llama_cpp": more, "decode_per_byte": entry["decode"] * more}
@@ -427,7 +433,9 @@ def main(argv=None) -> dict:
                 for B in decode_batches:
                     limit = 1e3 * row[f"bytes_per_step_b{B}"] / bandwidth
                     row[f"streaming_limit_ms_b{B}"] = limit
-                    row[f"percent_of_streaming_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]
+                    for kind in ("", "donated_"):  # decode on a copy of the states, and into them
+                        if f"{kind}step_ms_b{B}" in row:
+                            row[f"{kind}percent_of_streaming_b{B}"] = 100 * limit / row[f"{kind}step_ms_b{B}"]
             for (name, _path, dtype), engine in engines.items():
                 mats = matrix_bytes(name, engine.config, weight_bytes_of(dtype))
                 key = f"{name}/{dtype}"
@@ -438,7 +446,9 @@ def main(argv=None) -> dict:
                     for B in decode_batches:
                         limit = reread_limit_ms(row[f"bytes_per_step_b{B}"], mats, args.steps, reread, bandwidth)
                         row[f"reread_limit_ms_b{B}"] = limit
-                        row[f"percent_of_reread_b{B}"] = 100 * limit / row[f"step_ms_b{B}"]
+                        for kind in ("", "donated_"):
+                            if f"{kind}step_ms_b{B}" in row:
+                                row[f"{kind}percent_of_reread_b{B}"] = 100 * limit / row[f"{kind}step_ms_b{B}"]
         run["rows"] += rows
         run["load_average_after"] = list(os.getloadavg())
         write_json(out, result)  # partial results survive an interrupted run

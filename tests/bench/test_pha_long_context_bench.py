@@ -96,6 +96,9 @@ def test_the_decode_per_byte_weighs_the_ratio_by_the_bytes_each_step_rereads():
     (entry,) = bench.against_llama_cpp(rows, llama)
     assert entry["decode"] == 0.8 and entry["bytes_per_step_over_llama_cpp"] == 1.5
     assert entry["decode_per_byte"] == pytest.approx(1.2)
+    # the decode into donated states, beside the decode on a copy
+    (entry,) = bench.against_llama_cpp([rows[0] | {"donated_decode_tokens_per_s_b1": 150.0}], llama)
+    assert entry["decode"] == 0.8 and entry["decode_donated"] == 1.2
     # a llama.cpp row of an older run, without its bytes, gives the ratio alone
     del llama[0]["reread_bytes_per_step"]
     (entry,) = bench.against_llama_cpp(rows, llama)
