@@ -216,10 +216,13 @@ def spread(values: list[float]) -> float:
 
 
 def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed_run: bool = True,
-            prefill: bool = True, path: str = "op", start: int | None = None, donated: bool = False) -> dict:
+            prefill: bool = True, path: str = "op", start: int | None = None, donated: bool = False,
+            prefill_lengths=()) -> dict:
     """One row: state size, prefill and decode timings; decode calls from position
     ``start`` (default n - steps - 1: the last steps before the context's end), on a copy
-    of the states and, with ``donated``, also into the states themselves."""
+    of the states and, with ``donated``, also into the states themselves; with
+    ``prefill_lengths``, also the prefill of one prompt of each of those lengths (what a
+    prefill costs whatever its length, and per chunk of tokens)."""
     from srm_max.runtime.compiled import SamplingArrays
 
     c = engine.config
@@ -231,6 +234,9 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
     if prefill:
         prompt = [rng.integers(0, c.vocab_size, n).tolist()]
         runs = timed(repeats, lambda: engine.prefill(prompt))
+        for length in prefill_lengths:
+            short = [rng.integers(0, c.vocab_size, length).tolist()]
+            row[f"prefill_seconds_t{length}"] = min(timed(repeats, lambda: engine.prefill(short)))
         row |= {"prefill_seconds_runs": runs, "prefill_seconds": min(runs), "prefill_spread": spread(runs),
                 "prefill_tokens_per_s": n / min(runs)}
     for B in batches:
@@ -366,6 +372,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtypes", nargs="*", default=["float32"], choices=list(DTYPES),
                     help="the engines' weight dtypes, each measured on every path")
     ap.add_argument("--no-prefill", action="store_true", help="time decode only")
+    ap.add_argument("--prefill-lengths", type=int, nargs="*", default=[],
+                    help="also time the prefill of one prompt of each of these lengths (at most the context)")
     ap.add_argument("--no-decode", action="store_true",
                     help="time prefill only (llama.cpp still runs --batches, for its prompt tokens/s)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
@@ -422,7 +430,8 @@ def main(argv=None) -> dict:
                 # each path prefills through its own graph (the op's tiled attention or plain ops)
                 rows.append(measure(name, engine, n, args.steps, decode_batches, args.repeats, rng,
                                     timed_run=not args.state_only, prefill=prefill and i == 0,
-                                    path=path, start=start, donated=args.donated))
+                                    path=path, start=start, donated=args.donated,
+                                    prefill_lengths=[t for t in args.prefill_lengths if 0 < t <= n]))
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if not k.endswith("_runs")}, flush=True)
         if not args.state_only:

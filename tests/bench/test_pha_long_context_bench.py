@@ -135,3 +135,29 @@ def test_llama_cpp_ratios_are_taken_within_a_run_only():
             {"steps_per_call": 16, "rows": [fast], "llama_cpp": []}]
     out = bench.summarized({"runs": runs})["against_llama_cpp"]
     assert [(e["run"], e["decode"]) for e in out] == [(1, 2.0), (2, 1.5)]
+
+
+def test_prefill_lengths_time_one_prompt_of_each_length():
+    """``--prefill-lengths``: the prefill of one prompt of each length beside the full one
+    (a stand-in engine records what it was asked; nothing compiled)."""
+    import numpy as np
+
+    class Recording:
+        config = bench.configs("pha", 128, quick=True)
+        dtype = "float32"
+        asked: list = []
+
+        def prefill(self, prompts):
+            self.asked.append(len(prompts[0]))
+
+        def empty_states(self, batch):
+            return np.zeros((1, batch, 4), np.float32)
+
+        @staticmethod
+        def host(a):
+            return a
+
+    engine = Recording()
+    row = bench.measure("pha", engine, 128, 4, (), 2, np.random.default_rng(0), prefill_lengths=[1, 64])
+    assert engine.asked == [128] * 3 + [1] * 3 + [64] * 3  # a warm-up, then 2 repeats each
+    assert {"prefill_seconds_t1", "prefill_seconds_t64", "prefill_seconds"} <= row.keys()
