@@ -15,35 +15,21 @@ from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
                  K: _Consts, tiled: bool = False):
-    """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, Hkv*n*dh]).
+    """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, T, Hkv*dh]),
+    the keys and values at the T positions (``model.PrefillStates`` places them in the
+    state's caches).
 
     ``tiled``: the attention is the Mojo op (mojo/pha_prefill_attention.mojo, CPU code:
     tiles with an online softmax, O(T) memory, rows past each prompt's length zero); else
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
-    path and the op's reference. The caches hold rows 0..T-1 and zeros after (a gather
-    of rows, not a placement matmul).
+    path and the op's reference.
     """
-    Hkv, dh, n = c.n_kv_heads, c.head_dim, c.context_length
-    B = x.shape[0]
     q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K)
     if tiled:
         att = tiled_attention(q, k, v, lengths, c, K.device)
     else:
         att = full_attention(q, k, v, pos, pos_cols, c, K)
-    out = linear(att, a["o"])
-
-    # cache row i = token min(i, T-1), times (i < T)
-    iota = K.iota_n()
-    top = ops.max(pos, axis=-1)  # [1]: T - 1
-    over = ops.cast(iota > top, iota.dtype)
-    rows = iota - over * (iota - top)
-    keep = ops.broadcast_to(ops.reshape(1.0 - ops.cast(over, F32), [1, n, 1]), [B, n, Hkv * dh])
-
-    def cache(t):  # [B, T, Hkv*dh] -> [B, Hkv*n*dh]
-        full = ops.gather(t, rows, axis=1) * keep  # [B, n, Hkv*dh]
-        return ops.reshape(ops.permute(ops.reshape(full, [B, n, Hkv, dh]), [0, 2, 1, 3]), [B, -1])
-
-    return out, (cache(k), cache(v))
+    return linear(att, a["o"]), (k, v)
 
 
 def full_attention(q: TensorValue, k: TensorValue, v: TensorValue, pos: TensorValue, pos_cols: TensorValue, c,

@@ -300,12 +300,57 @@ def _block(x: TensorValue, l: int, W: PHAWeights, run) -> TensorValue:
     return x
 
 
-def _state_row(found: dict, zero_col: TensorValue) -> TensorValue:
-    """One layer's state [B, X] in ``StateLayout`` order."""
-    parts = ([found["gss"]] if "gss" in found else []) + (list(found["attn"]) if "attn" in found else [])
-    if not parts:
-        return zero_col
-    return parts[0] if len(parts) == 1 else ops.concat(parts, axis=1)
+class PrefillStates:
+    """Each layer's state [B, X] in ``StateLayout`` order from what a prefill's branches
+    found: the GSS state [B, 2HN] and the keys and values at the T prompt positions
+    [B, T, Hkv*dh]. Cache row i holds position i for i < T (past a prompt's length, the
+    padding's rows, which no decode step reads) and zeros after.
+
+    One gather per layer of whole rows of ``w`` floats from a small source (the GSS state,
+    the T rows of keys and values, one zero row) writes the state at memory speed. Building
+    each context-long cache first and concatenating the parts is what a prefill at a long
+    context spent most of a short prompt's time on: MAX's CPU concat copies an inner axis
+    element by element. The row index depends on T alone, so it is built once per graph.
+    """
+
+    def __init__(self, config, flat_pos: TensorValue, batch, device: DeviceRef):
+        c = self.config = config
+        self.layout = lay = StateLayout.of(c)
+        self.batch, self.device = batch, device
+        dh, n, Hkv = c.head_dim, c.context_length, c.n_kv_heads
+        # rows of w floats: whole rows of a cache when w = dh; w divides the GSS state too
+        self.w = w = math.gcd(lay.gss, dh) if lay.gss else dh
+        self.per_row = s = dh // w  # pieces of w floats per cache row
+        self.gss_rows = lay.gss // w
+        if not lay.kv:
+            return
+        T = ops.max(flat_pos, axis=-1) + 1  # [1]: the prompt positions of this call
+        # each piece of the two caches (keys, then values; head-major, then row i, then
+        # piece) comes from row (cache * Hkv + head) * T + i of the keys' and values' rows
+        piece = np.arange(2 * Hkv * n * s, dtype=np.int64)
+        within, row = piece % s, piece // s
+        i, cache_head = row % n, row // n
+        i_t, cache_head_t = gops.const(i, I64, device), gops.const(cache_head, I64, device)
+        source = self.gss_rows + (cache_head_t * T + i_t) * s + gops.const(within, I64, device)
+        zero_row = self.gss_rows + 2 * Hkv * T * s  # after every row of keys and values
+        inside = ops.cast(i_t < T, I64)
+        kv_index = inside * source + (1 - inside) * zero_row
+        gss_index = gops.const(np.arange(self.gss_rows, dtype=np.int64), I64, device)
+        self.index = ops.concat([gss_index, kv_index], axis=0) if self.gss_rows else kv_index
+
+    def layer(self, found: dict) -> TensorValue:
+        """One layer's state [B, X] from ``found`` (``"gss"``: [B, 2HN]; ``"attn"``: the
+        keys and values at the prompt positions)."""
+        B, w, c = self.batch, self.w, self.config
+        if "attn" not in found:
+            return found["gss"] if "gss" in found else ops.broadcast_to(
+                gops.const(np.zeros((1, 1), np.float32), F32, self.device), [B, 1])
+        parts = [ops.reshape(found["gss"], [B, self.gss_rows, w])] if "gss" in found else []
+        for t in found["attn"]:  # [B, T, Hkv*dh] -> [B, Hkv*T*per_row, w], head-major
+            heads = ops.permute(ops.reshape(t, [B, -1, c.n_kv_heads, c.head_dim]), [0, 2, 1, 3])
+            parts.append(ops.reshape(heads, [B, -1, w]))
+        parts.append(ops.broadcast_to(gops.const(np.zeros((1, 1, w), np.float32), F32, self.device), [B, 1, w]))
+        return ops.reshape(ops.gather(ops.concat(parts, axis=1), self.index, axis=1), [B, -1])
 
 
 def _embed(W: PHAWeights, ids: TensorValue) -> TensorValue:

@@ -18,7 +18,7 @@ from ..ops import F32, I64, U64, cpu_ops_run, linear
 from ..sampler import drawn_logprobs, sample
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
-from .model import PHAWeights, _Consts, _block, _embed, _ffn, _state_row
+from .model import PHAWeights, PrefillStates, _Consts, _block, _embed, _ffn
 
 
 def prefix_input_types(device: DeviceRef) -> list[TensorType]:
@@ -44,7 +44,7 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
     chunk = ops.constant(C, I64, device=device)
     chunk_rows, chunk_cols = ops.floor_div(pos[:, 0], chunk), ops.floor_div(pos_cols[:, 0], chunk)
     flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
-    zero_col = ops.unsqueeze(ops.cast(lengths * 0, F32), -1)  # [B, 1]
+    layer_state = PrefillStates(c, flat_pos, B, device)
     x = _embed(W, ids)  # [B, M, C, E]
     E = x.shape[-1]
     states = []
@@ -63,7 +63,7 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
             return out
 
         x = _block(x, l, W, run)
-        states.append(_state_row(found, zero_col))
+        states.append(layer_state.layer(found))
     return x, states
 
 
