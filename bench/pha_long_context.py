@@ -27,6 +27,9 @@ memory depend only on shapes):
     ``percent_of_reread_b{B}``; with ``--donated`` also for the decode into the states
     themselves (the slot pool's calls, and llama.cpp's: no copy of the caches per call):
     ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``;
+  - with ``--refill``, what the slot pool pays when one row of a batch of B finishes and a
+    fresh prompt's state takes its place (the engine's ``regroup``: the B - 1 kept rows and
+    the fresh one into a new batch on the device): ``refill_ms_b{B}``, beside a decode step;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
@@ -192,11 +195,13 @@ def reread_limit_ms(bytes_per_step: float, matrix_bytes: int, steps: int, reread
     return 1e3 * (matrix_bytes / reread + (bytes_per_step - matrix_bytes / steps) / stream)
 
 
-def graphs_used(engine, prefill: bool = True, decode: bool = True) -> list:
-    """The graphs ``measure`` loads: prefill, and the one a greedy decode runs (each cold
-    compile takes minutes here, so the sampler graph and the unused decode are left out)."""
+def graphs_used(engine, prefill: bool = True, decode: bool = True, refill: bool = False) -> list:
+    """The graphs ``measure`` loads: prefill, the one a greedy decode runs, and with
+    ``refill`` the regroup (each cold compile takes minutes here, so the sampler graph and
+    the unused decode are left out)."""
     greedy = "decode_steps" if engine.steps_in_one_op else "decode"
-    return ([engine.graph_job("prefill")] if prefill else []) + ([engine.graph_job(greedy)] if decode else [])
+    return ([engine.graph_job("prefill")] if prefill else []) + ([engine.graph_job(greedy)] if decode else []) \
+        + ([engine.graph_job("regroup")] if refill else [])
 
 
 def timed(repeats: int, run) -> list[float]:
@@ -217,12 +222,13 @@ def spread(values: list[float]) -> float:
 
 def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, timed_run: bool = True,
             prefill: bool = True, path: str = "op", start: int | None = None, donated: bool = False,
-            prefill_lengths=()) -> dict:
+            prefill_lengths=(), refill: bool = False) -> dict:
     """One row: state size, prefill and decode timings; decode calls from position
     ``start`` (default n - steps - 1: the last steps before the context's end), on a copy
     of the states and, with ``donated``, also into the states themselves; with
     ``prefill_lengths``, also the prefill of one prompt of each of those lengths (what a
-    prefill costs whatever its length, and per chunk of tokens)."""
+    prefill costs whatever its length, and per chunk of tokens); with ``refill``, the
+    regroup of a batch of B whose first row is replaced by a fresh state."""
     from srm_max.runtime.compiled import SamplingArrays
 
     c = engine.config
@@ -258,6 +264,12 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
             row[f"donated_step_ms_b{B}"] = 1e3 * min(runs) / steps
             row[f"donated_spread_b{B}"] = spread(runs)
             row[f"donated_decode_tokens_per_s_b{B}"] = B * steps / min(runs)
+        if refill:  # rows 1 .. B-1 kept, the fresh row last: what the slot pool asks when row 0 finishes
+            fresh = engine.empty_states(1)
+            runs = timed(repeats, lambda: engine.regroup(states, fresh, list(range(1, B)) + [B]))
+            row[f"refill_ms_runs_b{B}"] = [1e3 * t for t in runs]
+            row[f"refill_ms_b{B}"] = 1e3 * min(runs)
+            row[f"refill_spread_b{B}"] = spread(runs)
     return row
 
 
@@ -386,6 +398,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--donated", action="store_true",
                     help="also time the decode into donated states (the slot pool's calls: no copy of the caches)")
+    ap.add_argument("--refill", action="store_true",
+                    help="also time the slot pool's refill of one row in each batch (the engine's regroup)")
     ap.add_argument("--state-only", action="store_true",
                     help="only the decode state per sample (nothing compiled or timed)")
     ap.add_argument("--out", type=Path, help="the JSON path")
@@ -419,7 +433,8 @@ def main(argv=None) -> dict:
                    for dtype in args.dtypes}
         if not args.state_only:
             t0 = time.perf_counter()
-            precompile([job for e in engines.values() for job in graphs_used(e, prefill, not args.no_decode)])
+            precompile([job for e in engines.values()
+                        for job in graphs_used(e, prefill, not args.no_decode, args.refill)])
             run["compile_seconds"][str(n)] = round(time.perf_counter() - t0, 1)
             print(f"context {n}: graphs ready in {time.perf_counter() - t0:.0f} s", flush=True)
         bandwidth = 0.0 if args.state_only else stream_bytes_per_s()
@@ -430,7 +445,7 @@ def main(argv=None) -> dict:
                 # each path prefills through its own graph (the op's tiled attention or plain ops)
                 rows.append(measure(name, engine, n, args.steps, decode_batches, args.repeats, rng,
                                     timed_run=not args.state_only, prefill=prefill and i == 0,
-                                    path=path, start=start, donated=args.donated,
+                                    path=path, start=start, donated=args.donated, refill=args.refill,
                                     prefill_lengths=[t for t in args.prefill_lengths if 0 < t <= n]))
                 print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in rows[-1].items()
                        if not k.endswith("_runs")}, flush=True)

@@ -161,3 +161,45 @@ def test_prefill_lengths_time_one_prompt_of_each_length():
     row = bench.measure("pha", engine, 128, 4, (), 2, np.random.default_rng(0), prefill_lengths=[1, 64])
     assert engine.asked == [128] * 3 + [1] * 3 + [64] * 3  # a warm-up, then 2 repeats each
     assert {"prefill_seconds_t1", "prefill_seconds_t64", "prefill_seconds"} <= row.keys()
+
+
+def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
+    """``--refill``: the regroup the slot pool asks when row 0 of a batch of B finishes, timed
+    per batch (a stand-in engine records the rows asked; nothing compiled)."""
+    import numpy as np
+
+    class Recording:
+        config = bench.configs("pha", 128, quick=True)
+        dtype = "float32"
+        asked: list = []
+
+        def decode(self, ids, pos, states, sampling, steps, donate_states=False):
+            return None
+
+        def regroup(self, pool, fresh, index):
+            self.asked.append((pool.shape[1], fresh.shape[1], list(index)))
+
+        def empty_states(self, batch):
+            return np.zeros((1, batch, 4), np.float32)
+
+        @staticmethod
+        def host(a):
+            return a
+
+    engine = Recording()
+    row = bench.measure("pha", engine, 128, 4, (1, 3), 2, np.random.default_rng(0), prefill=False, refill=True)
+    assert engine.asked == [(1, 1, [1])] * 3 + [(3, 1, [1, 2, 3])] * 3  # a warm-up, then 2 repeats each
+    assert {"refill_ms_b1", "refill_ms_b3", "refill_spread_b3"} <= row.keys() and len(row["refill_ms_runs_b3"]) == 2
+    assert [job.kind for job in bench.graphs_used(_JobNames(), prefill=False, decode=False, refill=True)] == ["regroup"]
+
+
+class _JobNames:
+    """An engine whose graph jobs are their kinds (``graphs_used`` without a compile)."""
+
+    steps_in_one_op = True
+
+    @staticmethod
+    def graph_job(kind):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(kind=kind)
