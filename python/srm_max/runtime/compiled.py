@@ -275,17 +275,17 @@ class CompiledGraphs:
         return [self.host(t) for t in out] if scored else [self.host(out[0])]
 
     def regroup(self, pool: Buffer | None, fresh: Buffer | None, index) -> Buffer:
-        """A batch of states made on the device (``graphs/slots.py``): row b is row
-        ``index[b]`` of ``pool`` then ``fresh`` side by side (either may be None: no
-        rows). Only ``index`` crosses from the host."""
+        """States made on the device (``graphs/slots.py``): row b is row ``index[b]`` of ``pool``
+        then ``fresh`` side by side (either may be None: no rows). Only row choices cross."""
         if pool is None and fresh is None:
             raise ValueError("regroup needs pool or fresh states")
-        like = pool if pool is not None else fresh
-        none = self.to_device(np.zeros((like.shape[0], 0, *like.shape[2:]), np.float32))
+        index, P = np.asarray(index, np.int64), 0 if pool is None else pool.shape[1]
+        from_pool = index < P
+        choices = (from_pool, np.where(from_pool, index, 0), np.where(from_pool, 0, index - P))
         with self._lock:
-            (states,) = self.model("regroup").execute(
-                pool if pool is not None else none, fresh if fresh is not None else none,
-                self.to_device(np.asarray(index, np.int64)))
+            (states,) = self.model("regroup").execute(pool if pool is not None else fresh,
+                                                     fresh if fresh is not None else pool,
+                                                     *(self.to_device(c) for c in choices))
         return states
 
     # -- starting from a state, and scoring
