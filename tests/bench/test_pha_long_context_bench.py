@@ -4,6 +4,9 @@ the comparison with llama.cpp's best run and the merging of runs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from bench import pha_llama_cpp
@@ -137,26 +140,41 @@ def test_llama_cpp_ratios_are_taken_within_a_run_only():
     assert [(e["run"], e["decode"]) for e in out] == [(1, 2.0), (2, 1.5)]
 
 
+class Recording:
+    """A stand-in engine that records what ``measure`` asks of it (nothing compiled): the
+    length of each prompt prefilled, the (pool rows, fresh rows, index) of each regroup."""
+
+    config = bench.configs("pha", 128, quick=True)
+    dtype = "float32"
+    steps_in_one_op = True
+
+    def __init__(self):
+        self.asked = []
+
+    def prefill(self, prompts):
+        self.asked.append(len(prompts[0]))
+
+    def decode(self, ids, pos, states, sampling, steps, donate_states=False):
+        return None
+
+    def regroup(self, pool, fresh, index):
+        self.asked.append((pool.shape[1], fresh.shape[1], list(index)))
+
+    @staticmethod
+    def empty_states(batch):
+        return np.zeros((1, batch, 4), np.float32)
+
+    @staticmethod
+    def host(a):
+        return a
+
+    @staticmethod
+    def graph_job(kind):
+        return SimpleNamespace(kind=kind)
+
+
 def test_prefill_lengths_time_one_prompt_of_each_length():
-    """``--prefill-lengths``: the prefill of one prompt of each length beside the full one
-    (a stand-in engine records what it was asked; nothing compiled)."""
-    import numpy as np
-
-    class Recording:
-        config = bench.configs("pha", 128, quick=True)
-        dtype = "float32"
-        asked: list = []
-
-        def prefill(self, prompts):
-            self.asked.append(len(prompts[0]))
-
-        def empty_states(self, batch):
-            return np.zeros((1, batch, 4), np.float32)
-
-        @staticmethod
-        def host(a):
-            return a
-
+    """``--prefill-lengths``: the prefill of one prompt of each length beside the full one."""
     engine = Recording()
     row = bench.measure("pha", engine, 128, 4, (), 2, np.random.default_rng(0), prefill_lengths=[1, 64])
     assert engine.asked == [128] * 3 + [1] * 3 + [64] * 3  # a warm-up, then 2 repeats each
@@ -165,41 +183,9 @@ def test_prefill_lengths_time_one_prompt_of_each_length():
 
 def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
     """``--refill``: the regroup the slot pool asks when row 0 of a batch of B finishes, timed
-    per batch (a stand-in engine records the rows asked; nothing compiled)."""
-    import numpy as np
-
-    class Recording:
-        config = bench.configs("pha", 128, quick=True)
-        dtype = "float32"
-        asked: list = []
-
-        def decode(self, ids, pos, states, sampling, steps, donate_states=False):
-            return None
-
-        def regroup(self, pool, fresh, index):
-            self.asked.append((pool.shape[1], fresh.shape[1], list(index)))
-
-        def empty_states(self, batch):
-            return np.zeros((1, batch, 4), np.float32)
-
-        @staticmethod
-        def host(a):
-            return a
-
+    per batch, and the regroup graph among the graphs the run compiles."""
     engine = Recording()
     row = bench.measure("pha", engine, 128, 4, (1, 3), 2, np.random.default_rng(0), prefill=False, refill=True)
     assert engine.asked == [(1, 1, [1])] * 3 + [(3, 1, [1, 2, 3])] * 3  # a warm-up, then 2 repeats each
     assert {"refill_ms_b1", "refill_ms_b3", "refill_spread_b3"} <= row.keys() and len(row["refill_ms_runs_b3"]) == 2
-    assert [job.kind for job in bench.graphs_used(_JobNames(), prefill=False, decode=False, refill=True)] == ["regroup"]
-
-
-class _JobNames:
-    """An engine whose graph jobs are their kinds (``graphs_used`` without a compile)."""
-
-    steps_in_one_op = True
-
-    @staticmethod
-    def graph_job(kind):
-        from types import SimpleNamespace
-
-        return SimpleNamespace(kind=kind)
+    assert [job.kind for job in bench.graphs_used(engine, prefill=False, decode=False, refill=True)] == ["regroup"]
