@@ -28,8 +28,11 @@ memory depend only on shapes):
     themselves (the slot pool's calls, and llama.cpp's: no copy of the caches per call):
     ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``;
   - with ``--refill``, what the slot pool pays when one row of a batch of B finishes and a
-    fresh prompt's state takes its place (the engine's ``regroup``: the B - 1 kept rows and
-    the fresh one into a new batch on the device): ``refill_ms_b{B}``, beside a decode step;
+    fresh prompt's state takes its place (the engine's ``regroup``): the B - 1 kept rows and
+    the fresh one gathered into a new batch on the device (``refill_ms_b{B}``, the refill when
+    rows move), and the fresh row written into the donated states in the finished row's slot
+    (``refill_in_place_ms_b{B}``, the slot pool's refill when the new rows fill every freed
+    slot, on a CPU), beside a decode step;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
@@ -270,6 +273,9 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
             row[f"refill_ms_runs_b{B}"] = [1e3 * t for t in runs]
             row[f"refill_ms_b{B}"] = 1e3 * min(runs)
             row[f"refill_spread_b{B}"] = spread(runs)
+            runs = timed(repeats, lambda: engine.regroup(states, fresh, [B] + list(range(1, B)), donate_pool=True))
+            row[f"refill_in_place_ms_runs_b{B}"] = [1e3 * t for t in runs]
+            row[f"refill_in_place_ms_b{B}"] = 1e3 * min(runs)
     return row
 
 

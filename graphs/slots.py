@@ -4,13 +4,16 @@ When sequences finish and others start, the next batch is made of some rows of
 the running batch (``pool``) and some rows of freshly prefilled states
 (``fresh``: one row per distinct prompt; the samples of one prompt take the same
 row, i.e. fork its state). Gathers do it on the device, so no state goes through
-the host: only the row choices [B] cross.
+the host: only the row choices [B] cross. A refill whose fresh rows take the slots of
+finished rows, every other row staying in its own, needs no gather (``slots_taken``):
+an engine can write the fresh rows into the pool's states where they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, ops
 
@@ -40,4 +43,14 @@ def build_regroup_graph(name: str, n_layers: int, row_shape: Sequence[int], devi
     return g
 
 
-__all__ = ["build_regroup_graph"]
+def slots_taken(index: np.ndarray, pool_rows: int) -> np.ndarray | None:
+    """The slots that fresh rows take (rows >= ``pool_rows`` of ``index``) when a regroup
+    keeps the batch's size and every other row in its own slot, else None. Such a refill
+    needs no gather: the fresh rows can be written into the pool's states where they are."""
+    fresh = index >= pool_rows
+    if len(index) != pool_rows or (index[~fresh] != np.flatnonzero(~fresh)).any():
+        return None
+    return np.flatnonzero(fresh)
+
+
+__all__ = ["build_regroup_graph", "slots_taken"]

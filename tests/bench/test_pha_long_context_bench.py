@@ -157,8 +157,8 @@ class Recording:
     def decode(self, ids, pos, states, sampling, steps, donate_states=False):
         return None
 
-    def regroup(self, pool, fresh, index):
-        self.asked.append((pool.shape[1], fresh.shape[1], list(index)))
+    def regroup(self, pool, fresh, index, donate_pool=False):
+        self.asked.append((pool.shape[1], fresh.shape[1], list(index)) + (("donated",) if donate_pool else ()))
 
     @staticmethod
     def empty_states(batch):
@@ -182,10 +182,14 @@ def test_prefill_lengths_time_one_prompt_of_each_length():
 
 
 def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
-    """``--refill``: the regroup the slot pool asks when row 0 of a batch of B finishes, timed
-    per batch, and the regroup graph among the graphs the run compiles."""
+    """``--refill``: the regroups the slot pool asks when row 0 of a batch of B finishes (the kept
+    rows moved, or the fresh row written into its slot of the donated states), timed per
+    batch, and the regroup graph among the graphs the run compiles."""
     engine = Recording()
     row = bench.measure("pha", engine, 128, 4, (1, 3), 2, np.random.default_rng(0), prefill=False, refill=True)
-    assert engine.asked == [(1, 1, [1])] * 3 + [(3, 1, [1, 2, 3])] * 3  # a warm-up, then 2 repeats each
-    assert {"refill_ms_b1", "refill_ms_b3", "refill_spread_b3"} <= row.keys() and len(row["refill_ms_runs_b3"]) == 2
+    # a warm-up, then 2 repeats each
+    assert engine.asked == [(1, 1, [1])] * 3 + [(1, 1, [1], "donated")] * 3 + [(3, 1, [1, 2, 3])] * 3 \
+        + [(3, 1, [3, 1, 2], "donated")] * 3
+    assert {"refill_ms_b1", "refill_ms_b3", "refill_spread_b3", "refill_in_place_ms_b3"} <= row.keys()
+    assert len(row["refill_ms_runs_b3"]) == len(row["refill_in_place_ms_runs_b3"]) == 2
     assert [job.kind for job in bench.graphs_used(engine, prefill=False, decode=False, refill=True)] == ["regroup"]

@@ -141,7 +141,8 @@ def test_decode_computes_log_probabilities_only_when_asked(generator, monkeypatc
 def test_samples_asking_for_different_top_n_share_a_batch(generator, ref):
     """One pool, samples asking for 0, 1, 4 alternatives and none, joining at different calls
     (2 slots): the decode asks for the widest its batch needs, each keeps its own."""
-    from srm_max.serve.scheduler import Sequence, SlotPool
+    from srm_max.serve.scheduler import SlotPool
+    from srm_max.serve.sequence import Sequence
     from srm_max.serve.scoring import decoded_scores
 
     prompts = random_prompts([3, 8, 5, 12], TINY.vocab_size, seed=23)

@@ -18,7 +18,9 @@ import pytest
 from srm_max import GenerationError
 from srm_max.runtime.compiled import DecodeResult, PrefillResult
 from srm_max.serve.prefix_cache import PrefixCache, cache_of, common_prefix, prefix_hashes
-from srm_max.serve.scheduler import Sequence, SlotPool
+from srm_max.graphs.slots import slots_taken
+from srm_max.serve.scheduler import SlotPool
+from srm_max.serve.sequence import Sequence
 from tests.support.graphs import graphs
 from tests.support.prefix_cache import generators
 from tests.support.prompts import random_prompts
@@ -148,7 +150,14 @@ class ToyEngine:
     def draw(self, logits, rows, sampling, counters):
         return np.array([self._pick(logits[r], sampling, i, counters[i]) for i, r in enumerate(rows)])
 
-    def regroup(self, pool, fresh, index):
+    def regroup(self, pool, fresh, index, donate_pool=False):
+        # a donated pool takes fresh rows in place, as the engines on a CPU: a pool that donated
+        # states the cache still holds would change what a later prompt starts from
+        index = np.asarray(index)
+        taken = slots_taken(index, pool.shape[1]) if donate_pool and pool is not None else None
+        if taken is not None:
+            pool[:, taken] = fresh[:, index[taken] - pool.shape[1]]
+            return pool
         return np.concatenate([x for x in (pool, fresh) if x is not None], axis=1)[:, index]
 
     def decode(self, ids, positions, states, sampling, steps=1, donate_states=False):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from srm_max import GenerationError, Generator
+from srm_max.graphs.slots import slots_taken
 from srm_max.serve.sample_many import plan_max_batch, sample_many, sample_seed
 from srm_max.serve.scheduler import PoolStats
 from tests.support.graphs import graphs
@@ -181,6 +182,17 @@ def test_refill_regroups_states_on_the_device(generator, monkeypatch):
     got = eng.host(eng.regroup(eng.to_device(pool), eng.to_device(fresh), index))
     np.testing.assert_array_equal(got, np.concatenate([pool, fresh], axis=1)[:, index])
     np.testing.assert_array_equal(eng.host(eng.regroup(None, eng.to_device(fresh), [1, 1])), fresh[:, [1, 1]])
+    # a donated pool whose rows keep their slots takes the fresh rows in place; any other
+    # index, or a pool not donated, gets new states from the graph and leaves the pool alone
+    kept = eng.to_device(pool)
+    for index, donate in (([0, 4, 2], False), ([1, 4, 2], True), ([0, 4, 2, 3], True)):
+        got = eng.regroup(kept, eng.to_device(fresh), index, donate_pool=donate)
+        assert got is not kept
+        np.testing.assert_array_equal(eng.host(got), np.concatenate([pool, fresh], axis=1)[:, index])
+        np.testing.assert_array_equal(eng.host(kept), pool)
+    got = eng.regroup(kept, eng.to_device(fresh), [0, 4, 3], donate_pool=True)
+    assert got is kept
+    np.testing.assert_array_equal(eng.host(got), np.concatenate([pool, fresh], axis=1)[:, [0, 4, 3]])
 
     host = type(eng).host
     state_rank = pool.ndim
@@ -202,3 +214,32 @@ def test_refill_regroups_states_on_the_device(generator, monkeypatch):
     for s in samples:
         alone = generator.generate(prompts[s.prompt_index], seed=s.seed, **kw)
         assert (s.ids, s.finish_reason) == (alone.ids, alone.finish_reason), (s.prompt_index, s.sample_index)
+
+
+def test_a_refill_that_fills_every_finished_row_writes_only_the_new_rows(generator, monkeypatch):
+    """Samples of staggered lengths through 3 slots: each one finishing alone frees a slot that
+    the next pending one takes, every other row staying where it is, so the engine writes the
+    new row into the pool's states (a CPU's states are on the host) rather than regrouping
+    the batch. Each sample's tokens are still those it gets alone."""
+    from srm_max.serve.scheduler import SlotPool
+    from srm_max.serve.sequence import Sequence
+
+    eng = generator.engine
+    in_place, regroup = [], eng.regroup
+
+    def recorded(pool, fresh, index, donate_pool=False):
+        got = regroup(pool, fresh, index, donate_pool=donate_pool)
+        in_place.append(got is pool)
+        return got
+
+    monkeypatch.setattr(eng, "regroup", recorded)
+    prompts = [rnd_prompt(4 + i, 10 + i) for i in range(6)]
+    seqs = [Sequence(p, 0.0, 0, 1.0, 0, max_new) for p, max_new in zip(prompts, [3, 6, 9, 4, 7, 5])]
+    pool = SlotPool(eng, generator.decode, 3, steps_per_call=4)
+    pool.submit(seqs)
+    for _ in pool.run():
+        pass
+    monkeypatch.undo()
+    assert in_place[0] is False and sum(in_place) >= 2, in_place  # the first batch is gathered from fresh states
+    for s in seqs:
+        assert s.tokens == generator.generate(s.prompt, max_new_tokens=s.max_new).ids

@@ -30,6 +30,7 @@ from ..errors import GenerationError
 from ..graphs.ops import cpu_ops_run
 from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
+from ..graphs.slots import slots_taken
 from ..weight_shapes import shape_problem
 from .compile_cache import load_compiled
 from .drawn import one_step_scores, scored_input, steps_scores
@@ -250,9 +251,9 @@ class CompiledGraphs:
 
     def sampling_buffers(self, s: SamplingArrays) -> list[Buffer]:
         """The graphs' sampling inputs: four per-sample arrays on the device, the mode on the host."""
-        return [self.to_device(s.temperature.astype(np.float32)), self.to_device(s.top_k.astype(np.int64)),
-                self.to_device(s.top_p.astype(np.float32)), self.to_device(s.seed.astype(np.uint64)),
-                Buffer.from_numpy(np.array(s.mode(), np.int64))]
+        arrays = (s.temperature.astype(np.float32), s.top_k.astype(np.int64), s.top_p.astype(np.float32),
+                  s.seed.astype(np.uint64))
+        return [*(self.to_device(a) for a in arrays), Buffer.from_numpy(np.array(s.mode(), np.int64))]
 
     def draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters) -> np.ndarray:
         """Tokens for samples that share prefill logits (``logits`` [P, V] on the device,
@@ -274,15 +275,22 @@ class CompiledGraphs:
                 self.to_device(np.asarray(counters, np.int64)), Buffer.from_numpy(np.array(int(scored), np.int64)))
         return [self.host(t) for t in out] if scored else [self.host(out[0])]
 
-    def regroup(self, pool: Buffer | None, fresh: Buffer | None, index) -> Buffer:
+    def regroup(self, pool: Buffer | None, fresh: Buffer | None, index, donate_pool: bool = False) -> Buffer:
         """States made on the device (``graphs/slots.py``): row b is row ``index[b]`` of ``pool``
-        then ``fresh`` side by side (either may be None: no rows). Only row choices cross."""
+        then ``fresh`` side by side (either may be None: no rows). Only row choices cross.
+        ``donate_pool``: the caller gives ``pool`` up; on the host, fresh rows taking slots of
+        a batch otherwise kept in place (``slots_taken``) are written into it, one row each."""
         if pool is None and fresh is None:
             raise ValueError("regroup needs pool or fresh states")
         index, P = np.asarray(index, np.int64), 0 if pool is None else pool.shape[1]
+        on_host = pool is not None and fresh is not None and pool.is_host and fresh.is_host
+        taken = slots_taken(index, P) if donate_pool and on_host else None
         from_pool = index < P
         choices = (from_pool, np.where(from_pool, index, 0), np.where(from_pool, 0, index - P))
         with self._lock:
+            if taken is not None:  # the rest of the batch stays where it is
+                pool.to_numpy()[:, taken] = fresh.to_numpy()[:, index[taken] - P]
+                return pool
             (states,) = self.model("regroup").execute(pool if pool is not None else fresh,
                                                      fresh if fresh is not None else pool,
                                                      *(self.to_device(c) for c in choices))
@@ -294,12 +302,9 @@ class CompiledGraphs:
         tokens per sample: ``start_positions`` (default zeros) checked against the context
         and against ``start_states`` (None: every sample starts fresh, at 0)."""
         n, B = self.config.context_length, len(lengths)
-        if start_positions is None:
-            start = np.zeros(B, np.int64)
-        else:
-            start = np.asarray(start_positions, np.int64).reshape(-1)
-            if start.shape != (B,):
-                raise GenerationError(f"start_positions has {start.size} entries for {B} samples")
+        start = np.zeros(B, np.int64) if start_positions is None else np.asarray(start_positions, np.int64).reshape(-1)
+        if start.shape != (B,):
+            raise GenerationError(f"start_positions has {start.size} entries for {B} samples")
         if (start < 0).any():
             raise GenerationError(f"start_positions must be >= 0, got {start.tolist()}")
         if start_states is None and start.any():
@@ -318,12 +323,12 @@ class CompiledGraphs:
               start_positions=None) -> ScoreResult:
         """Per-position log-probabilities (``ScoreResult``) of ``targets`` after ``inputs``:
         inputs[b] and targets[b] are equally long (1 to the context length less the start
-        position), usually targets[b] = the text and inputs[b] = the token before each;
-        the model's raw distribution (log_softmax of the logits, no temperature or
-        filters). ``top_n`` (0 .. 20): alternatives per position. ``start_states`` [L, B,
-        ...] and ``start_positions`` [B] continue samples from states returned by
-        prefill, score or regroup (default: fresh). One call of the score graph; only
-        [B, T] log-probabilities and [B, T, 20] alternatives come to the host."""
+        position), usually targets[b] = the text and inputs[b] = the token before each; the
+        model's raw distribution (log_softmax of the logits, no temperature or filters).
+        ``top_n`` (0 .. 20): alternatives per position. ``start_states`` [L, B, ...] and
+        ``start_positions`` [B] continue samples from states returned by prefill, score or
+        regroup (default: fresh). One call of the score graph; only [B, T] log-probabilities
+        and [B, T, 20] alternatives come to the host."""
         if not 0 <= top_n <= TOP_N:
             raise GenerationError(f"top_n must be 0 to {TOP_N}, got {top_n}")
         if not inputs or len(inputs) != len(targets):
@@ -334,8 +339,7 @@ class CompiledGraphs:
             if not 0 < len(x) == len(y):
                 raise GenerationError(f"sample {b}: {len(x)} inputs and {len(y)} targets (need equal, >= 1)")
             for what, ids in (("inputs", x), ("targets", y)):
-                a = np.asarray(ids)
-                if a.min() < 0 or a.max() >= V:
+                if min(ids) < 0 or max(ids) >= V:
                     raise GenerationError(f"sample {b}: {what} hold ids outside the vocabulary 0..{V - 1}")
         lengths = np.array([len(x) for x in inputs], np.int64)
         if lengths.max() > self.config.context_length:
@@ -346,8 +350,7 @@ class CompiledGraphs:
             lp, values, ids, states = self._run_score(inputs, targets, lengths, start, start_states)
         B = len(inputs)
         lp = self.host(lp).reshape(B, -1)
-        values = self.host(values)
-        values = values.reshape(B, -1, values.shape[-1])
+        values = self.host(values).reshape(B, -1, values.shape[-1])
         ids = self.host(ids).reshape(values.shape)
         result = ScoreResult([], [], [], states)
         for b, T in enumerate(lengths):
@@ -360,19 +363,15 @@ class CompiledGraphs:
 
     def _run_score(self, inputs: list, targets: list, lengths: np.ndarray, start: np.ndarray,
                    start_states: Buffer | None) -> tuple[Buffer, Buffer, Buffer, Buffer]:
-        """The architecture's score graph on checked inputs -> (log-probabilities [B, T'],
-        top values [B, T', K], top ids, states) on the device, T' >= max(lengths) (any
-        layout whose rows reshape so)."""
+        """The architecture's score graph on checked inputs -> (log-probabilities [B, T'], top
+        values [B, T', K], top ids, states) on the device, T' >= max(lengths) (rows reshape so)."""
         raise NotImplementedError
 
     # -- the decode call (every engine's decode graph has the same inputs and outputs)
     def decode_inputs(self, ids, positions, sampling) -> tuple[Buffer, Buffer, list[Buffer]]:
-        """ids and positions as device Buffers, sampling as ``sampling_buffers`` (each
-        taken as is when it already is one)."""
-        if not isinstance(ids, Buffer):
-            ids = self.to_device(np.asarray(ids, np.int64))
-        if not isinstance(positions, Buffer):
-            positions = self.to_device(np.asarray(positions, np.int64))
+        """ids and positions as device Buffers, sampling as ``sampling_buffers`` (each taken as is)."""
+        ids, positions = (a if isinstance(a, Buffer) else self.to_device(np.asarray(a, np.int64))
+                          for a in (ids, positions))
         if isinstance(sampling, SamplingArrays):
             sampling = self.sampling_buffers(sampling)
         return ids, positions, sampling
@@ -384,10 +383,10 @@ class CompiledGraphs:
         return [scored_input(logprobs), self.to_device(np.arange(logprobs or 0, dtype=np.int64))]
 
     def logprob_results(self, logprobs: int | None, outputs) -> list:
-        """``DecodeResult``'s logprobs, top_ids, top_logprobs from the graph's outputs
-        (log-probabilities [B, S], top values, top ids), or nothing without ``logprobs``.
-        A decode op returns the ``logprobs`` alternatives asked for, in order; a plain
-        decode graph the K = ``scoring.top_width(V)`` likeliest, cut here."""
+        """``DecodeResult``'s logprobs, top_ids, top_logprobs from the graph's outputs (log-
+        probabilities [B, S], top values, top ids), or nothing without ``logprobs``. A decode op
+        returns the ``logprobs`` alternatives asked for, in order; a plain decode graph the K =
+        ``scoring.top_width(V)`` likeliest, cut here."""
         if logprobs is None:
             return []
         lp, values, ids = (self.host(t) for t in outputs)
@@ -396,13 +395,12 @@ class CompiledGraphs:
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:
         """``steps`` tokens per sample; ``ids``/``positions`` are arrays or device Buffers,
-        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs``
-        (0 .. TOP_N): the result also carries each new token's
-        raw log-probability (log_softmax of the logits, no temperature or filters) and
-        that many alternatives per step, computed in the decode op or graph.
-        ``donate_states``: the caller will not read ``states`` again, so an engine that
-        updates its states in place may write into them instead of into a copy (the
-        SRM's graphs return new states either way)."""
+        ``sampling`` a SamplingArrays or the list from ``sampling_buffers``. ``logprobs`` (0 ..
+        TOP_N): the result also carries each new token's raw log-probability (log_softmax of
+        the logits, no temperature or filters) and that many alternatives per step, computed in
+        the decode op or graph. ``donate_states``: the caller will not read ``states`` again, so
+        an engine that updates its states in place may write into them instead of into a copy
+        (the SRM's graphs return new states either way)."""
         scored, top = self.logprob_inputs(logprobs)
         ids, positions, sampling = self.decode_inputs(ids, positions, sampling)
         with self._lock:

@@ -65,10 +65,10 @@ from ..runtime.device import DEFAULT_DEVICE, resolve_device, resolve_dtype, run_
 from .prefix_cache import cache_of
 from . import logprobs as scoring_api
 from .logprobs import Logprobs, TokenTexts
+from . import sequence
 from .sample_many import sample_many
 from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, check_max_new_tokens, check_prompts, \
     check_steps_per_call, check_stop, check_text, resolve_seed
-from . import scheduler
 from .scheduler import SlotPool
 from .scoring import check_top_n, completion_scores
 
@@ -255,8 +255,9 @@ class Generator:
         stop_ids, stop_strings = check_stop(stop, self.config.vocab_size, self.tokenizer is not None)
         check_steps_per_call(steps_per_call)
         stop_ids = frozenset(int(t) for t in stop_ids)
-        sequences = [scheduler.Sequence(p, float(params.temperature[b]), int(params.top_k[b]), float(params.top_p[b]),
-                              int(params.seed[b]), max_new, stop_ids, tuple(stop_strings), tag=b, logprobs=logprobs)
+        sequences = [sequence.Sequence(p, float(params.temperature[b]), int(params.top_k[b]),
+                                       float(params.top_p[b]), int(params.seed[b]), max_new, stop_ids,
+                                       tuple(stop_strings), tag=b, logprobs=logprobs)
                      for b, p in enumerate(ids)]
         pool = SlotPool(self.engine, self.decode, len(sequences), steps_per_call, stream_text=stream_text,
                         prefix_cache=self.prefix_cache)

@@ -29,7 +29,8 @@ from ..models import registry
 from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, \
     check_steps_per_call, check_stop, is_int, resolve_seed
 from .logprobs import Logprobs, TokenTexts
-from .scheduler import PoolStats, Sequence, SlotPool
+from .scheduler import PoolStats, SlotPool
+from .sequence import Sequence
 from .scoring import check_top_n, completion_scores
 
 # Per-sample memory the decode step needs besides its state: logits, sorted

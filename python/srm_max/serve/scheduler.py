@@ -11,16 +11,19 @@
    first tokens from its logits; samples of the last call's prompts fork it without
    a new prefill) and their states copied into the batch, next to the running rows,
 3. runs one decode call of up to ``steps_per_call`` steps for the whole batch,
-4. lets every running sequence take its tokens (stop token, stop string, length,
-   context: in that order) and reports what happened as a ``Turn``.
+4. lets every running sequence take its tokens (serve/sequence.py) and reports what
+   happened as a ``Turn``.
 
 A finished sequence's row keeps running (its tokens are dropped) until the batch
 is rebuilt: when a pending sequence can take its place, or when half the rows are
-finished (then the batch is compacted). A rebuild is one gather on the device
-(the engine's ``regroup`` graph) of the kept rows and the new samples' prefilled
-states: the batch's states never go through the host, only token ids, positions and
-the row index do (the prefix cache below keeps host copies of prefilled states and
-hands cached ones to the prefill).
+finished (then the batch is compacted). A rebuild is the engine's ``regroup`` of the
+kept rows and the new samples' prefilled states: a gather on the device, so the
+batch's states never go through the host, only token ids, positions and the row
+index do (the prefix cache below keeps host copies of prefilled states and hands
+cached ones to the prefill). When the starting sequences fill every finished row,
+they take those rows' slots and the other rows stay where they are: the pool donates
+its states, and an engine whose states live on the host writes just the new rows
+into them, instead of the whole batch (a row is megabytes at long context).
 
 A sequence asking for log-probabilities (``logprobs``) gets them with its tokens from the engine's decode (the
 first one's from the graph that drew it; ``scoring.decode_top_n``), each keeping its own top-n.
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,103 +54,7 @@ import numpy as np
 from ..runtime.compiled import DecodeResult, SamplingArrays
 from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 from .scoring import decode_top_n, step_scores
-
-Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
-
-
-def settled(text: str, stop_strings: Seq[str]) -> int:
-    """How much of a running sample's ``text`` its stream may show.
-
-    Not a trailing U+FFFD: a byte-level tokenizer decodes the first bytes of a
-    character split across tokens as U+FFFD until its last byte arrives. Not a
-    tail that could be the start of a stop string: the sample's text would be
-    cut before it.
-    """
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    held = 0
-    for s in stop_strings:
-        for k in range(min(len(s) - 1, end), held, -1):
-            if text.startswith(s[:k], end - k):
-                held = k
-                break
-    return end - held
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sample being generated: its prompt, parameters, and what it has produced."""
-
-    prompt: list[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    max_new: int
-    stop_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    tag: object = None  # the caller's name for it
-    tokens: list[int] = field(default_factory=list)
-    reason: str | None = None  # "stop" | "length" | "context" | "cancelled" once finished
-    cut: int | None = None  # where a stop string cuts the text
-    shown: int = 0  # characters of the text its stream has shown
-    cancel_requested: bool = False
-    cached_tokens: int = 0  # prompt tokens its prefill took from the prefix cache
-    # alternatives per token of the log-probabilities asked for (None: none); ``token_scores``: each
-    # token's (log-probability, top ids, top log-probabilities: at least that many) from the decode
-    logprobs: int | None = None
-    token_scores: list[tuple] = field(default_factory=list)
-
-    @property
-    def cancelled(self) -> bool:
-        return self.cancel_requested
-
-    def budget(self, n_ctx: int) -> int:
-        """Tokens it may still take: ``max_new`` and the context both bound it."""
-        return min(self.max_new - len(self.tokens), n_ctx - len(self.prompt) - len(self.tokens))
-
-    def finish_without_running(self, n_ctx: int) -> bool:
-        """Nothing to generate (``max_new`` 0, or a prompt that fills the context)."""
-        if self.budget(n_ctx) > 0:
-            return False
-        self.reason = "length" if self.max_new == 0 else "context"
-        return True
-
-    def accept(self, token: int, decode: Decode, n_ctx: int) -> bool:
-        """Take one new token; -> whether it joined the output (a stop token does not)."""
-        if token in self.stop_ids:
-            self.reason = "stop"
-            return False
-        self.tokens.append(int(token))
-        if self.stop_strings:
-            text = decode(self.tokens) or ""
-            hits = [text.find(s) for s in self.stop_strings if s in text]
-            if hits:
-                self.reason, self.cut = "stop", min(hits)
-                return True
-        if len(self.tokens) >= self.max_new:
-            self.reason = "length"
-        elif len(self.prompt) + len(self.tokens) >= n_ctx:
-            self.reason = "context"
-        return True
-
-    def text(self, decode: Decode) -> str | None:
-        text = decode(self.tokens)
-        return text if text is None or self.cut is None else text[: self.cut]
-
-    def stream_piece(self, decode: Decode) -> str:
-        """The text its stream adds now: the newly settled part while it runs, the rest of
-        its final text once it has finished; the pieces add up to ``text``."""
-        text = decode(self.tokens)
-        if text is None:
-            return ""
-        if self.reason is not None:
-            end = len(text) if self.cut is None else self.cut
-        else:
-            end = settled(text, self.stop_strings)
-        start, self.shown = self.shown, max(self.shown, end)
-        return text[start:end]
+from .sequence import Decode, Sequence
 
 
 @dataclass
@@ -252,10 +159,10 @@ class SlotPool:
             if s.cancelled:
                 self._finish(s, "cancelled", turn)
         self.pending = deque(s for s in self.pending if s.reason is None)
-        rows = len(self.rows)
+        rows = list(self.rows)
         while self.pending and self.free_slots > 0:
             self._start(turn)
-        if len(self.rows) == rows and len(self.rows) > 1 and 2 * len(self.live) <= len(self.rows):
+        if self.rows == rows and len(self.rows) > 1 and 2 * len(self.live) <= len(self.rows):
             self._rebuild(self.live, [])  # compact: half the rows are finished
         if self.live:
             self._decode(turn)
@@ -285,7 +192,20 @@ class SlotPool:
         first, scores = first.tokens[:, 0], step_scores(first, 0)
         turn.ticks.append(self._take(zip(starting, first.tolist(), scores), turn))
         go_on = [i for i, s in enumerate(starting) if s.reason is None]
-        self._rebuild(self.live, [starting[i] for i in go_on], (states, [row_of[i] for i in go_on], first[go_on]))
+        joining = [starting[i] for i in go_on]
+        self._rebuild(self._placed(joining), joining, (states, [row_of[i] for i in go_on], first[go_on]))
+
+    def _placed(self, joining: list[Sequence]) -> list[Sequence]:
+        """The next batch's rows: the ``joining`` sequences take the finished rows' slots when
+        they fill every one (the rest stay in place, so the engine writes just their rows),
+        else the running rows, then the joining ones."""
+        finished = [r for r, s in enumerate(self.rows) if s.reason is not None]
+        if not finished or len(finished) != len(joining):
+            return self.live + joining
+        rows = list(self.rows)
+        for r, s in zip(finished, joining):
+            rows[r] = s
+        return rows
 
     def _first(self, logits, row_of: list[int], starting: list[Sequence]) -> DecodeResult:
         """Forked samples' first tokens from the sample graph (one-step, scored where ``decode_top_n``)."""
@@ -336,27 +256,29 @@ class SlotPool:
             return self.engine.prefill(prompts, sampling, **asked), [0] * len(prompts)
         return prefill_cached(self.engine, self.prefix_cache, prompts, sampling, **asked)
 
-    def _rebuild(self, kept: list[Sequence], starting: list[Sequence], prefilled=None) -> None:
-        """The batch of the ``kept`` rows, then the ``starting`` sequences (``prefilled``:
-        (their prefill's states on the device, each one's row there, their first tokens)),
-        regrouped on the device."""
-        eng = self.engine
-        index = {id(s): i for i, s in enumerate(self.rows)}
-        keep = [index[id(s)] for s in kept]
+    def _rebuild(self, rows: list[Sequence], starting: list[Sequence], prefilled=None) -> None:
+        """The batch ``rows``: rows of the current batch and the ``starting`` sequences
+        (``prefilled``: (their prefill's states on the device, each one's row there, their
+        first tokens)), regrouped on the device."""
+        at = {id(s): i for i, s in enumerate(self.rows)}
         fresh, fresh_rows, first = prefilled or (None, [], np.zeros(0, np.int64))
-        self._ids = np.concatenate([self._ids[keep], first])
-        self._positions = np.concatenate([self._positions[keep], [len(s.prompt) for s in starting]]).astype(np.int64)
-        self.rows = kept + starting
+        joins = {id(s): j for j, s in enumerate(starting)}
+        pool = self._states if any(id(s) in at for s in rows) else None
+        offset = len(at) if pool is not None else 0
+        index = [at[id(s)] if id(s) in at else offset + fresh_rows[joins[id(s)]] for s in rows]
+        self._ids = np.array([self._ids[at[id(s)]] if id(s) in at else first[joins[id(s)]] for s in rows], np.int64)
+        self._positions = np.array([self._positions[at[id(s)]] if id(s) in at else len(s.prompt) for s in rows],
+                                   np.int64)
+        self.rows = rows
         self._device_inputs = None
         if not self.rows:
             self.reset()
             return
-        if not starting and keep == list(range(len(index))):
+        if not starting and index == list(range(len(at))):
             return  # the same rows: nothing to move
-        pool = self._states if kept else None
-        offset = len(index) if pool is not None else 0
-        self._states = eng.regroup(pool, fresh, keep + [offset + r for r in fresh_rows])
-        self._sampling = eng.sampling_buffers(_sampling_of(self.rows))
+        # donated: the pool's states are its own (made by a regroup or the last decode)
+        self._states = self.engine.regroup(pool, fresh, index, donate_pool=True)
+        self._sampling = self.engine.sampling_buffers(_sampling_of(self.rows))
 
     def _decode(self, turn: Turn) -> None:
         live = self.live
@@ -417,4 +339,4 @@ def _sampling_of(sequences: list[Sequence]) -> SamplingArrays:
                           np.array([s.seed for s in sequences], np.uint64))
 
 
-__all__ = ["PoolStats", "Sequence", "SlotPool", "Taken", "Turn", "settled"]
+__all__ = ["PoolStats", "SlotPool", "Taken", "Turn"]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..scheduler import Sequence
+from ..sequence import Sequence
 
 CANCELLED = "cancelled"  # a sample's reason when its client went away
 ERROR = "error"  # a Delta with this reason (and index -1) ends the whole request: the loop died
