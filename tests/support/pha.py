@@ -10,6 +10,7 @@ from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.prompts import random_prompts, reference_prefill
+from tests.support.tiny import TINY
 
 
 def randomized(config: PHAConfig, dtype=torch.float64, seed=0) -> PHA:
@@ -29,8 +30,10 @@ def randomized(config: PHAConfig, dtype=torch.float64, seed=0) -> PHA:
     return model.eval()
 
 
-# Every branch on, GQA with 2 query heads per KV head, context 160 = 2.5 chunks.
-CONFIG = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
+# Every branch on, GQA with 2 query heads per KV head, context 160 = 2.5 chunks. The SRM test
+# config's vocabulary (tests/support/tiny.py): the sample graph depends on it alone, so the
+# two engines' sample graphs are one graph, which MAX compiles once per cold run.
+CONFIG = PHAConfig(vocab_size=TINY.vocab_size, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
                    dss_state_size=8)
 
 
@@ -70,8 +73,8 @@ def cpu_engine(weights: dict, dtype: str = "float32", plain: bool = False):
     return engine
 
 
-def prompts_of(lengths, seed=0):
-    return random_prompts(lengths, CONFIG.vocab_size, seed)
+def prompts_of(lengths, seed=0, config: PHAConfig = CONFIG):
+    return random_prompts(lengths, config.vocab_size, seed)
 
 
 def assert_states_close(engine, states, cache, filled, rel=1e-4):

@@ -5,7 +5,7 @@ log-probability and the top-n equal the PyTorch reference's log_softmax, the two
 equal each other on the same draws; asking changes no token; ``generate(...,
 logprobs=n)`` takes them from the op's decode (no score pass; the plain engine's
 generator would need graphs the suite does not compile, and tests/serve/
-test_decode_logprobs_api.py runs the SRM's plain one). tests/support/pha.py CONFIG (V = 40,
+test_decode_logprobs_api.py runs the SRM's plain one). tests/support/pha.py CONFIG (V = 64,
 context 160), float32."""
 
 from __future__ import annotations

@@ -101,7 +101,8 @@ def test_generate_greedy_equals_reference_generate(generator, reference):
 
 def test_sampled_tokens_follow_the_seed_and_the_reference_distribution(generator, reference):
     prompts = prompts_of([4, 9], seed=4)
-    options = dict(max_new_tokens=8, temperature=0.9, top_k=12, top_p=0.9, steps_per_call=3)
+    # hot enough that the random model's peaked logits (std about 4) leave several candidates
+    options = dict(max_new_tokens=8, temperature=2.5, top_k=12, top_p=0.9, steps_per_call=3)
     first = generator.generate(prompts, seed=5, **options)
     again = generator.generate(prompts, seed=5, **options)
     other = generator.generate(prompts, seed=6, **options)
@@ -114,7 +115,7 @@ def test_sampled_tokens_follow_the_seed_and_the_reference_distribution(generator
             logits = reference(seq.view(1, -1))[0].numpy()
         for j, token in enumerate(out.ids):
             t = len(p) + j  # the position of the drawn token is its counter
-            probs = filtered_probs(logits[t - 1], 0.9, 12, 0.9)
+            probs = filtered_probs(logits[t - 1], 2.5, 12, 0.9)
             assert token == draw_np(probs, 5 + i, t), f"prompt {i}, token {j}"
 
 

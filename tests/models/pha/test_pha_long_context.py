@@ -52,7 +52,7 @@ def test_ablation_with_bfloat16_weights_matches_the_reference_across_chunks(engi
     """Prompts ending inside chunk 0, on its last token, in chunks 1 and 2; then greedy
     decode steps from there (tokens and GSS states)."""
     lengths = [2, CHUNK, 70, 150]
-    prompts = prompts_of(lengths, seed=11)
+    prompts = prompts_of(lengths, seed=11, config=ABLATION)
     res = engine.prefill(prompts)
     ref_logits, cache = reference_prefill(rounded_reference, prompts)
     assert_close_rel(engine.host(res.logits), ref_logits, 3e-2)
