@@ -1,6 +1,7 @@
 """PHA at long context on the MAX engines against llama.cpp: the PHA, the same model
 without its GSS branch (attention alone) and the SRM, at contexts 512 .. 8,192
-(docs/pha_engine.md).
+(docs/pha_engine.md). ``--models pha-gss pha-ffn``: the PHA without its attention, and
+with its FFNs alone, for what each branch costs (``--prefill-lengths`` per chunk of tokens).
 
 Per model and context n (each engine built at context n, random weights: speed and
 memory depend only on shapes):
@@ -65,7 +66,9 @@ import numpy as np
 from bench import pha_llama_cpp
 from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
 
-MODELS = ("pha", "pha-attn", "srm")
+MODELS = ("pha", "pha-attn", "pha-gss", "pha-ffn", "srm")
+# the PHA's blocks with some branches left out: what each branch costs
+BRANCHES = {"pha-attn": ("attn", "ffn"), "pha-gss": ("gss", "ffn"), "pha-ffn": ("ffn",)}
 PATHS = ("op", "graph")
 STREAM_BYTES = 256 << 20  # far beyond the caches
 
@@ -76,13 +79,13 @@ def configs(name: str, n: int, quick: bool):
 
     d, layers, vocab = (64, 2, 512) if quick else (256, 4, 4096)
     # PHA: the paper's block (GSS + GQA + Dual-FFN), PHAConfig defaults (F 4d, H d/4, N 512
-    # or 64 in quick mode); pha-attn: the same without GSS.
+    # or 64 in quick mode); pha-attn, pha-gss, pha-ffn: the same with fewer branches (BRANCHES).
     pha = dict(vocab_size=vocab, d_model=d, n_layers=layers, context_length=n, n_q_heads=4, n_kv_heads=2,
                dss_state_size=64 if quick else 512)
     if name == "pha":
         return PHAConfig(**pha)
-    if name == "pha-attn":
-        return PHAConfig(**pha, branches=("attn", "ffn"))
+    if name in BRANCHES:
+        return PHAConfig(**pha, branches=BRANCHES[name])
     return SRMConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=4, context_length=n)
 
 

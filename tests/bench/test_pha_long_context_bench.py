@@ -193,3 +193,15 @@ def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
     assert {"refill_ms_b1", "refill_ms_b3", "refill_spread_b3", "refill_in_place_ms_b3"} <= row.keys()
     assert len(row["refill_ms_runs_b3"]) == len(row["refill_in_place_ms_runs_b3"]) == 2
     assert [job.kind for job in bench.graphs_used(engine, prefill=False, decode=False, refill=True)] == ["regroup"]
+
+
+def test_the_branch_variants_are_the_pha_with_branches_left_out():
+    """pha-attn, pha-gss, pha-ffn: the PHA's shape with the branches each names, and no
+    other difference (what each branch costs is the difference of two rows)."""
+    import dataclasses
+
+    pha = bench.configs("pha", 512, quick=True)
+    for name, branches in (("pha-attn", ("attn", "ffn")), ("pha-gss", ("gss", "ffn")), ("pha-ffn", ("ffn",))):
+        variant = bench.configs(name, 512, quick=True)
+        assert variant.branches == branches
+        assert dataclasses.replace(variant, branches=pha.branches) == pha
