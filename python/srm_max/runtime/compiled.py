@@ -285,12 +285,12 @@ class CompiledGraphs:
         index, P = np.asarray(index, np.int64), 0 if pool is None else pool.shape[1]
         on_host = pool is not None and fresh is not None and pool.is_host and fresh.is_host
         taken = slots_taken(index, P) if donate_pool and on_host else None
-        from_pool = index < P
-        choices = (from_pool, np.where(from_pool, index, 0), np.where(from_pool, 0, index - P))
         with self._lock:
             if taken is not None:  # the rest of the batch stays where it is
                 pool.to_numpy()[:, taken] = fresh.to_numpy()[:, index[taken] - P]
                 return pool
+            from_pool = index < P
+            choices = (from_pool, np.where(from_pool, index, 0), np.where(from_pool, 0, index - P))
             (states,) = self.model("regroup").execute(pool if pool is not None else fresh,
                                                      fresh if fresh is not None else pool,
                                                      *(self.to_device(c) for c in choices))
@@ -339,7 +339,7 @@ class CompiledGraphs:
             if not 0 < len(x) == len(y):
                 raise GenerationError(f"sample {b}: {len(x)} inputs and {len(y)} targets (need equal, >= 1)")
             for what, ids in (("inputs", x), ("targets", y)):
-                if min(ids) < 0 or max(ids) >= V:
+                if (a := np.asarray(ids)).min() < 0 or a.max() >= V:
                     raise GenerationError(f"sample {b}: {what} hold ids outside the vocabulary 0..{V - 1}")
         lengths = np.array([len(x) for x in inputs], np.int64)
         if lengths.max() > self.config.context_length:

@@ -159,7 +159,7 @@ class SlotPool:
             if s.cancelled:
                 self._finish(s, "cancelled", turn)
         self.pending = deque(s for s in self.pending if s.reason is None)
-        rows = list(self.rows)
+        rows = list(self.rows)  # a Sequence equals only itself: a refill in place changes this list
         while self.pending and self.free_slots > 0:
             self._start(turn)
         if self.rows == rows and len(self.rows) > 1 and 2 * len(self.live) <= len(self.rows):
