@@ -65,8 +65,26 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     handed: list = []
     monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
     pc.precompile(jobs)
-    assert [(j.kind, j.dtype, j.kernels) for j in handed] == [
-        ("sample", "float32", True), ("sample", "float32", False), ("regroup", "bfloat16", False)]
+    assert sorted((j.kind, j.dtype, j.kernels) for j in handed) == [
+        ("regroup", "bfloat16", False), ("sample", "float32", False), ("sample", "float32", True)]
+
+
+def test_precompile_starts_the_longest_graphs_first(tmp_path, monkeypatch):
+    """The workers get the graphs longest first (lines of MLIR, what a compile grows
+    with), so that the compiles left when cores fall idle at the end are the short ones."""
+    from tests.support.tiny import TINY
+    from srm_max.models import registry
+    from srm_max.runtime import precompile as pc
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    arch = registry.of(TINY)
+    jobs = [arch.graph_job(kind, TINY, "float32", "cpu", kernels) for kind, kernels in
+            (("regroup", True), ("sample", True), ("decode", False), ("prefill", False), ("decode_steps", True))]
+    handed: list = []
+    monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
+    pc.precompile(jobs)
+    sizes = [j.size() for j in handed]
+    assert len(handed) == 5 and sizes == sorted(sizes, reverse=True) and handed[0].kind == "prefill"
 
 
 # The op tests' graphs (tests/support/op_graphs.py) are compile jobs like the engines': the

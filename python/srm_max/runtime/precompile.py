@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 
 # how often the elapsed time of a running compile is logged
 REPORT_EVERY_S = 15.0
+# how often the running children are checked: a finished one's core takes the next job
+POLL_S = 0.2
 
 @dataclass(frozen=True)
 class GraphJob:
-    kind: str  # "prefill" | "score" | "decode" | "decode_steps" (CPU with kernels) | "sample" | "regroup"
+    kind: str  # "prefill" | "decode" | "decode_steps" (CPU with kernels) | "sample" | "regroup"
     config: object  # the model's config (a frozen dataclass; its architecture field names it)
     dtype: str  # weight dtype: "float32" | "bfloat16"
     device: str  # "cpu" | "gpu"
@@ -58,15 +60,21 @@ class GraphJob:
     def mef_path(self) -> Path:
         """Where the compiled graph is cached (the graph is built once per process and
         cache directory for this)."""
-        return _mef_path(self, str(cache_dir()))
+        return _built(self, str(cache_dir()))[0]
+
+    def size(self) -> int:
+        """The graph's length in lines of MLIR: what its compile grows with (its ops,
+        hence its kernels), to start the longest compiles first."""
+        return _built(self, str(cache_dir()))[1]
 
     def cached(self) -> bool:
         return self.mef_path().exists()
 
 
 @functools.lru_cache(maxsize=None)
-def _mef_path(job: GraphJob, directory: str) -> Path:  # directory: part of the memo key only
-    return mef_path(job.graph(), job.graph_salt)
+def _built(job: GraphJob, directory: str) -> tuple[Path, int]:  # directory: part of the memo key only
+    graph = job.graph()
+    return mef_path(graph, job.graph_salt), str(graph).count("\n")
 
 
 def _compile(job: GraphJob) -> float:
@@ -84,7 +92,7 @@ def _describe(jobs: list[GraphJob]) -> str:
 
 def compile_in_workers(jobs: list[GraphJob], workers: int) -> dict[GraphJob, float]:
     """Compile each job in a child ``python -m srm_max.runtime.precompile`` (at most ``workers`` at
-    once), logging the elapsed time while they run; -> seconds per job.
+    once, in the order given), logging the elapsed time while they run; -> seconds per job.
 
     Fresh interpreters, not multiprocessing: a spawned multiprocessing worker imports the
     caller's ``__main__`` again, so a user's unguarded script would start over in every
@@ -104,11 +112,7 @@ def compile_in_workers(jobs: list[GraphJob], workers: int) -> dict[GraphJob, flo
                 proc.stdin.write(pickle.dumps(job))
                 proc.stdin.close()
                 running[job] = (proc, out)
-            job, (proc, out) = next(iter(running.items()))
-            try:
-                proc.wait(timeout=max(0.1, next_report - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(POLL_S)
             for job, (proc, out) in list(running.items()):
                 if proc.poll() is None:
                     continue
@@ -138,6 +142,8 @@ def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJo
     core), each in its own process; -> seconds per compiled job. Says what it compiles
     and why through ``logging`` (the ``srm-max`` commands show it on stderr)."""
     missing = [j for path, j in _one_job_per_graph(jobs).items() if not path.exists()]
+    # the longest first, so that the compiles left at the end, when cores fall idle, are short
+    missing.sort(key=GraphJob.size, reverse=True)
     if not missing:
         return {}
     workers = min(workers or os.cpu_count() or 1, len(missing))
