@@ -15,8 +15,8 @@ they inflate wall-clock time. The graphs:
   MAX's caches keep between processes (a graph identical to one compiled before);
 - with ``--models``: the test PHA's plain-op prefill graph (tests/support/pha.py's shape,
   every branch on) with 2 blocks and with 1, to show whether the compile grows with depth;
-  and the suite's SRM config's (tests/support/tiny.py) plain-op prefill and score graphs,
-  the score once in the prefill's ``HOME`` (``srm_plain_score_after_prefill``) and once in
+  and the suite's SRM config's (tests/support/tiny.py) plain-op prefill and decode graphs,
+  the decode once in the prefill's ``HOME`` (``srm_plain_decode_after_prefill``) and once in
   an empty one, to show how much two graphs of one model share.
 
 MAX compiles a graph's kernels (after fusing its ops) one by one and keeps each in a
@@ -41,10 +41,10 @@ from bench.common import machine_info
 
 OUT = Path(__file__).with_name("results") / "compile_cost.json"
 GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
-MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_score_after_prefill",
-                "srm_plain_score")
+MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_decode_after_prefill",
+                "srm_plain_decode")
 # compiled one after the other in one HOME (the rest each in an empty one)
-SHARED_HOME = ("srm_plain_prefill", "srm_plain_score_after_prefill")
+SHARED_HOME = ("srm_plain_prefill", "srm_plain_decode_after_prefill")
 
 
 def build(name: str):
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", action="store_true",
                         help="also the test PHA's plain prefill at 2 and 1 blocks, and the test SRM's plain prefill "
-                             "and score (the score after the prefill in one HOME, and alone)")
+                             "and decode (the decode after the prefill in one HOME, and alone)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

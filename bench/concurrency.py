@@ -113,7 +113,7 @@ class SRMMax(Model):
         return total
 
     def allocate(self, tally, batch, context):
-        from srm_max.runtime.compiled import SamplingArrays
+        from srm_max.runtime.call_types import SamplingArrays
 
         c, eng = self.config, self.engine
         tally.check(4 * c.n_layers * batch * c.d_model)

@@ -108,7 +108,7 @@ class MaxDecode:
         self.engine = engine
 
     def prepare(self, batch: int, steps: int):
-        from srm_max.runtime.compiled import SamplingArrays
+        from srm_max.runtime.call_types import SamplingArrays
 
         e = self.engine
         self.args = (np.arange(batch, dtype=np.int64) * 7 % e.config.vocab_size,

@@ -28,7 +28,7 @@ from bench.common import (RESULTS, build_srm_reference, command_line, machine_in
 
 
 def decode_seconds(engine, batch: int, steps: int, position: int) -> tuple[float, np.ndarray]:
-    from srm_max.runtime.compiled import SamplingArrays
+    from srm_max.runtime.call_types import SamplingArrays
 
     states = engine.empty_states(batch)
     sampling = engine.sampling_buffers(SamplingArrays.greedy(batch))

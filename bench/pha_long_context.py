@@ -235,7 +235,7 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
     ``prefill_lengths``, also the prefill of one prompt of each of those lengths (what a
     prefill costs whatever its length, and per chunk of tokens); with ``refill``, the
     regroup of a batch of B whose first row is replaced by a fresh state."""
-    from srm_max.runtime.compiled import SamplingArrays
+    from srm_max.runtime.call_types import SamplingArrays
 
     c = engine.config
     start = n - steps - 1 if start is None else start

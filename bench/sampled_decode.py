@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from srm_max.models.srm.engine import Engine
-    from srm_max.runtime.compiled import SamplingArrays
+    from srm_max.runtime.call_types import SamplingArrays
     from srm_max.runtime.cpu_target import current
 
     from srm_max.runtime.precompile import precompile

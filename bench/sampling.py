@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import build_srm_reference, machine_info, command_line, srm_config, srm_weights, write_json
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from srm_max.serve.generator import Generator
 from srm_max.serve.sample_many import sample_many, sample_seed
 from srm_max.serve.scheduler import PoolStats

@@ -167,7 +167,7 @@ def bench_decode_op(engine, batch, prompt_len, new, repeats) -> dict:
     """``engine.decode`` alone: ``new`` sampled steps in one call from the same prefilled
     state, without log-probabilities, with the chosen tokens' only (``logprobs=0``) and with
     ``TOP_N`` alternatives, alternating; the median seconds and each over without."""
-    from srm_max.runtime.compiled import SamplingArrays
+    from srm_max.runtime.call_types import SamplingArrays
 
     prompts = fixed_prompts(batch, prompt_len, engine.config.vocab_size, seed=98).tolist()
     s = SamplingArrays(np.full(batch, 0.8, np.float32), np.zeros(batch, np.int64), np.full(batch, 0.95, np.float32),
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
     set_torch_threads(args.threads)
     config = srm_config(args.d_model, args.layers, args.heads, args.context, args.vocab)
     engine = Engine(config, srm_weights(build_srm_reference(config)), dtype="float32", device="cpu")
-    if args.score_only:  # the two graphs it runs
-        engine.model("prefill"), engine.model("score")
+    if args.score_only:  # the one graph it runs (prefill and score)
+        engine.model("prefill")
     elif not args.decode_only:  # the decode rows load their few graphs at their warm-up call
         engine.warmup()
     tokenizer_file = EMBEDDED_MODEL_DIR / TOKENIZER_FILE  # a vocabulary of 4,096

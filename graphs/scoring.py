@@ -1,12 +1,14 @@
-"""Per-position log-probabilities on the device, shared by every architecture's score graph.
+"""Per-position log-probabilities on the device, shared by every architecture's prefill graph.
 
 Scoring outputs, per position, the log-probability of a given target token and the
 ``TOP_N`` most likely tokens with their log-probabilities: [.., TOP_N] values and ids
 instead of [.., V] logits, so only a few numbers per position cross to the host. The
 host keeps the first n <= TOP_N of them (``runtime.compiled.ScoreResult``).
 
-The score graphs call ``head_logprobs`` on the last layer's output. Three ways to the
-same numbers: on a CPU with the kernel library and float32 weights, one Mojo op
+Every architecture's prefill graph scores: it takes the positions to score and their
+targets (``score_input_types``) and calls ``rows_logprobs`` on the last layer's output, so
+one compiled graph serves a prefill (one dummy row per sample) and a score call (every
+position). Three ways to the same numbers: on a CPU with the kernel library and float32 weights, one Mojo op
 ``srm_score_head`` (mojo/score_head.mojo) computes the output layer for a block of
 positions into a cache-resident tile and reduces it there, so the [.., V] logits never
 go to memory; with bfloat16 weights, MAX's matmul and then the Mojo op
@@ -88,3 +90,19 @@ def _reduced(op: str, values: list[TensorValue], R, V: int, targets: TensorValue
     shape = list(targets.shape)
     return (ops.reshape(picked.tensor, shape), ops.reshape(top_values.tensor, shape + [K]),
             ops.reshape(ids.tensor, shape + [K]))
+
+
+def score_input_types(device: DeviceRef) -> list[TensorType]:
+    """The prefill graphs' last two inputs: score_at [B, R] int64, the positions to score
+    (each sample's token index in the call, 0 .. T-1), and targets [B, R] int64, the token
+    whose log-probability is wanted at each (R symbolic: 1 for a plain prefill)."""
+    return [TensorType(DType.int64, ["batch", "scored"], device), TensorType(DType.int64, ["batch", "scored"], device)]
+
+
+def rows_logprobs(x: TensorValue, score_at: TensorValue, head: TensorValue, targets: TensorValue,
+                  row_op_device: DeviceRef | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
+    """``head_logprobs`` at the positions ``score_at`` [B, R] of x [B, ..., d] (the last
+    layer's output, its positions in order between the first and last axis) -> [B, R],
+    [B, R, K], [B, R, K]."""
+    rows = ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(score_at, -1), batch_dims=1)
+    return head_logprobs(rows, head, targets, row_op_device)

@@ -9,7 +9,7 @@ Writes ``python/srm_max/model/compiled/``:
   decode tokens and states), which a shipped graph must reproduce before it is
   used (``srm_max.shipped_graphs``);
 * ``max-<MAX version>/<target>/<graph>-<key>.mef`` for each target: the
-  prefill, score, sample, regroup and decode_steps graphs (float32, CPU, Mojo ops), each
+  prefill, sample, regroup and decode_steps graphs (float32, CPU, Mojo ops), each
   compiled in a fresh cache by a ``srm_max.runtime.precompile`` child with
   ``SRM_MAX_CPU_TARGET=<target>``. Graphs shipped for other MAX versions are
   removed.

@@ -1,4 +1,4 @@
-"""PHA hybrid graphs: prefill and scoring (whole prompts) and decode (one step per
+"""PHA hybrid graphs: prefill, which also scores (whole prompts), and decode (one step per
 ``execute``, the state written in place).
 
 The math is ``reference/pha.py`` (GSS, GQA, FFN branches, RMSNorm per branch,
@@ -31,7 +31,6 @@ from .decode import build_pha_decode_graph
 from .gss import CHUNK
 from .model import PHAWeights, StateLayout, derived_name, derived_weights, graph_weight_names, matrix_names
 from .prefill import build_pha_prefill_graph
-from .score import build_pha_score_graph
 
-__all__ = ["CHUNK", "PHAWeights", "StateLayout", "build_pha_decode_graph", "build_pha_prefill_graph",
-           "build_pha_score_graph", "derived_name", "derived_weights", "graph_weight_names", "matrix_names"]
+__all__ = ["CHUNK", "PHAWeights", "StateLayout", "build_pha_decode_graph", "build_pha_prefill_graph", "derived_name",
+           "derived_weights", "graph_weight_names", "matrix_names"]

@@ -16,13 +16,14 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..ops import F32, I64, U64, cpu_ops_run, linear
 from ..sampler import drawn_logprobs, sample
+from ..scoring import rows_logprobs, score_input_types
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
 from .model import PHAWeights, PrefillStates, _Consts, _block, _embed, _ffn
 
 
 def prefix_input_types(device: DeviceRef) -> list[TensorType]:
-    """The inputs prefill and scoring share: ids, pos, pos_cols, lengths (see below)."""
+    """The prefill graph's first inputs: ids, pos, pos_cols, lengths (see below)."""
     C = CHUNK
     return [
         TensorType(I64, ["batch", "chunks", C], device),  # ids
@@ -71,18 +72,23 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
                             name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
     With ``kernel_library`` on a CPU the attention is the tiled Mojo op
-    (mojo/pha_prefill_attention.mojo) and the GSS state crosses the chunks by the scan op
-    (mojo/pha_gss_scan.mojo); else plain ops with a [T, T] score matrix and an [M, M]
+    (mojo/pha_prefill_attention.mojo), the GSS state crosses the chunks by the scan op
+    (mojo/pha_gss_scan.mojo) and the Mojo ops compute and reduce the scored positions'
+    logits; else plain ops with a [T, T] score matrix and an [M, M]
     decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64 (also the random counter of the first new token),
              temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-             mode [] int64 on the host (``sampler.MODE_*``), scored [] int64 on the host.
+             mode [] int64 on the host (``sampler.MODE_*``), scored [] int64 on the host,
+             score_at [B, R] int64 positions to score (0 .. T-1; R symbolic: 1 in a
+             prefill) and targets [B, R] int64 the token to score at each.
     Outputs: logits [B, V] at each prompt's last token, next_ids [B], states [L, B, X],
              and with ``scored`` 1 next_ids' raw log-probabilities [B] and the K likeliest
              tokens' values [B, K] and ids [B, K] (``sampler.drawn_logprobs``; on a CPU
-             with the Mojo ops through the row op), else zeros at no cost.
+             with the Mojo ops through the row op), else zeros at no cost; then at each
+             scored position log_softmax(logits)[target] [B, R] and the K likeliest
+             tokens' values [B, R, K] and ids [B, R, K] (``graphs/scoring.py``).
     """
     device = device or DeviceRef.CPU()
     c, C = config, CHUNK
@@ -95,10 +101,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         TensorType(U64, ["batch"], device),  # seed
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode, on the host
         TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
-    ]
+    ] + score_input_types(device)
     with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
                custom_extensions=[kernel_library] if tiled else []) as g:
-        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode, scored = (v.tensor for v in g.inputs)
+        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode, scored, score_at, targets = (
+            v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
         last = lengths - 1
@@ -107,5 +114,6 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
         nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
-        g.output(logits, nxt, ops.stack(states, axis=0), *drawn_logprobs(logits, nxt, scored, device, row_op))
+        g.output(logits, nxt, ops.stack(states, axis=0), *drawn_logprobs(logits, nxt, scored, device, row_op),
+                 *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

@@ -10,6 +10,8 @@ Inputs (B = batch, N = number of chunks, C = ``CHUNK``; B and N symbolic):
     mode         [] int64 on the host (``sampler.MODE_*``),
     counter      [B] int64 (the position of the token to draw = start + prompt length)
     scored       [] int64 on the host: 1 for the first new token's log-probabilities below
+    score_at     [B, R] int64      positions to score (0 .. N*C-1; R symbolic: 1 in a prefill)
+    targets      [B, R] int64      the token whose log-probability is wanted at each
 Outputs:
     logits       [B, V] f32        at each prompt's last real token
     next_ids     [B]    int64      the first new token, drawn in the graph
@@ -18,6 +20,9 @@ Outputs:
                  next_ids' raw log-probabilities and the K likeliest tokens'
                  (``sampler.drawn_logprobs``; on a CPU with the Mojo ops through the row
                  op), else zeros at no cost
+    target_logprobs [B, R] f32, target_top_values [B, R, K] f32, target_top_ids [B, R, K]
+                 int64: at each scored position, log_softmax(logits)[target] and the K
+                 likeliest tokens (``graphs/scoring.py``): a score call reads these
 
 Token t of sample b sits at the absolute position start[b] + t: the mixer's
 per-position weights w, beta are read there, so a prompt continued from a state
@@ -43,6 +48,7 @@ from .. import ops as gops
 from ..op_names import OP_SCAN
 from ..ops import F32, I64, U64
 from ..sampler import drawn_logprobs, sample
+from ..scoring import rows_logprobs, score_input_types
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
 # Mixer chunk length of the prefill scan. lam >= 0.9, so lam**(C-1) >= 0.9**31 ~ 0.04:
@@ -151,7 +157,7 @@ def srm_layers(W: SRMWeights, ids: TensorValue, pos: TensorValue, last: TensorVa
 
 
 def prefix_input_types(config, device: DeviceRef) -> list[TensorType]:
-    """The inputs prefill and scoring share: ids, pos, last, start, init (module docs)."""
+    """The prefill graph's first inputs: ids, pos, last, start, init (module docs)."""
     c, C = config, CHUNK
     return [
         TensorType(I64, ["batch", "chunks", C], device),  # ids
@@ -165,7 +171,8 @@ def prefix_input_types(config, device: DeviceRef) -> list[TensorType]:
 def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: DeviceRef | None = None,
                         name: str | None = None, kernel_library: Path | None = None) -> Graph:
     """``schema`` names the weights (``srm_max.models.srm.schema``); with ``kernel_library``
-    (the Mojo package) the mixer runs as its scan op instead of the chunked scan."""
+    (the Mojo package) the mixer runs as its scan op instead of the chunked scan, and on a
+    CPU the Mojo ops compute and reduce the scored positions' logits."""
     device = device or DeviceRef.CPU()
     kernels = kernel_library is not None
     c = config
@@ -179,10 +186,10 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
         TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (sampler.MODE_*), on the host
         TensorType(I64, ["batch"], device),  # counter
         TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
-    ]
+    ] + score_input_types(device)
     extensions = [kernel_library] if kernels else []
     with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
-        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter, scored = (
+        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter, scored, score_at, targets = (
             v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
@@ -190,5 +197,6 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
         logits = logits_of(W, xl)
         nxt = sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
         row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
-        g.output(logits, nxt, states, *drawn_logprobs(logits, nxt, scored, device, row_op))
+        g.output(logits, nxt, states, *drawn_logprobs(logits, nxt, scored, device, row_op),
+                 *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

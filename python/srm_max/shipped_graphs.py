@@ -36,7 +36,8 @@ from .models import registry
 from .models.srm.engine import Engine
 from .runtime import cpu_target
 from .runtime.compile_cache import graph_key
-from .runtime.compiled import SamplingArrays, graph_kinds
+from .runtime.call_types import SamplingArrays
+from .runtime.compiled import graph_kinds
 from .runtime.precompile import GraphJob
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def _check(files: dict[GraphJob, Path], expected: dict[str, np.ndarray]) -> str 
         pool, fresh = expected["states"], expected["decode_states"]
         got = eng.host(eng.regroup(eng.to_device(pool), eng.to_device(fresh), [1, 0, 1]))
         compare("regroup", got, np.concatenate([pool, fresh], axis=1)[:, [1, 0, 1]])
-    if "score" in eng._models:  # the last position's log-probabilities are the known logits' log-softmax
+    if "prefill" in eng._models:  # the last position's log-probabilities are the known logits' log-softmax
         logits = np.asarray(expected["logits"], np.float64)
         log_softmax = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         scored = eng.score([prompt], [prompt[1:] + [int(tokens[0])]], top_n=1)

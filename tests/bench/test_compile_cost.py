@@ -14,9 +14,9 @@ def test_every_graph_builds(name):
     assert "matmul" in graph or name == "add"
 
 
-def test_the_srm_score_graphs_are_one_graph_whatever_home_they_compile_in():
-    assert str(build("srm_plain_score_after_prefill")) == str(build("srm_plain_score"))
-    assert str(build("srm_plain_score")) != str(build("srm_plain_prefill"))
+def test_the_srm_decode_graphs_are_one_graph_whatever_home_they_compile_in():
+    assert str(build("srm_plain_decode_after_prefill")) == str(build("srm_plain_decode"))
+    assert str(build("srm_plain_decode")) != str(build("srm_plain_prefill"))
 
 
 def test_kernel_counts_sum_the_batches_of_the_log():

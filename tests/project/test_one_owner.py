@@ -170,7 +170,7 @@ def test_choices_are_written_by_their_owners():
         r"\"auto\", \"cpu\"|\"cpu\", \"gpu\"": ["python/srm_max/runtime/device.py"],
         r"\[\"float32\", \"bfloat16\"|\(\"float32\", \"bfloat16\"\)": [],
         r"\"x86-64-v2\"": ["python/srm_max/runtime/cpu_target.py"],
-        r"\"prefill\", \"score\", \"sample\"": ["python/srm_max/runtime/compiled.py"],  # the graph kinds
+        r"\"prefill\", \"sample\", \"regroup\"": ["python/srm_max/runtime/compiled.py"],  # the graph kinds
     }
     synthetic = {"cli.py": 'g.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])',
                  "run.py": 'if dtype in ("float32", "bfloat16"):', "gen.py": "path = default_model_path()"}

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from srm_max import GenerationError
-from srm_max.runtime.compiled import DecodeResult, PrefillResult
+from srm_max.runtime.call_types import DecodeResult, PrefillResult
 from srm_max.serve.prefix_cache import PrefixCache, cache_of, common_prefix, prefix_hashes
 from srm_max.graphs.slots import slots_taken
 from srm_max.serve.scheduler import SlotPool
 from srm_max.serve.sequence import Sequence
-from tests.support.graphs import graphs
+from tests.support.graphs import ENGINE_KINDS, graphs
 from tests.support.prefix_cache import generators
 from tests.support.prompts import random_prompts
 from tests.support.tiny import TINY
@@ -269,9 +269,6 @@ def test_engine_without_start_states_runs_as_before():
 
 
 # ------------------------------------------------------------ the SRM engine (TINY)
-TINY_KINDS = ("prefill", "sample", "regroup", "decode_steps")
-
-
 @graphs(TINY, ("prefill",))
 def test_a_state_reached_in_pieces_gives_the_same_logits(engine):
     """The tolerance: the scan sums in another order, nothing more."""
@@ -287,7 +284,7 @@ def test_a_state_reached_in_pieces_gives_the_same_logits(engine):
         assert rest.next_ids.tolist() == whole.next_ids.tolist()
 
 
-@graphs(TINY, TINY_KINDS)
+@graphs(TINY, ENGINE_KINDS)
 @pytest.mark.parametrize("sampled", [False, True])
 def test_tokens_equal_with_and_without_the_cache(engine, sampled):
     on, off = generators(engine)
@@ -307,7 +304,7 @@ def test_tokens_equal_with_and_without_the_cache(engine, sampled):
     assert stats.hits > 20 and stats.tokens_saved > 500, stats
 
 
-@graphs(TINY, TINY_KINDS)
+@graphs(TINY, ENGINE_KINDS)
 def test_stream_and_sample_many_use_the_cache(engine):
     on, off = generators(engine)
     prompts = [p + q for p in random_prompts([50], TINY.vocab_size, seed=9) for q in ([1], [2, 3], [4])]
@@ -325,7 +322,7 @@ def test_stream_and_sample_many_use_the_cache(engine):
     assert on.prefix_cache.stats.tokens_saved - before >= 3 * 50
 
 
-@graphs(TINY, TINY_KINDS)
+@graphs(TINY, ENGINE_KINDS)
 def test_context_limits_are_as_without_the_cache(engine):
     on, off = generators(engine)
     n = TINY.context_length
@@ -340,7 +337,7 @@ def test_context_limits_are_as_without_the_cache(engine):
     assert on.prefix_cache.stats.tokens_saved >= n - 2
 
 
-@graphs(TINY, TINY_KINDS)
+@graphs(TINY, ENGINE_KINDS)
 def test_server_reports_cached_tokens_and_metrics(engine):
     pytest.importorskip("fastapi")
     pytest.importorskip("prometheus_client")

@@ -245,7 +245,7 @@ def test_bad_arguments_are_refused_before_any_work(call, name):
 
 
 # ------------------------------------------------------------------ PHA (scores from the start only)
-@graphs(PHA_CONFIG, ("prefill", "score", "decode_steps", "sample", "regroup"))
+@graphs(PHA_CONFIG, ("prefill", "decode_steps", "sample", "regroup"))
 def test_pha_scores_and_rescores_continuations_from_the_start():
     from srm_max.models.pha.engine import PHAEngine
 

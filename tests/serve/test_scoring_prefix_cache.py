@@ -11,7 +11,7 @@ from tests.support.graphs import graphs
 from tests.support.prefix_cache import generators
 from tests.support.tiny import TINY
 
-SCORING_KINDS = ("prefill", "score", "regroup")
+SCORING_KINDS = ("prefill", "regroup")
 SHOTS = 40  # tokens of the shared few-shot prefix
 
 

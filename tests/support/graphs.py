@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from srm_max.runtime.compiled import graph_kinds
+
 # every graph kind a CPU engine with the Mojo ops can build (the decode loop included)
-KERNEL_KINDS = ("prefill", "score", "decode", "sample", "regroup", "decode_steps")
+KERNEL_KINDS = ("prefill", "decode", "sample", "regroup", "decode_steps")
 # the graphs such an engine loads by itself (``Engine.graph_kinds``: its decodes take
 # decode_steps; the decode graph's loop is compiled only for tests that compare the two)
-ENGINE_KINDS = ("prefill", "score", "sample", "regroup", "decode_steps")
+ENGINE_KINDS = graph_kinds(steps_in_one_op=True)
 
 
 def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):

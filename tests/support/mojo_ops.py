@@ -95,7 +95,7 @@ def decode_steps(ids, embedding, states, positions, layer_params: list[dict], he
     """``steps`` decode steps in one op, arguments as ``decode_step``; greedy, or drawn
     with ``sampling`` (a ``SamplingArrays``); -> ``(tokens [B, steps], new_states, last
     [B], next positions [B])``."""
-    from srm_max.runtime.compiled import SamplingArrays
+    from srm_max.runtime.call_types import SamplingArrays
 
     s = sampling or SamplingArrays.greedy(len(ids))
     out = model(OP_DECODE_STEPS).execute(

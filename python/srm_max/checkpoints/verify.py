@@ -62,7 +62,7 @@ def _engine_check(ckpt, prompts: int, new_tokens: int) -> Check:
     import torch
 
     from ..models import registry
-    from ..runtime.compiled import SamplingArrays
+    from ..runtime.call_types import SamplingArrays
 
     config = ckpt.config
     rng = np.random.default_rng(0)

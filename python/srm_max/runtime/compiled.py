@@ -1,8 +1,9 @@
-"""What every engine shares: compiled prefill, score and decode graphs for one config,
-weight dtype and device, loaded lazily (from the ``.mef`` cache when possible) under the
+"""What every engine shares: compiled prefill and decode graphs for one config, weight
+dtype and device, loaded lazily (from the ``.mef`` cache when possible) under the
 engine's lock; host/device transfers; the decode call, whose inputs and outputs are
-the same for every architecture (``graphs/loop.py``); the score call's checks and its
-results on the host (each architecture runs its own score graph, ``_run_score``).
+the same for every architecture (``graphs/loop.py``); the prefill and score calls'
+checks and results on the host, through one prefill graph per architecture, which
+scores the positions it is given (each architecture passes its inputs, ``_run_prefill``).
 
 States stay on the device: ``prefill`` and ``decode`` return ``Buffer``s that are fed
 straight back; per decode call only the new token ids [B, S] come back to the host.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 from max.driver import CPU, Buffer, get_virtual_cpu_target
@@ -28,10 +28,10 @@ from max.engine import InferenceSession, Model
 from ..bfloat16 import to_bfloat16_bits
 from ..errors import GenerationError
 from ..graphs.ops import cpu_ops_run
-from ..graphs.sampler import MODE_FILTERED, MODE_GREEDY, MODE_PLAIN
 from ..graphs.scoring import TOP_N
 from ..graphs.slots import slots_taken
 from ..weight_shapes import shape_problem
+from .call_types import DecodeResult, PrefillResult, SamplingArrays, ScoreResult
 from .compile_cache import load_compiled
 from .drawn import one_step_scores, scored_input, steps_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
@@ -40,7 +40,7 @@ from .precompile import GraphJob, precompile
 
 # The graphs every engine runs besides its decode graph: a decode takes the ``decode_steps``
 # op where every step runs in one op, else the ``decode`` graph's loop (never both).
-NON_DECODE_KINDS = ("prefill", "score", "sample", "regroup")
+NON_DECODE_KINDS = ("prefill", "sample", "regroup")
 
 
 def graph_kinds(steps_in_one_op: bool) -> tuple[str, ...]:
@@ -77,64 +77,6 @@ def right_padded(prompts: list, width: int) -> np.ndarray:
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = p
     return ids
-
-
-@dataclass
-class SamplingArrays:
-    """Per-sample sampling parameters, as the graphs take them."""
-
-    temperature: np.ndarray  # [B] float32, 0 = greedy
-    top_k: np.ndarray  # [B] int64, 0 = off
-    top_p: np.ndarray  # [B] float32, 1 = off
-    seed: np.ndarray  # [B] uint64
-
-    @classmethod
-    def greedy(cls, batch: int) -> "SamplingArrays":
-        return cls(np.zeros(batch, np.float32), np.zeros(batch, np.int64),
-                   np.ones(batch, np.float32), np.zeros(batch, np.uint64))
-
-    def take(self, index) -> "SamplingArrays":
-        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.seed[index])
-
-    def mode(self) -> int:
-        """The cheapest in-graph sampler that serves every sample (``graphs.sampler.MODE_*``)."""
-        drawn = self.temperature > 0
-        if not drawn.any():
-            return MODE_GREEDY
-        filtered = (self.top_k[drawn] > 0) | (self.top_p[drawn] < 1)
-        return MODE_FILTERED if filtered.any() else MODE_PLAIN
-
-
-@dataclass
-class PrefillResult:
-    logits: Buffer  # [B, V] float32 at each prompt's last token (on the device)
-    next_ids: np.ndarray  # [B] int64 the first new token
-    states: Buffer  # [L, B, H, hd] float32 (on the device)
-    scores: "DecodeResult | None" = None  # prefill(..., logprobs=n): the first tokens' (runtime/drawn.py)
-
-
-@dataclass
-class ScoreResult:
-    """Per sample b, at each position t < T_b: the log-probability of targets[b][t] after
-    reading inputs[b][:t+1], and the n most likely tokens there (descending, ties by
-    lower id) with their log-probabilities."""
-
-    logprobs: list[np.ndarray]  # [T_b] float32 each
-    top_ids: list[np.ndarray]  # [T_b, n] int64
-    top_logprobs: list[np.ndarray]  # [T_b, n] float32
-    states: Buffer  # the state after each sample's last input, as PrefillResult.states (on the device)
-
-
-@dataclass
-class DecodeResult:
-    tokens: np.ndarray  # [B, S] int64
-    states: Buffer  # ready to take ids
-    ids: Buffer  # [B] = tokens[:, -1]
-    positions: Buffer  # [B] = their positions
-    # with decode(..., logprobs=n): each token's raw log-probability and the n likeliest at each step
-    logprobs: np.ndarray | None = None  # [B, S] float32
-    top_ids: np.ndarray | None = None  # [B, S, n] int64
-    top_logprobs: np.ndarray | None = None  # [B, S, n] float32
 
 
 class CompiledGraphs:
@@ -200,10 +142,6 @@ class CompiledGraphs:
     @property
     def prefill_model(self) -> Model:
         return self.model("prefill")
-
-    @property
-    def score_model(self) -> Model:
-        return self.model("score")
 
     @property
     def decode_model(self) -> Model:
@@ -319,6 +257,26 @@ class CompiledGraphs:
                                   f"the context length {n}")
         return start
 
+    def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
+                start_positions=None, logprobs: int | None = None) -> PrefillResult:
+        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them.
+        ``start_states`` [L, B, ...] and ``start_positions`` [B] (``supports_start_state``):
+        continue each sample from the state it reached after that many tokens (default:
+        fresh); the prompt's tokens then sit at start .. start + len - 1, and the first new
+        token is drawn at start + len. ``logprobs`` (0 .. 20): the result's ``scores`` hold
+        the first new tokens' raw log-probabilities and that many alternatives, from the
+        same graph call."""
+        B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int64)
+        start = self.check_start(lengths, start_states, start_positions)
+        scored, no_rows = scored_input(logprobs), self.to_device(np.zeros((B, 1), np.int64))
+        with self._lock:
+            logits, nxt, states, *lp = self._run_prefill(prompts, lengths, start, start_states,
+                                                         sampling or SamplingArrays.greedy(B), scored, [no_rows] * 2)[:6]
+        nxt = self.host(nxt)
+        first = None if logprobs is None else DecodeResult(
+            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
+        return PrefillResult(logits, nxt, states, first)
+
     def score(self, inputs: list, targets: list, top_n: int = 0, start_states: Buffer | None = None,
               start_positions=None) -> ScoreResult:
         """Per-position log-probabilities (``ScoreResult``) of ``targets`` after ``inputs``:
@@ -327,8 +285,8 @@ class CompiledGraphs:
         model's raw distribution (log_softmax of the logits, no temperature or filters).
         ``top_n`` (0 .. 20): alternatives per position. ``start_states`` [L, B, ...] and
         ``start_positions`` [B] continue samples from states returned by prefill, score or
-        regroup (default: fresh). One call of the score graph; only [B, T] log-probabilities
-        and [B, T, 20] alternatives come to the host."""
+        regroup (default: fresh). One call of the prefill graph, scoring every position;
+        only [B, T] log-probabilities and [B, T, 20] alternatives come to the host."""
         if not 0 <= top_n <= TOP_N:
             raise GenerationError(f"top_n must be 0 to {TOP_N}, got {top_n}")
         if not inputs or len(inputs) != len(targets):
@@ -346,9 +304,12 @@ class CompiledGraphs:
             raise GenerationError(f"sample {int(lengths.argmax())} has {int(lengths.max())} tokens: more than the "
                                   f"context length {self.config.context_length}")
         start = self.check_start(lengths, start_states, start_positions)
+        B, R = len(inputs), int(lengths.max())
+        scoring = [self.to_device(np.tile(np.arange(R, dtype=np.int64), (B, 1))), self.to_device(right_padded(targets, R))]
         with self._lock:
-            lp, values, ids, states = self._run_score(inputs, targets, lengths, start, start_states)
-        B = len(inputs)
+            out = self._run_prefill(inputs, lengths, start, start_states, SamplingArrays.greedy(B), scored_input(None),
+                                    scoring)
+        states, (lp, values, ids) = out[2], out[6:]
         lp = self.host(lp).reshape(B, -1)
         values = self.host(values).reshape(B, -1, values.shape[-1])
         ids = self.host(ids).reshape(values.shape)
@@ -361,10 +322,11 @@ class CompiledGraphs:
             result.top_logprobs.append(np.take_along_axis(v, order, -1).astype(np.float32))
         return result
 
-    def _run_score(self, inputs: list, targets: list, lengths: np.ndarray, start: np.ndarray,
-                   start_states: Buffer | None) -> tuple[Buffer, Buffer, Buffer, Buffer]:
-        """The architecture's score graph on checked inputs -> (log-probabilities [B, T'], top
-        values [B, T', K], top ids, states) on the device, T' >= max(lengths) (rows reshape so)."""
+    def _run_prefill(self, rows: list, lengths: np.ndarray, start: np.ndarray, start_states: Buffer | None,
+                     sampling: SamplingArrays, scored: Buffer, scoring: list[Buffer]) -> list[Buffer]:
+        """The architecture's prefill graph on checked rows -> its outputs on the device
+        (logits, next ids, states, the drawn tokens' log-probabilities, then the scored
+        positions'); ``scoring`` its score_at and targets inputs (``graphs/scoring.py``)."""
         raise NotImplementedError
 
     # -- the decode call (every engine's decode graph has the same inputs and outputs)
@@ -414,5 +376,4 @@ class CompiledGraphs:
         return DecodeResult(self.host(toks), states, last, pos, *self.logprob_results(logprobs, lp))
 
 
-__all__ = ["CompiledGraphs", "DecodeResult", "NON_DECODE_KINDS", "PrefillResult", "SamplingArrays", "ScoreResult",
-           "check_shapes", "graph_kinds", "right_padded", "session_weights"]
+__all__ = ["CompiledGraphs", "NON_DECODE_KINDS", "check_shapes", "graph_kinds", "right_padded", "session_weights"]

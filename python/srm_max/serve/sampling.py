@@ -141,7 +141,7 @@ class SamplingParams:
         return cls(temps, ks, ps, seeds)
 
     def arrays(self):
-        from ..runtime.compiled import SamplingArrays
+        from ..runtime.call_types import SamplingArrays
 
         return SamplingArrays(np.array(self.temperature, np.float32), np.array(self.top_k, np.int64),
                               np.array(self.top_p, np.float32), np.array(self.seed, np.uint64))

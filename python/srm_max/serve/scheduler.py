@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime.compiled import DecodeResult, SamplingArrays
+from ..runtime.call_types import DecodeResult, SamplingArrays
 from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 from .scoring import decode_top_n, step_scores
 from .sequence import Decode, Sequence

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from srm_max import Generator
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, cpu_engine, prompts_of
 from tests.support.reference_scores import ref_log_softmax

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from srm_max.errors import GenerationError
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, cpu_engine, prompts_of, random_pha, ref_greedy, reference_start
@@ -245,7 +245,7 @@ def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
 
 
 def test_load_refuses_a_graph_the_engine_does_not_run(op):
-    with pytest.raises(ValueError, match="no decode graph; it runs prefill, score"):
+    with pytest.raises(ValueError, match="no decode graph; it runs prefill, sample"):
         op.load(["decode"])  # the op's engine decodes in decode_steps (nothing compiled here)
 
 

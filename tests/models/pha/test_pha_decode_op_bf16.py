@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel, assert_within_bfloat16_step
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, cpu_engine, prompts_of, reference_start

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs
@@ -24,7 +24,7 @@ from tests.support.pha import CONFIG, assert_states_close, prompts_of, ref_greed
 
 # the engine's default on a CPU decodes through the op (decode_steps); the plain decode
 # graph is tests/models/pha/test_pha_decode_op.py's reference
-pytestmark = graphs(CONFIG, ("prefill", "score", "decode_steps", "sample", "regroup"))
+pytestmark = graphs(CONFIG, ("prefill", "decode_steps", "sample", "regroup"))
 
 
 @pytest.fixture(scope="module")

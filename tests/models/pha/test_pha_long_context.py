@@ -14,7 +14,7 @@ import pytest
 
 from srm_max.graphs.pha import CHUNK, matrix_names
 from srm_max.models.pha.config import PHAConfig
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import assert_states_close, bf16_rounded, prompts_of, random_pha, ref_greedy

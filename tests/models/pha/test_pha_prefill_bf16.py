@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from srm_max.graphs.op_names import OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
 from tests.support.pha import CONFIG, assert_states_close, bf16_rounded, cpu_engine, prompts_of, random_pha

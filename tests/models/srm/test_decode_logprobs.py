@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.graphs import graphs
 from tests.support.prompts import padded_batch, random_prompts
 from tests.support.tiny import TINY
 
-pytestmark = [graphs(TINY, ("prefill", "score", "decode_steps")),
+pytestmark = [graphs(TINY, ("prefill", "decode_steps")),
               graphs(TINY, ("prefill", "decode_steps"), dtype="bfloat16")]
 
 # the plain-op engine's graphs, as tests/models/srm/test_engine.py declares them (no new graph)
-PLAIN_OPS = graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
+PLAIN_OPS = graphs(TINY, ("prefill", "decode", "sample", "regroup"), kernels=False)
 
 LOGPROB_ATOL = 1e-4  # float32 engine against the float32 reference's log_softmax
 # bfloat16 weights: within 2 % of the largest |log-probability| in the step's row of the float32

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from srm_max.graphs import sampler
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from srm_max.runtime.drawn import scored_input
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
@@ -21,7 +21,7 @@ from tests.support.tiny import TINY
 # float32 Mojo-op graphs alone, compiles only those.
 pytestmark = graphs(TINY)
 BFLOAT16 = graphs(TINY, dtype="bfloat16")
-PLAIN_OPS = graphs(TINY, ("prefill", "score", "decode", "sample", "regroup"), kernels=False)
+PLAIN_OPS = graphs(TINY, ("prefill", "decode", "sample", "regroup"), kernels=False)
 DTYPES = [pytest.param("float32"), pytest.param("bfloat16", marks=BFLOAT16)]
 
 # Mixed lengths: 1 token, inside one chunk, across chunk borders, the full context.

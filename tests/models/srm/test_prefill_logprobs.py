@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from srm_max.errors import GenerationError
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support.graphs import graphs
 from tests.support.prompts import padded_batch, random_prompts
 from tests.support.tiny import TINY

@@ -11,7 +11,7 @@ from max.driver import Buffer
 
 from srm_max.graphs import sampler
 from srm_max.graphs.op_names import OP_SAMPLE_ROWS
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from srm_max.runtime.drawn import scored_input
 from tests.support.sampler_mirror import filtered_probs
 from tests.support.graphs import graphs, op_graphs

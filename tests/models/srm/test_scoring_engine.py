@@ -15,17 +15,17 @@ import torch
 
 from srm_max.errors import GenerationError
 from srm_max.graphs.op_names import OP_SCAN
-from srm_max.runtime.compiled import SamplingArrays
+from srm_max.runtime.call_types import SamplingArrays
 from tests.support import mojo_ops as K
 from tests.support.graphs import graphs, op_graphs
 from tests.support.pha import CONFIG as PHA_CONFIG, random_pha
 from tests.support.prompts import padded_batch, random_prompts
 from tests.support.tiny import TINY
 
-pytestmark = [graphs(TINY, ("prefill", "score", "decode_steps")),
-              graphs(TINY, ("prefill", "score"), kernels=False),
-              graphs(TINY, ("score",), dtype="bfloat16"),
-              graphs(PHA_CONFIG, ("prefill", "score"))]  # the PHA engine's default: the row op on a CPU
+pytestmark = [graphs(TINY, ("prefill", "decode_steps")),
+              graphs(TINY, ("prefill",), kernels=False),
+              graphs(TINY, ("prefill",), dtype="bfloat16"),
+              graphs(PHA_CONFIG, ("prefill",))]  # the PHA engine's default: the row op on a CPU
 
 
 LOGPROB_ATOL = 1e-4  # float32 engine against the float32 reference's log_softmax

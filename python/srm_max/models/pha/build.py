@@ -18,12 +18,12 @@ GRAPH_SALT = b"pha-graphs-v2"
 
 
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
-    """The graph ``kind`` ("prefill", "score", "decode", "sample" or "regroup"). The decode graph
+    """The graph ``kind`` ("prefill", which also scores, "decode", "sample" or "regroup"). The decode graph
     always uses one Mojo op (its in-place state write). With the Mojo ops (``kernels``) on a
     CPU there is "decode_steps" too: every step of a decode call in one op
-    (mojo/pha_decode_step.mojo), the prefill and score graphs' attention is the tiled
-    Mojo op (mojo/pha_prefill_attention.mojo), and the score graph reduces its logits with
-    the Mojo row op (mojo/score_rows.mojo); ``kernels`` changes no other graph."""
+    (mojo/pha_decode_step.mojo), and the prefill graph's attention and GSS scan are Mojo ops
+    (mojo/pha_prefill_attention.mojo, mojo/pha_gss_scan.mojo), as is the reduction of its
+    scored logits (mojo/score_head.mojo, mojo/score_rows.mojo); ``kernels`` changes no other graph."""
     cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "sample":
         return build_sample_graph("pha_sample", config.vocab_size, device, kernel_library=cpu_ops)
@@ -31,8 +31,6 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
     if kind == "prefill":
         return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops)
-    if kind == "score":
-        return pha.build_pha_score_graph(config, wdtype, device, kernel_library=cpu_ops)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
     if kind == "decode_steps" and kernels and device.is_cpu() and packing.supported(config) is None:

@@ -1,7 +1,7 @@
 """The PHA's MAX engine: the same interface as the SRM's (``runtime.compiled``).
 
-Three compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*``,
-``pha_score_*`` and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
+Two compiled graphs per (config shape, weight dtype, device), ``pha_prefill_*`` (which
+also scores) and ``pha_decode_*`` (``graphs/pha``), batch size and prompt length symbolic;
 weights bound at load time by name; compiled models cached as ``.mef`` files
 (``compile_cache``). ``decode`` copies the caller's states once per call and steps
 that copy. On a CPU (the default, ``kernels``) the graph ``pha_decode_steps_*`` runs
@@ -27,10 +27,10 @@ from max.driver import CPU, Buffer
 
 from ...errors import GenerationError
 from ...graphs import pha as pha_graphs
-from ...runtime.compiled import (CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, session_weights,
-                                 right_padded)
+from ...runtime.call_types import DecodeResult
+from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
 from ...graphs.scoring import top_width
-from ...runtime.drawn import one_step_scores, scored_input, steps_scores
+from ...runtime.drawn import steps_scores
 from . import build, packing
 from .config import PHAConfig
 from .schema import checkpoint_shapes
@@ -113,12 +113,13 @@ class PHAEngine(CompiledGraphs):
             out["values"] = s[:, :, lay.values].reshape(shape)
         return out
 
-    def check_fresh(self, start_states, start_positions) -> None:
+    def check_start(self, lengths: np.ndarray, start_states, start_positions) -> np.ndarray:
         """Prefill and score start from token 0 only: the attention would have to read each
         sample's cached KV rows of its earlier tokens (docs/scoring.md)."""
         if start_states is not None or (start_positions is not None and np.any(start_positions)):
             raise GenerationError("the PHA engine cannot continue from a state (start_states/start_positions): "
                                   "it prefills and scores from the first token only")
+        return super().check_start(lengths, None, None)
 
     def _chunked(self, rows: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Right-padded ids [B, M, C], positions [M, C] and lengths [B] of non-empty rows of
@@ -133,29 +134,10 @@ class PHAEngine(CompiledGraphs):
         ids = right_padded(rows, M * C).reshape(len(rows), M, C)
         return ids, np.arange(M * C, dtype=np.int64).reshape(M, C), lengths
 
-    # -- the calls
-    def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
-                start_positions=None, logprobs: int | None = None) -> PrefillResult:
-        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them
-        (from a fresh start: ``check_fresh``). ``logprobs`` as the SRM engine's."""
-        self.check_fresh(start_states, start_positions)
-        ids, pos, lengths = self._chunked(prompts)
-        sampling = sampling or SamplingArrays.greedy(len(prompts))
-        with self._lock:
-            logits, nxt, states, *lp = self.prefill_model.execute(
-                self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()), self.to_device(lengths),
-                *self.sampling_buffers(sampling), scored_input(logprobs))
-        nxt = self.host(nxt)
-        first = None if logprobs is None else DecodeResult(
-            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
-        return PrefillResult(logits, nxt, states, first)
-
-    def _run_score(self, inputs, targets, lengths, start, start_states):
-        self.check_fresh(start_states, start)
-        ids, pos, _ = self._chunked(inputs)
-        padded = right_padded(targets, ids.shape[1] * ids.shape[2]).reshape(ids.shape)
-        return self.score_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
-                                        self.to_device(lengths), self.to_device(padded))
+    def _run_prefill(self, rows, lengths, start, start_states, sampling, scored, scoring) -> list[Buffer]:
+        ids, pos, lengths = self._chunked(rows)
+        return self.prefill_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
+                                          self.to_device(lengths), *self.sampling_buffers(sampling), scored, *scoring)
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:

@@ -9,7 +9,7 @@ from max.graph import DeviceRef, Graph
 from ...graphs.ops import cpu_ops_run
 from ...graphs.sampler import build_sample_graph
 from ...graphs.slots import build_regroup_graph
-from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph, build_score_graph
+from ...graphs.srm import build_decode_graph, build_decode_steps_graph, build_prefill_graph
 from ...runtime.kernels import kernel_library
 from . import packing, schema
 from .config import SRMConfig
@@ -19,7 +19,7 @@ GRAPH_SALT = b"srm-graphs-v2"
 
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
-    """The graph ``kind``: "prefill", "score" (per-position log-probabilities), "decode", "sample" (``graphs.sampler.build_sample_graph``),
+    """The graph ``kind``: "prefill" (also per-position log-probabilities), "decode", "sample" (``graphs.sampler.build_sample_graph``),
     "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
     library = kernel_library() if kernels else None
     if kind == "sample":
@@ -28,8 +28,6 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
         return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
     if kind == "prefill":
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
-    if kind == "score":
-        return build_score_graph(config, schema, wdtype, device, kernel_library=library)
     packed = packing.packed_inputs(config) if cpu_ops_run(kernels, device) else None
     if kind == "decode":
         return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)

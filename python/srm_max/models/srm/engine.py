@@ -1,8 +1,8 @@
-"""The SRM's MAX engine: compiled prefill, score and decode graphs for one config.
+"""The SRM's MAX engine: compiled prefill (which also scores) and decode graphs for one config.
 
 ``Engine(config, weights, dtype, device)`` builds (or loads from the ``.mef``
-cache, see ``compile_cache``) three graphs per (config shape, weight dtype,
-device): ``srm_prefill_*``, ``srm_score_*`` and ``srm_decode_*``; batch size, prompt
+cache, see ``compile_cache``) two graphs per (config shape, weight dtype,
+device): ``srm_prefill_*`` and ``srm_decode_*``; batch size, prompt
 length and the number of decode steps per call are symbolic, so these graphs serve
 every request. Prefill and score take each sample's start: the tokens it has already
 read and the state it reached there (zeros for a fresh prompt). With the Mojo ops on a CPU there is a third, ``srm_decode_steps_*``:
@@ -18,9 +18,7 @@ from __future__ import annotations
 import numpy as np
 from max.driver import CPU, Buffer
 
-from ...runtime.compiled import CompiledGraphs, DecodeResult, PrefillResult, SamplingArrays, check_shapes, right_padded, \
-    session_weights
-from ...runtime.drawn import one_step_scores, scored_input
+from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
 from ...graphs.srm import CHUNK
 from . import build, packing, schema
 from .config import SRMConfig
@@ -76,32 +74,10 @@ class Engine(CompiledGraphs):
         init = self.empty_states(B) if start_states is None else start_states
         return [self.to_device(ids), self.to_device(pos), self.to_device(last), self.to_device(start), init]
 
-    # -- the calls
-    def prefill(self, prompts: list, sampling: SamplingArrays | None = None, start_states: Buffer | None = None,
-                start_positions=None, logprobs: int | None = None) -> PrefillResult:
-        """Right-pad ``prompts`` (non-empty lists of ids, each at most n long) and run them.
-        ``start_states`` [L, B, H, hd] and ``start_positions`` [B]: continue each sample from
-        the state it reached after that many tokens (default: fresh); the prompt's tokens
-        then sit at start .. start + len - 1, and the first new token is drawn at start + len.
-        ``logprobs`` (0 .. 20): the result's ``scores`` hold the first new tokens' raw
-        log-probabilities and that many alternatives, from the same graph call."""
-        B = len(prompts)
-        lengths = np.array([len(p) for p in prompts], np.int64)
-        start = self.check_start(lengths, start_states, start_positions)
-        sampling = sampling or SamplingArrays.greedy(B)
-        with self._lock:
-            logits, nxt, states, *lp = self.prefill_model.execute(
-                *self._prefix_inputs(prompts, lengths, start, start_states), *self.sampling_buffers(sampling),
-                self.to_device(start + lengths), scored_input(logprobs))
-        nxt = self.host(nxt)
-        first = None if logprobs is None else DecodeResult(
-            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
-        return PrefillResult(logits, nxt, states, first)
-
-    def _run_score(self, inputs, targets, lengths, start, start_states):
-        prefix = self._prefix_inputs(inputs, lengths, start, start_states)
-        padded = right_padded(targets, prefix[1].shape[0] * CHUNK).reshape(len(inputs), -1, CHUNK)
-        return self.score_model.execute(*prefix, self.to_device(padded))
+    def _run_prefill(self, rows, lengths, start, start_states, sampling, scored, scoring) -> list[Buffer]:
+        return self.prefill_model.execute(*self._prefix_inputs(rows, lengths, start, start_states),
+                                          *self.sampling_buffers(sampling), self.to_device(start + lengths), scored,
+                                          *scoring)
 
 
 __all__ = ["Engine", "weights_registry"]
