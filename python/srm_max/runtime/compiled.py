@@ -269,9 +269,10 @@ class CompiledGraphs:
         B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int64)
         start = self.check_start(lengths, start_states, start_positions)
         scored, no_rows = scored_input(logprobs), self.to_device(np.zeros((B, 1), np.int64))
+        sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
-            logits, nxt, states, *lp = self._run_prefill(prompts, lengths, start, start_states,
-                                                         sampling or SamplingArrays.greedy(B), scored, [no_rows] * 2)[:6]
+            out = self._run_prefill(prompts, lengths, start, start_states, sampling, scored, [no_rows] * 2)
+        logits, nxt, states, *lp = out[:6]
         nxt = self.host(nxt)
         first = None if logprobs is None else DecodeResult(
             nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
@@ -305,7 +306,8 @@ class CompiledGraphs:
                                   f"context length {self.config.context_length}")
         start = self.check_start(lengths, start_states, start_positions)
         B, R = len(inputs), int(lengths.max())
-        scoring = [self.to_device(np.tile(np.arange(R, dtype=np.int64), (B, 1))), self.to_device(right_padded(targets, R))]
+        scoring = [self.to_device(np.tile(np.arange(R, dtype=np.int64), (B, 1))),
+                   self.to_device(right_padded(targets, R))]
         with self._lock:
             out = self._run_prefill(inputs, lengths, start, start_states, SamplingArrays.greedy(B), scored_input(None),
                                     scoring)
