@@ -106,9 +106,10 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
-    ``scan_op``: the state is carried across the chunks by the Mojo op (``carried_by_op``,
-    CPU code, O(M H N)); else by [M, M] decay matmuls per mode (``carried_by_matmuls``,
-    O(M**2 H N)), the GPU path and the op's reference.
+    ``scan_op``: the state is carried across the chunks and through the last chunk's tokens
+    by the Mojo op (``carried_by_op``, CPU code, O(M H N)); else by [M, M] decay matmuls per
+    mode (``carried_by_matmuls``, O(M**2 H N)) and the last chunk's powers of A
+    (``_state_after_last``), the GPU path and the op's reference.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]
@@ -122,16 +123,24 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     rows = ops.reshape(ops.permute(xs, [0, 1, 3, 2]), [-1, C])  # [B*M*H, C]
     ends = ops.reshape(ops.matmul(rows, g["p_end"]), [B, M, H, 2 * N])
 
+    if scan_op:
+        y_carry, state = carried_by_op(ends, xs, lengths, g, c, device)
+        return _out(y_in + y_carry + xs * g["D"], u, g), state
     last = lengths - 1
     m = ops.floor_div(last, ops.constant(C, I64, device=device))  # each sample's last chunk
     j = last - m * C
-    if scan_op:
-        y_carry, entering = carried_by_op(ends, m, g, c, device)
-    else:
-        y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
+    y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
     out = _out(y_in + y_carry + xs * g["D"], u, g)
+    return out, _state_after_last(entering, xs, m, j, g, c, device)
 
-    # the state after token e - 1 = m C + j: A**(j+1) P_m + sum_{i <= j} A**(j-i) x[mC + i]
+
+def _state_after_last(entering: TensorValue, xs: TensorValue, m: TensorValue, j: TensorValue, g: dict, c,
+                      device) -> TensorValue:
+    """The state after token e - 1 = m C + j [B, 2 H N] (real parts, then imaginary):
+    A**(j+1) P_m + sum_{i <= j} A**(j-i) x[mC + i], from the state entering chunk m
+    [B, H, 2N] and the DSS inputs xs [B, M, C, H], with the float64 tables' powers."""
+    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
+    B = xs.shape[0]
     w = ops.gather(g["p_step"], j + 1, axis=0)  # [B, 2N]: A**(j+1)
     w_re = ops.broadcast_to(ops.reshape(w[:, :N], [B, 1, N]), [B, H, N])
     w_im = ops.broadcast_to(ops.reshape(w[:, N:], [B, 1, N]), [B, H, N])
@@ -145,7 +154,7 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     local = ops.matmul(x_last, weights)  # [B, H, 2N]
     s_re = ops.reshape(c_re + local[:, :, :N], [B, H * N])
     s_im = ops.reshape(c_im + local[:, :, N:], [B, H * N])
-    return out, ops.concat([s_re, s_im], axis=1)
+    return ops.concat([s_re, s_im], axis=1)
 
 
 def carried_by_matmuls(ends: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, m: TensorValue,
@@ -182,21 +191,23 @@ def carried_by_matmuls(ends: TensorValue, chunk_rows: TensorValue, chunk_cols: T
     return y_carry, ops.concat([entering(p_re), entering(p_im)], axis=2)
 
 
-def carried_by_op(ends: TensorValue, m: TensorValue, g: dict, c, device):
-    """As ``carried_by_matmuls``, the state carried across the chunks by the Mojo op
+def carried_by_op(ends: TensorValue, xs: TensorValue, lengths: TensorValue, g: dict, c, device):
+    """As ``carried_by_matmuls`` and ``_state_after_last``, by the Mojo op
     (mojo/pha_gss_scan.mojo: P_{m+1} = A**C P_m + S_m per sample, channel and mode, in
-    float64; the chunks past each prompt skipped); the [C, 2N] product that turns Ct P_m
-    into y stays a matmul."""
+    float64, the chunks past each prompt skipped; then the state through the last chunk's
+    tokens, s = A s + x) -> (each chunk's carried-in share of y [B, M, C, H], the state
+    after each prompt's last token [B, 2 H N]); the [C, 2N] product that turns Ct P_m into
+    y stays a matmul."""
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = ends.shape[0], ends.shape[1]
-    a_chunk = g["p_step"][C]  # A**C [2N], from the float64 table
+    a_chunk, a_step = g["p_step"][C], g["p_step"][1]  # A**C and A [2N], from the float64 table
     ct = ops.concat([ops.transpose(g["ct_t_re"], 0, 1), ops.transpose(g["ct_t_im"], 0, 1)], axis=1)  # [H, 2N]
-    carried, entering = ops.custom(
-        OP_PHA_GSS_SCAN, device=device, values=[ends, a_chunk, ct, m + 1],
-        out_types=[TensorType(F32, ends.shape, device), TensorType(F32, [B, H, 2 * N], device)])
+    carried, state = ops.custom(
+        OP_PHA_GSS_SCAN, device=device, values=[ends, xs, a_chunk, a_step, ct, lengths],
+        out_types=[TensorType(F32, ends.shape, device), TensorType(F32, [B, 2, H, N], device)])
     # Re(sum_n A**(j+1) (Ct P)_n) = [Re; Im](Ct P) @ p_out^T, per (sample, chunk, channel)
     y = ops.matmul(ops.reshape(carried.tensor, [-1, 2 * N]), ops.transpose(g["p_out"], 0, 1))  # [B*M*H, C]
-    return ops.permute(ops.reshape(y, [B, M, H, C]), [0, 1, 3, 2]), entering.tensor
+    return ops.permute(ops.reshape(y, [B, M, H, C]), [0, 1, 3, 2]), ops.reshape(state.tensor, [B, 2 * H * N])
 
 
 def gss_step(x: TensorValue, re: TensorValue, im: TensorValue, g: dict, c, K):

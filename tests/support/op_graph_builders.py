@@ -188,16 +188,18 @@ def pha_prefill_attention_graph(dev):
 
 
 def pha_gss_scan_graph(dev):
-    """(ends [B, M, H, 2N], a_chunk [2N], ct [H, 2N], chunks [B]) -> (carried [B, M, H, 2N],
-    entering_last [B, H, 2N])."""
-    types = [TensorType(F32, ["B", "M", "H", "R"], dev), TensorType(F32, ["A"], dev),
-             TensorType(F32, ["CH", "CR"], dev), TensorType(I64, ["NB"], dev)]
+    """(ends [B, M, H, 2N], xs [B, M, C, H], a_chunk [2N], a_step [2N], ct [H, 2N], lengths [B])
+    -> (carried [B, M, H, 2N], state [B, 2, H, N])."""
+    types = [TensorType(F32, ["B", "M", "H", "R"], dev), TensorType(F32, ["XB", "XM", "C", "XH"], dev),
+             TensorType(F32, ["A"], dev), TensorType(F32, ["AS"], dev), TensorType(F32, ["CH", "CR"], dev),
+             TensorType(I64, ["NB"], dev)]
     with Graph("pha_gss_scan_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
-        ends, a_chunk, ct, chunks = (x.tensor for x in g.inputs)
-        carried, last = ops.custom(OP_PHA_GSS_SCAN, device=dev, values=[ends, a_chunk, ct, chunks],
-                                   out_types=[TensorType(F32, ends.shape, dev),
-                                              TensorType(F32, [ends.shape[0], ends.shape[2], ends.shape[3]], dev)])
-        g.output(carried.tensor, last.tensor)
+        ends, xs, a_chunk, a_step, ct, lengths = (x.tensor for x in g.inputs)
+        B, H = ends.shape[0], ends.shape[2]
+        carried, state = ops.custom(OP_PHA_GSS_SCAN, device=dev, values=[ends, xs, a_chunk, a_step, ct, lengths],
+                                    out_types=[TensorType(F32, ends.shape, dev),
+                                               TensorType(F32, [B, 2, H, ct.shape[1] // 2], dev)])
+        g.output(carried.tensor, state.tensor)
     return g
 
 

@@ -1,5 +1,6 @@
 """The PHA prefill's GSS scan op (mojo/pha_gss_scan.mojo: the state carried across
-chunks, the prefill and score graphs' GSS on a CPU with the Mojo ops) against float64
+chunks and through each prompt's last tokens, the prefill graph's GSS on a CPU with the
+Mojo ops) against float64
 numpy, the plain-op prefill graph (``kernels=False``, its [M, M] decay matrix per mode)
 and the PyTorch reference.
 
@@ -32,17 +33,17 @@ plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
 
 @pytest.fixture
 def op_graph():
-    """The op alone: (ends [B, M, H, 2N], a_chunk [2N], ct [H, 2N], chunks [B]) ->
-    (carried [B, M, H, 2N], entering_last [B, H, 2N])."""
+    """The op alone: (ends [B, M, H, 2N], xs [B, M, C, H], a_chunk [2N], a_step [2N],
+    ct [H, 2N], lengths [B]) -> (carried [B, M, H, 2N], state [B, 2, H, N])."""
     return op_graph_model(OP_PHA_GSS_SCAN)
 
 
-def run_op(model, ends, a_chunk, ct, chunks):
+def run_op(model, ends, xs, a_chunk, a_step, ct, lengths):
     from max.driver import Buffer
 
-    arrays = (ends, a_chunk, ct, np.asarray(chunks, np.int64))
-    carried, last = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays))
-    return carried.to_numpy(), last.to_numpy()
+    arrays = (ends, xs, a_chunk, a_step, ct, np.asarray(lengths, np.int64))
+    carried, state = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+    return carried.to_numpy(), state.to_numpy()
 
 
 def pairs(z: np.ndarray) -> np.ndarray:
@@ -54,10 +55,15 @@ def complex_of(p: np.ndarray) -> np.ndarray:
     return p[..., :n] + 1j * p[..., n:]
 
 
+def state_of(state: np.ndarray) -> np.ndarray:
+    """The op's state [B, 2, H, N] (real parts, then imaginary) as complex [B, H, N]."""
+    return state[:, 0] + 1j * state[:, 1]
+
+
 def float64_scan(x, lengths, lam, ct, M):
     """The token-by-token recurrence s_t = A s_{t-1} + x_t in complex128 over prompts
     right-padded to M chunks: (carried [B, M, H, N] = Ct P_m for the chunks holding each
-    prompt, else 0; the state entering each prompt's last chunk [B, H, N]; each chunk's own
+    prompt, else 0; the state after each prompt's last token [B, H, N]; each chunk's own
     final state [B, M, H, N])."""
     B, T, H = x.shape
     A = np.exp(lam)
@@ -70,12 +76,12 @@ def float64_scan(x, lengths, lam, ct, M):
         for m in range(M):
             if m < chunks:
                 carried[b, m] = ct * s
-            if m == chunks - 1:
-                last[b] = s
             own = np.zeros_like(s)
             for t in range(m * CHUNK, (m + 1) * CHUNK):
                 own = A * own + x[b, t][:, None]
                 s = A * s + x[b, t][:, None]
+                if t == lengths[b] - 1:
+                    last[b] = s
             ends[b, m] = own
     return carried, last, ends
 
@@ -90,10 +96,13 @@ def random_case(B, M, H, N, seed, slow=False):
     return rng.normal(size=(B, M * CHUNK, H)), lam, ct
 
 
-def op_inputs(ends, lam, ct):
-    """The op's float32 inputs as the graph gives them (A**C from the float64 table)."""
-    a_chunk = pairs(np.exp(CHUNK * lam))
-    return pairs(ends).astype(np.float32), a_chunk.astype(np.float32), pairs(ct).astype(np.float32)
+def op_inputs(ends, x, lam, ct):
+    """The op's float32 inputs as the graph gives them (A**C and A from the float64
+    table; x [B, M C, H] as chunks [B, M, C, H])."""
+    B, T, H = x.shape
+    xs = x.reshape(B, T // CHUNK, CHUNK, H)
+    return tuple(a.astype(np.float32) for a in (pairs(ends), xs, pairs(np.exp(CHUNK * lam)), pairs(np.exp(lam)),
+                                                pairs(ct)))
 
 
 @op_alone
@@ -104,26 +113,29 @@ def op_inputs(ends, lam, ct):
     (1, 2, 8, [65]),  # one token into the second chunk
     (3, 4, 5, [200, 64, 129]),  # several chunks, padding past two prompts; N not a multiple of the SIMD width
     (2, 2, 8, [0, 130]),  # an empty prompt
+    (2, 3, 45, [70, 128]),  # modes in blocks of several vectors, one vector and single modes (the last chunk)
 ])
 def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths):
     M = max(1, -(-max(lengths) // CHUNK))
     x, lam, ct = random_case(B, M, H, N, seed=sum(lengths) + N)
     carried, last, ends = float64_scan(x, lengths, lam, ct, M)
-    got_carried, got_last = run_op(op_graph, *op_inputs(ends, lam, ct), [-(-n // CHUNK) for n in lengths])
+    got_carried, got_state = run_op(op_graph, *op_inputs(ends, x, lam, ct), lengths)
     scale = np.abs(carried).max() + 1e-30
     np.testing.assert_allclose(complex_of(got_carried), carried, rtol=0, atol=2e-6 * scale)
-    np.testing.assert_allclose(complex_of(got_last), last, rtol=0, atol=2e-6 * (np.abs(last).max() + 1e-30))
+    np.testing.assert_allclose(state_of(got_state), last, rtol=0, atol=2e-6 * (np.abs(last).max() + 1e-30))
     for b, n in enumerate(lengths):
         assert not got_carried[b, -(-n // CHUNK):].any()  # past the prompt: zeros, not left unwritten
         if n == 0:
-            assert not got_last[b].any()
+            assert not got_state[b].any()
 
 
 @op_alone
 def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
     """128 chunks of modes that keep 0.9999 of their size per token: the state entering
     each chunk against a complex128 sum of the powers of A, within the float32 rounding of
-    A**C compounded over the chunks crossed (127 * 2**-24, about 8e-6)."""
+    A**C compounded over the chunks crossed (127 * 2**-24, about 8e-6); the state after
+    the last token (no input in the last chunk: A**C times the state entering it) within
+    that and A's rounding over the chunk's 64 tokens."""
     M, H, N = 128, 2, 16
     rng = np.random.default_rng(3)
     _, lam, ct = random_case(1, 1, H, N, seed=3, slow=True)
@@ -132,25 +144,25 @@ def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
     entering = np.zeros((1, M, H, N), complex)
     for m in range(1, M):
         entering[0, m] = AC * entering[0, m - 1] + ends[0, m - 1]
-    got, last = run_op(op_graph, *op_inputs(ends, lam, ct), [M])
+    got, state = run_op(op_graph, *op_inputs(ends, np.zeros((1, M * CHUNK, H)), lam, ct), [M * CHUNK])
     error = np.abs(complex_of(got) - ct * entering) / np.abs(ct * entering).max()
     assert error.max() < 1e-5
-    np.testing.assert_allclose(complex_of(last)[0], entering[0, -1], rtol=0,
-                               atol=1e-5 * np.abs(entering[0, -1]).max())
+    after = AC * entering[0, -1]
+    np.testing.assert_allclose(state_of(state)[0], after, rtol=0, atol=1e-5 * np.abs(after).max())
 
 
 @op_alone
-@pytest.mark.parametrize("shapes, chunks, problem", [
-    (((1, 2, 3, 7), (7,), (3, 7)), [1], r"last axis \(7\) must be 2N"),
-    (((1, 2, 3, 8), (6,), (3, 8)), [1], "a_chunk has 6 entries, ends' rows 8"),
-    (((1, 2, 3, 8), (8,), (2, 8)), [1], r"ct must be \[H, 2N\] = \[3, 8\]"),
-    (((2, 2, 3, 8), (8,), (3, 8)), [1], "chunks must have one entry per sample"),
-    (((1, 2, 3, 8), (8,), (3, 8)), [3], r"chunks\[0\] = 3 outside \[0, 2\]"),
+@pytest.mark.parametrize("shapes, lengths, problem", [
+    (((1, 2, 3, 7), (1, 2, 4, 3), (7,), (7,), (3, 7)), [1], r"last axis \(7\) must be 2N"),
+    (((1, 2, 3, 8), (1, 2, 4, 2), (8,), (8,), (3, 8)), [1], r"xs must be \[B, M, C, H\] = \[1, 2, C, 3\]"),
+    (((1, 2, 3, 8), (1, 2, 4, 3), (6,), (8,), (3, 8)), [1], "a_chunk and a_step have 6 and 8 entries, ends' rows 8"),
+    (((1, 2, 3, 8), (1, 2, 4, 3), (8,), (8,), (2, 8)), [1], r"ct must be \[H, 2N\] = \[3, 8\]"),
+    (((2, 2, 3, 8), (2, 2, 4, 3), (8,), (8,), (3, 8)), [1], "lengths must have one entry per sample"),
+    (((1, 2, 3, 8), (1, 2, 4, 3), (8,), (8,), (3, 8)), [9], r"lengths\[0\] = 9 outside \[0, 8\]"),
 ])
-def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, chunks, problem):
-    ends, a_chunk, ct = (np.zeros(s, np.float32) for s in shapes)
+def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths, problem):
     with pytest.raises(Exception, match=problem):
-        run_op(op_graph, ends, a_chunk, ct, chunks)
+        run_op(op_graph, *(np.zeros(s, np.float32) for s in shapes), lengths)
 
 
 def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
