@@ -9,11 +9,11 @@ import pytest
 
 from srm_max.runtime.compiled import graph_kinds
 
-# every graph kind a CPU engine with the Mojo ops can build (the decode loop included)
-KERNEL_KINDS = ("prefill", "decode", "sample", "regroup", "decode_steps")
-# the graphs such an engine loads by itself (``Engine.graph_kinds``: its decodes take
-# decode_steps; the decode graph's loop is compiled only for tests that compare the two)
+# the graphs a CPU engine with the Mojo ops loads by itself (``Engine.graph_kinds``: its
+# decodes take decode_steps; the decode graph's loop is compiled only for tests that compare the two)
 ENGINE_KINDS = graph_kinds(steps_in_one_op=True)
+# every graph kind such an engine can build (the decode loop included)
+KERNEL_KINDS = ENGINE_KINDS + ("decode",)
 
 
 def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):

@@ -38,6 +38,7 @@ REPORT_EVERY_S = 15.0
 # how often the running children are checked: a finished one's core takes the next job
 POLL_S = 0.2
 
+
 @dataclass(frozen=True)
 class GraphJob:
     kind: str  # "prefill" | "decode" | "decode_steps" (CPU with kernels) | "sample" | "regroup"
