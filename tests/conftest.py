@@ -12,6 +12,7 @@ import pytest
 
 from srm_max.models.srm.config import SRMConfig
 from tests.support import op_graphs
+from tests.support.cpu_guard import guard_graph_jobs
 from tests.support.graphs import (
     KERNEL_GRAPHS_ONLY, compile_report, declared_graph_jobs, needs_only_float32_kernel_graphs, undeclared,
 )
@@ -59,7 +60,9 @@ def suite_graphs(request):
     from srm_max.runtime.precompile import precompile
     from srm_max.shipped_graphs import install
 
-    jobs = declared_graph_jobs(request.session.items)
+    # with the graphs the x86-64-v3 guard's children will load when it runs (compiled for its
+    # target here, beside the rest, rather than in each child one group at a time)
+    jobs = declared_graph_jobs(request.session.items) + guard_graph_jobs(request.session.items)
     install(jobs)  # the embedded model's graphs ship with the package (checked, not compiled)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PYTHONPATH", op_graphs.pythonpath_with_repo_root())  # the workers build the op graphs

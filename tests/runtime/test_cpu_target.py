@@ -21,63 +21,13 @@ from pathlib import Path
 import pytest
 
 from srm_max.runtime import cpu_target
-from tests.support.graphs import KERNEL_GRAPHS_ONLY
+from tests.support.cpu_guard import GUARD_OPTIONS, GUARD_TARGET, GUARD_TEST, GUARD_TESTS, guard_graph_jobs, guard_reason
 from tests.support.paths import REPO_ROOT as ROOT
 
-GUARD_TARGET = "x86-64-v3"
-PHA_OP = "tests/models/pha/test_pha_decode_op.py::"
-PREFILL_OP = "tests/models/pha/test_pha_prefill_attention_op.py::"
-GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
-# What the guard reruns: the project's own CPU code, the Mojo ops, whose tiles and vector
-# loops are written per SIMD width (AVX2: 8 float32 lanes, 16 registers; AVX-512: 16 and
-# 32), each against its float64 or reference form, through graphs of the op alone or of the
-# engine's decode op alone (each a small compile for x86-64-v3). The engines' other graphs
-# are MAX's own kernels around these ops, with no loop in them on a CPU (the MAX fault this
-# guard was made for struck plain ops inside ``ops.while_loop``, docs/avx2_crash.md, and the
-# CPU decode is one op now); they run as AVX2 code natively on the AVX2 CI machines.
-#
-# Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
-# faults at random calls once a PHA model has been loaded into a process after another has
-# run (docs/avx2_crash.md), so the PHA's ops run apart from the SRM's and from each other:
-# the SRM's ops (the mixer's step and scan, the whole decode step and its steps with the
-# row sampler, the score graphs' head and row reduction, the prefill's dense layer), the
-# PHA decode op's tests against the reference (the op's engine alone), and the PHA
-# prefill's two ops against float64 (the attention op on lengths across its AVX2 tiles,
-# the GSS scan op).
-GUARD_TESTS = (
-    ("tests/models/srm/test_kernels.py", "tests/models/srm/test_decode_step_op.py",
-     "tests/models/srm/test_score_head.py", "tests/models/srm/test_score_rows.py",
-     "tests/models/srm/test_linear_op.py"),
-    tuple(PHA_OP + name for name in (
-        "test_greedy_batch_equals_the_reference", "test_greedy_batch_of_one_across_blocks_and_slices",
-        "test_a_sample_past_the_context_leaves_its_batch_mates_alone",
-        "test_query_heads_read_in_groups_equal_the_reference",
-        "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
-    (PREFILL_OP + "test_the_op_equals_float64_causal_attention",
-     GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens"),
-)
-# Only tests whose graphs are float32 graphs with the Mojo ops (the op-alone graphs are, so
-# each child compiles those it runs up front, side by side); the slow ones (a virtual GPU's
-# compile) are no CPU code.
-GUARD_OPTIONS = (KERNEL_GRAPHS_ONLY, "-m", "not slow")
 # A child that dies by a signal runs again, up to this many times in all: that runtime
 # fault strikes a child now and then, while a fault of the graphs' own AVX2 code strikes
 # every run (the crash this guard was made for did), so it still fails the guard.
 CRASH_ATTEMPTS = 3
-
-
-def _guard_reason() -> str | None:
-    """Why the guard does not run here (None: it runs)."""
-    if cpu_target.requested():
-        return f"this run already compiles for {cpu_target.requested()}"
-    host = cpu_target.host_x86_level()
-    if host is None:
-        return "not an x86-64 host"
-    if os.environ.get("SRM_MAX_TARGET_GUARD") == "1":
-        return None
-    if host == GUARD_TARGET:
-        return f"the host is an {GUARD_TARGET} CPU: the suite's own engine tests ran AVX2 code"
-    return None
 
 
 def last_started_test(verbose_output: str) -> str | None:
@@ -146,7 +96,7 @@ def test_a_crash_that_does_not_recur_passes_and_a_failure_is_not_retried(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_guard_reason() is not None, reason=str(_guard_reason()))
+@pytest.mark.skipif(guard_reason() is not None, reason=str(guard_reason()))
 def test_the_mojo_ops_pass_compiled_for_avx2():
     problems = [run_for_target(tests, GUARD_TARGET, attempts=CRASH_ATTEMPTS, options=GUARD_OPTIONS)
                 for tests in GUARD_TESTS]
@@ -158,7 +108,7 @@ def test_the_mojo_ops_pass_compiled_for_avx2():
 def test_the_guard_names_tests_that_exist():
     """A renamed test would leave the guard selecting nothing from it (pytest exits
     with 4 on an unknown node id, so this also keeps the error readable)."""
-    for tests in GUARD_TESTS:
+    for tests in GUARD_TESTS + ((GUARD_TEST,),):
         for test in tests:
             path, _, name = test.partition("::")
             assert (ROOT / path).exists(), test
@@ -179,3 +129,36 @@ def test_the_guard_selects_the_tests_of_the_float32_kernel_graphs_only():
                      "test_bfloat16_logits_close_and_greedy_equal", "test_mixer_kernels_and_plain_ops_agree"):
         assert left_out not in selected
     assert re.search(r"\d+/\d+ tests collected \(\d+ deselected\)", proc.stdout), proc.stdout[-500:]
+
+
+def test_the_session_compiles_the_guards_graphs_for_its_target_when_it_runs(monkeypatch):
+    """tests/conftest.py compiles up front, for x86-64-v3, the graphs of the collected tests
+    the guard's children rerun (float32 graphs with the Mojo ops, not slow), and nothing
+    for the guard when the guard is not collected or skips."""
+    from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_PREFILL_ATTENTION, OP_SCAN
+    from tests.support import op_graphs
+    from tests.support.cpu_guard import PREFILL_OP
+    from tests.support.graphs import graphs, op_graphs as declare
+    from tests.support.stand_ins import MarkedItem
+    from tests.support.tiny import TINY
+
+    items = [MarkedItem(nodeid=GUARD_TEST),
+             MarkedItem(declare(OP_SCAN), nodeid="tests/models/srm/test_kernels.py::test_a[1-2]"),
+             MarkedItem(declare(OP_PHA_PREFILL_ATTENTION), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention[x]"),
+             # not rerun: another test of a file the guard takes some tests of, a longer name,
+             # a plain-op graph, a slow test, a file the guard does not take
+             MarkedItem(declare(OP_LINEAR), nodeid=PREFILL_OP + "test_the_op_refuses_bad_shapes_naming_the_problem"),
+             MarkedItem(declare(OP_LINEAR), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention_too"),
+             MarkedItem(graphs(TINY, ("prefill",), kernels=False), nodeid="tests/models/srm/test_kernels.py::test_b"),
+             MarkedItem(declare(OP_LINEAR), pytest.mark.slow, nodeid="tests/models/srm/test_linear_op.py::test_c"),
+             MarkedItem(declare(OP_LINEAR), nodeid="tests/models/srm/test_engine.py::test_d")]
+    monkeypatch.delenv(cpu_target.ENV, raising=False)
+    monkeypatch.setenv("SRM_MAX_TARGET_GUARD", "1")
+    if guard_reason() is not None:
+        pytest.skip(guard_reason())
+    jobs = guard_graph_jobs(items)
+    assert [(job.kind, job.cpu_target) for job in jobs] == [(OP_SCAN, GUARD_TARGET), (OP_PHA_PREFILL_ATTENTION, GUARD_TARGET)]
+    assert jobs[0].mef_path() != op_graphs.job(OP_SCAN).mef_path()
+    assert guard_graph_jobs(items[1:]) == []
+    monkeypatch.setenv(cpu_target.ENV, GUARD_TARGET)  # a run that compiles for the target already
+    assert guard_graph_jobs(items) == []

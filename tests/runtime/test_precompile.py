@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from tests.support.stand_ins import MarkedItem
+
 # A user's first script: no ``if __name__ == "__main__":`` guard. It counts its own
 # top-level runs in a file and asks two compile workers for graphs of a kind that does
 # not exist, so the workers fail fast (no real compile) and say why.
@@ -87,20 +89,37 @@ def test_precompile_starts_the_longest_graphs_first(tmp_path, monkeypatch):
     assert len(handed) == 5 and sizes == sorted(sizes, reverse=True) and handed[0].kind == "prefill"
 
 
+def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, monkeypatch):
+    """A job naming a CPU target has that target's cache key, and its compile worker runs
+    with ``SRM_MAX_CPU_TARGET`` set to it (the worker refuses a job whose target its
+    process does not compile for, since its .mef would land under another key)."""
+    import dataclasses
+    import os
+    import pickle
+
+    from srm_max.models import registry
+    from srm_max.runtime import cpu_target
+    from srm_max.runtime.compile_cache import graph_key
+    from srm_max.runtime.precompile import compile_in_workers
+    from tests.support.tiny import TINY
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    host = registry.of(TINY).graph_job("regroup", TINY)
+    v3 = dataclasses.replace(host, cpu_target="x86-64-v3")
+    graph = host.graph()
+    assert v3.mef_path() == tmp_path / "mef" / f"{graph.name}-{graph_key(graph, host.graph_salt, 'x86-64-v3')}.mef"
+    assert v3.mef_path() != host.mef_path() and v3.mef_path().parent == host.mef_path().parent
+    # the worker gets the target (it fails on the unknown kind, after the target check)
+    with pytest.raises(RuntimeError, match="unknown SRM graph kind 'no_such_kind'"):
+        compile_in_workers([dataclasses.replace(v3, kind="no_such_kind")], workers=1)
+    proc = subprocess.run([sys.executable, "-m", "srm_max.runtime.precompile"], input=pickle.dumps(v3),
+                          capture_output=True, timeout=300, env={k: v for k, v in os.environ.items() if k != cpu_target.ENV})
+    assert proc.returncode != 0 and b"the job is for x86-64-v3, this process compiles for host-" in proc.stderr
+
+
 # The op tests' graphs (tests/support/op_graphs.py) are compile jobs like the engines': the
 # marker declares them, the session compiles them up front in the same workers, and a test
 # that uses one it does not declare fails.
-
-
-class Declaring:
-    """A stand-in for a test item carrying the given marks."""
-
-    def __init__(self, *marks):
-        self.nodeid = "tests/x.py::test_x"
-        self.marks = [m.mark for m in marks]
-
-    def iter_markers(self, name):
-        return [m for m in self.marks if m.name == name]
 
 
 def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
@@ -109,12 +128,12 @@ def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
     from tests.support.op_graphs import job
     from tests.support.tiny import TINY
 
-    item = Declaring(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64))
+    item = MarkedItem(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64))
     assert declared_graph_jobs([item]) == [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]
     assert undeclared(item, [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]) == []
     assert undeclared(item, [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]) == [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]
     assert needs_only_float32_kernel_graphs(item)
-    assert not needs_only_float32_kernel_graphs(Declaring(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False)))
+    assert not needs_only_float32_kernel_graphs(MarkedItem(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False)))
     with pytest.raises(ValueError, match=f"no graph of the op '{OP_WRITE_STATE_ROWS}' alone"):
         op_graphs(OP_WRITE_STATE_ROWS)
 
@@ -127,7 +146,7 @@ def test_a_test_using_an_op_graph_it_does_not_declare_fails():
     from tests.support import op_graphs
     from tests.support.graphs import op_graphs as declare
 
-    item = Declaring(declare(OP_SCAN))
+    item = MarkedItem(declare(OP_SCAN))
     # the uses a test made (patched only around each check: this test's own check follows)
     for used, problem in (({op_graphs.job(OP_SCAN)}, None),
                           ({op_graphs.job(OP_SCAN), op_graphs.job(OP_LINEAR)}, rf"add op_graphs\({OP_LINEAR}\)")):
@@ -164,8 +183,7 @@ def test_the_compile_report_names_each_graph_dearest_first_with_the_file_declari
     from tests.support.graphs import compile_report, op_graphs
     from tests.support.op_graphs import job
 
-    first, second = Declaring(op_graphs(OP_SCAN)), Declaring(op_graphs(OP_SCAN, OP_LINEAR))
-    second.nodeid = "tests/y.py::test_y"
+    first, second = MarkedItem(op_graphs(OP_SCAN)), MarkedItem(op_graphs(OP_SCAN, OP_LINEAR), nodeid="tests/y.py::test_y")
     lines = compile_report({job(OP_SCAN): 12.4, job(OP_LINEAR): 40.0}, [first, second])
     assert lines[0].startswith("2 graphs compiled up front, 52 s of compiling")
     assert lines[1:] == [f"     40 s  {OP_LINEAR} (mojo_ops, float32, Mojo ops), declared by tests/y.py",

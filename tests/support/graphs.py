@@ -5,6 +5,8 @@ the session compiles all of them up front, side by side (tests/conftest.py
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from srm_max.runtime.compiled import graph_kinds
@@ -58,8 +60,9 @@ def compile_report(seconds: dict, items) -> list[str]:
              "(side by side, so more than the wall-clock time):"]
     for job, s in sorted(seconds.items(), key=lambda js: -js[1]):
         ops = "Mojo ops" if job.kernels else "plain ops"
-        where = first_file.get(job.mef_path(), "?")
-        lines.append(f"{s:7.0f} s  {job.kind} ({job.architecture}, {job.dtype}, {ops}), declared by {where}")
+        target = f", for {job.cpu_target}" if job.cpu_target else ""
+        where = first_file.get(dataclasses.replace(job, cpu_target="").mef_path(), "?")
+        lines.append(f"{s:7.0f} s  {job.kind} ({job.architecture}, {job.dtype}, {ops}{target}), declared by {where}")
     return lines
 
 

@@ -1,4 +1,4 @@
-"""Stand-ins for an engine."""
+"""Stand-ins for an engine and for a collected test."""
 
 from __future__ import annotations
 
@@ -13,3 +13,17 @@ class NoWork:
     def __getattr__(self, name):
         raise AssertionError(f"engine.{name} used before the arguments were checked")
 
+
+
+class MarkedItem:
+    """Stands in for a collected test (a pytest item) with ``nodeid`` and the given marks."""
+
+    def __init__(self, *marks, nodeid: str = "tests/x.py::test_x"):
+        self.nodeid = nodeid
+        self.marks = [getattr(m, "mark", m) for m in marks]
+
+    def iter_markers(self, name):
+        return [m for m in self.marks if m.name == name]
+
+    def get_closest_marker(self, name):
+        return next(iter(self.iter_markers(name)), None)

@@ -68,9 +68,10 @@ def graph_key(graph: Graph, graph_salt: bytes = b"", target: str | None = None) 
     return digest.hexdigest()[:24]
 
 
-def mef_path(graph: Graph, graph_salt: bytes = b"") -> Path:
-    """Where the compiled ``graph`` is (or would be) cached."""
-    return cache_dir() / "mef" / f"{graph.name}-{graph_key(graph, graph_salt)}.mef"
+def mef_path(graph: Graph, graph_salt: bytes = b"", target: str | None = None) -> Path:
+    """Where the compiled ``graph`` is (or would be) cached, compiled for the CPU ``target``
+    (default: what this process compiles for)."""
+    return cache_dir() / "mef" / f"{graph.name}-{graph_key(graph, graph_salt, target)}.mef"
 
 
 def compile_to_cache(session: InferenceSession, graph: Graph, graph_salt: bytes = b""):

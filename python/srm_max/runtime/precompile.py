@@ -7,7 +7,9 @@ device, kernels, and its architecture's graph builder, pickled by name); a child
 process (``python -m srm_max.runtime.precompile``) builds it exactly as the engine
 does, compiles it and writes the ``.mef`` file the engine then loads in
 milliseconds (``compile_cache``). Children inherit the
-environment, so ``SRM_MAX_CPU_TARGET`` holds for them too.
+environment, so ``SRM_MAX_CPU_TARGET`` holds for them too; a job that names a CPU
+target of its own sets it for its child alone (one session can fill the cache for
+another process that will compile for that target).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
 
+from . import cpu_target as targets
 from .compile_cache import cache_dir, compile_to_cache, mef_path
 from .device import DTYPES, resolve_device
 
@@ -48,6 +51,7 @@ class GraphJob:
     kernels: bool  # the Mojo ops
     build: Callable  # the architecture's (kind, config, weight DType, DeviceRef, kernels) -> Graph
     graph_salt: bytes  # the architecture's salt of its graphs' cache keys (compile_cache.graph_key)
+    cpu_target: str = ""  # the virtual CPU target to compile for ("": what this process compiles for)
 
     @property
     def architecture(self) -> str:
@@ -75,7 +79,7 @@ class GraphJob:
 @functools.lru_cache(maxsize=None)
 def _built(job: GraphJob, directory: str) -> tuple[Path, int]:  # directory: part of the memo key only
     graph = job.graph()
-    return mef_path(graph, job.graph_salt), str(graph).count("\n")
+    return mef_path(graph, job.graph_salt, job.cpu_target or None), str(graph).count("\n")
 
 
 def _compile(job: GraphJob) -> float:
@@ -87,7 +91,8 @@ def _compile(job: GraphJob) -> float:
 
 
 def _describe(jobs: list[GraphJob]) -> str:
-    kinds = ", ".join(f"{j.kind} ({j.architecture}, {j.dtype}, {j.device})" for j in jobs)
+    kinds = ", ".join(f"{j.kind} ({j.architecture}, {j.dtype}, {j.device}{', ' + j.cpu_target if j.cpu_target else ''})"
+                      for j in jobs)
     return f"{len(jobs)} MAX graph{'s' if len(jobs) > 1 else ''}: {kinds}"
 
 
@@ -108,8 +113,9 @@ def compile_in_workers(jobs: list[GraphJob], workers: int) -> dict[GraphJob, flo
             while pending and len(running) < max(1, workers):
                 job = pending.popleft()
                 out = tempfile.TemporaryFile()
+                env = os.environ | {targets.ENV: job.cpu_target} if job.cpu_target else None
                 proc = subprocess.Popen([sys.executable, "-m", "srm_max.runtime.precompile"], stdin=subprocess.PIPE,
-                                        stdout=out, stderr=subprocess.STDOUT)
+                                        stdout=out, stderr=subprocess.STDOUT, env=env)
                 proc.stdin.write(pickle.dumps(job))
                 proc.stdin.close()
                 running[job] = (proc, out)
@@ -175,6 +181,9 @@ def _worker_main() -> int:
     job = pickle.loads(sys.stdin.buffer.read())
     if not isinstance(job, GraphJob):
         raise SystemExit("srm_max.runtime.precompile: expected a pickled GraphJob on stdin")
+    if job.cpu_target and targets.current() != job.cpu_target:  # its .mef would go under another key
+        raise SystemExit(f"srm_max.runtime.precompile: the job is for {job.cpu_target}, this process compiles "
+                         f"for {targets.current()}")
     print(_compile(job), flush=True)
     # The .mef file is complete (written atomically) once _compile returns; MAX's worker
     # threads can abort the interpreter's teardown after that ("terminate called without an
