@@ -1,6 +1,7 @@
 """The op tests' graphs: each Mojo op alone (the row sampler beside graphs/sampler.py's
 sampler, which it must equal), float32, every dimension symbolic where the op allows, so
-one compile serves every shape a test tries. tests/support/op_graphs.py names them by op,
+one compile serves every shape a test tries; and one piece of the PHA prefill graph alone
+(the placement of its states). tests/support/op_graphs.py names them by op (or piece),
 compiles them up front and loads them."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from max.dtype import DType
 from max.graph import Dim, Graph, TensorType, ops
 
 from srm_max.graphs import sampler
+from srm_max.graphs.pha.model import PrefillStates, StateLayout
 from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
                                      OP_PHA_PREFILL_ATTENTION, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
+from srm_max.models.pha.config import PHAConfig
 from srm_max.models.srm.packing import INPUTS
 from srm_max.runtime.kernels import kernel_library
 
@@ -203,3 +206,35 @@ def pha_gss_scan_graph(dev):
     return g
 
 
+
+
+# The PHA prefill's placement of each layer's states in the state tensor (``PrefillStates``),
+# alone, for two configs in one graph: head width 4 and a GSS state of 2 * 3 * 3 = 18 floats
+# (pieces of gcd(18, 4) = 2 floats per cache row), and a model without the GSS branch.
+PHA_PREFILL_STATES = "pha_prefill_states"
+NARROW = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
+                   gss_hidden_dim=3, dss_state_size=3)
+NO_GSS = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
+                   branches=("attn", "ffn"))
+PREFILL_STATES_CONFIGS = (NARROW, NO_GSS)
+
+
+def pha_prefill_states_graph(dev):
+    """(positions [T], then per config: its GSS state [b, gss] if it has one, keys and values
+    [b, T, kv]) -> each config's state rows [b, width]."""
+    kv = NARROW.n_kv_heads * NARROW.head_dim
+    inputs = [TensorType(I64, ["t"], dev)]
+    for c in PREFILL_STATES_CONFIGS:
+        gss = StateLayout.of(c).gss
+        inputs += ([TensorType(F32, ["b", gss], dev)] if gss else []) + [TensorType(F32, ["b", "t", kv], dev)] * 2
+    with Graph("pha_prefill_states_alone", input_types=inputs) as g:
+        pos, *rest = (v.tensor for v in g.inputs)
+        outs = []
+        for c in PREFILL_STATES_CONFIGS:
+            found = {}
+            if StateLayout.of(c).gss:
+                found["gss"], rest = rest[0], rest[1:]
+            found["attn"], rest = (rest[0], rest[1]), rest[2:]
+            outs.append(PrefillStates(c, pos, found["attn"][0].shape[0], dev).layer(found))
+        g.output(*outs)
+    return g

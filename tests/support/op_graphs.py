@@ -1,5 +1,5 @@
 """The op tests' compiled graphs (tests/support/op_graph_builders.py), named by the op they
-test and treated like the engines' graphs: a test declares the ones it uses
+test (or the piece of a graph they hold) and treated like the engines' graphs: a test declares the ones it uses
 (``op_graphs(OP_SCAN)`` in tests/support/graphs.py), the session compiles every declared
 graph up front, side by side (tests/conftest.py ``suite_graphs``), and ``model`` then loads
 it from the cache. A cold compile of even one op alone takes tens of seconds: compiled on
@@ -26,7 +26,8 @@ from srm_max.runtime.precompile import GraphJob
 from tests.support import op_graph_builders as build
 from tests.support.paths import REPO_ROOT
 
-# each op's graph (the op alone; the row sampler beside graphs/sampler.py's sampler)
+# each op's graph (the op alone; the row sampler beside graphs/sampler.py's sampler), and
+# the PHA prefill's state placement alone
 BUILDERS = {
     OP_STEP_FUNCTIONAL: build.step_graph,
     OP_SCAN: build.scan_graph,
@@ -38,6 +39,7 @@ BUILDERS = {
     OP_SAMPLE_ROWS: build.sample_rows_graph,
     OP_PHA_PREFILL_ATTENTION: build.pha_prefill_attention_graph,
     OP_PHA_GSS_SCAN: build.pha_gss_scan_graph,
+    build.PHA_PREFILL_STATES: build.pha_prefill_states_graph,
 }
 
 

@@ -4,22 +4,19 @@ row narrower than the row (a GSS state that is not a whole number of cache rows)
 prompt shorter than the context (zero rows after it) and one longer (the chunk padding
 runs past the context), two samples, and a model without the GSS branch.
 
-One small graph holds both configs (a compile is the dear part)."""
+One small graph holds both configs (tests/support/op_graph_builders.py), compiled up front
+with the suite's other graphs."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from srm_max.graphs.pha.model import PrefillStates, StateLayout
-from srm_max.models.pha.config import PHAConfig
+from srm_max.graphs.pha.model import StateLayout
+from tests.support.graphs import op_graphs
+from tests.support.op_graph_builders import NARROW, PHA_PREFILL_STATES, PREFILL_STATES_CONFIGS as CONFIGS
 
-# head width 4, GSS state 2 * 3 * 3 = 18 floats: rows of gcd(18, 4) = 2 floats
-NARROW = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
-                   gss_hidden_dim=3, dss_state_size=3)
-NO_GSS = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
-                   branches=("attn", "ffn"))
-CONFIGS = (NARROW, NO_GSS)
+pytestmark = op_graphs(PHA_PREFILL_STATES)  # one small graph holds both configs
 
 
 def expected_state(config, gss, keys, values):
@@ -39,30 +36,9 @@ def expected_state(config, gss, keys, values):
 
 @pytest.fixture(scope="module")
 def model():
-    from max.driver import CPU
-    from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType
+    from tests.support import op_graphs as compiled
 
-    from srm_max.graphs.ops import F32, I64
-    from srm_max.runtime.compile_cache import load_compiled
-
-    cpu = DeviceRef.CPU()
-    kv = NARROW.n_kv_heads * NARROW.head_dim
-    inputs = [TensorType(I64, ["t"], cpu)]
-    for c in CONFIGS:
-        gss = StateLayout.of(c).gss
-        inputs += ([TensorType(F32, ["b", gss], cpu)] if gss else []) + [TensorType(F32, ["b", "t", kv], cpu)] * 2
-    with Graph("prefill_states_check", input_types=inputs) as g:
-        pos, *rest = (v.tensor for v in g.inputs)
-        outs = []
-        for c in CONFIGS:
-            found = {}
-            if StateLayout.of(c).gss:
-                found["gss"], rest = rest[0], rest[1:]
-            found["attn"], rest = (rest[0], rest[1]), rest[2:]
-            outs.append(PrefillStates(c, pos, found["attn"][0].shape[0], cpu).layer(found))
-        g.output(*outs)
-    return load_compiled(InferenceSession(devices=[CPU()]), g)  # cached: a later run loads it in milliseconds
+    return compiled.model(PHA_PREFILL_STATES)
 
 
 @pytest.mark.parametrize("T", [5, 12, 16])  # shorter than the context, as long, past it (chunk padding)
