@@ -265,10 +265,12 @@ class SlotPool:
         joins = {id(s): j for j, s in enumerate(starting)}
         pool = self._states if any(id(s) in at for s in rows) else None
         offset = len(at) if pool is not None else 0
-        index = [at[id(s)] if id(s) in at else offset + fresh_rows[joins[id(s)]] for s in rows]
-        self._ids = np.array([self._ids[at[id(s)]] if id(s) in at else first[joins[id(s)]] for s in rows], np.int64)
-        self._positions = np.array([self._positions[at[id(s)]] if id(s) in at else len(s.prompt) for s in rows],
-                                   np.int64)
+        # each row's source: (its row in the regrouped states, its current id, its position),
+        # a kept row's or a starting sequence's
+        sources = [(at[id(s)], self._ids[at[id(s)]], self._positions[at[id(s)]]) if id(s) in at
+                   else (offset + fresh_rows[joins[id(s)]], first[joins[id(s)]], len(s.prompt)) for s in rows]
+        index, ids, positions = (list(column) for column in zip(*sources)) if sources else ([], [], [])
+        self._ids, self._positions = np.array(ids, np.int64), np.array(positions, np.int64)
         self.rows = rows
         self._device_inputs = None
         if not self.rows:
