@@ -3,6 +3,8 @@ comparisons of a MAX PHA engine's prefill, decode and states with that reference
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -36,6 +38,13 @@ def randomized(config: PHAConfig, dtype=torch.float64, seed=0) -> PHA:
 CONFIG = PHAConfig(vocab_size=TINY.vocab_size, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
                    dss_state_size=8)
 
+# The ablations through the MAX engines, each on a config of its own (one graph per kind
+# each): the GSS branch alone, and attention alone, each with the FFNs. Attention alone has
+# 4 query heads of width 32 on one KV head: a head width that is a multiple of the vector
+# width, where the decode op reads each cached row once for the group's query heads
+# together (its grouped loop; CONFIG's head width of 4 takes the loop of one head at a time).
+GSS_ALONE = dataclasses.replace(CONFIG, branches=("gss", "ffn"))
+ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"), d_model=128, n_q_heads=4, n_kv_heads=1)
 
 def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
     """Float32 reference with unequal mixing weights, varied logit scales, non-trivial

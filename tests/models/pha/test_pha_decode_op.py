@@ -22,7 +22,8 @@ from srm_max.errors import GenerationError
 from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import CONFIG, assert_states_close, cpu_engine, prompts_of, random_pha, ref_greedy, reference_start
+from tests.support.pha import (ATTENTION_ALONE, CONFIG, GSS_ALONE, assert_states_close, cpu_engine, prompts_of,
+                               random_pha, ref_greedy, reference_start)
 from tests.support.prompts import reference_prefill
 
 # the op's engine runs its decode_steps graph only; the plain engine prefills and decodes
@@ -30,14 +31,14 @@ from tests.support.prompts import reference_prefill
 pytestmark = graphs(CONFIG, ("decode_steps",), kernels=True)
 plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
 # the ablations, each through the op (one small graph each)
-ABLATIONS = {"gss_alone": dataclasses.replace(CONFIG, branches=("gss", "ffn")),
-             "attention_alone": dataclasses.replace(CONFIG, branches=("attn", "ffn"))}
+ABLATIONS = {"gss_alone": GSS_ALONE, "attention_alone": ATTENTION_ALONE}
 # Head widths that are a multiple of the vector width, where the op's attention reads each
 # cached row once for the query heads of a group together (``_attn_group_blocks``, sums
 # kept in registers: 64 columns a pass for 2 heads, 32 for 4); CONFIG's head width of 4
-# takes the loop of one head at a time. One small graph each.
+# takes the loop of one head at a time. The 4 heads of 32 are the attention-alone
+# ablation's (one graph for both tests).
 GROUPED_HEADS = {"2_heads_of_64": dataclasses.replace(CONFIG, d_model=128, n_q_heads=2, n_kv_heads=1),
-                 "4_heads_of_32": dataclasses.replace(CONFIG, d_model=128, n_q_heads=4, n_kv_heads=1)}
+                 "4_heads_of_32": ATTENTION_ALONE}
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ with no GSS branch, compiles one prefill graph of its own.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -22,14 +20,14 @@ from srm_max.graphs.op_names import OP_PHA_PREFILL_ATTENTION
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs, op_graphs
 from tests.support.op_graphs import model as op_graph_model
-from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference, assert_states_close, prompts_of, random_pha
+from tests.support.pha import (ATTENTION_ALONE, CONFIG, assert_prefill_equals_plain_and_reference, assert_states_close,
+                               prompts_of, random_pha)
 
 # the op's own tests run a graph of the op alone; the tests that prefill through it, the
 # engines' prefill graphs
 op_alone = op_graphs(OP_PHA_PREFILL_ATTENTION)
 op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
-ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"))
 # lengths ending inside, on and after a tile of 32 and of 64 queries, and at the context
 LENGTHS = [1, 31, 32, 33, 63, 64, 65, 100, 160]
 
