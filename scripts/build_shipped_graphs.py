@@ -10,8 +10,8 @@ Writes ``python/srm_max/model/compiled/``:
   used (``srm_max.shipped_graphs``);
 * ``max-<MAX version>/<target>/<graph>-<key>.mef`` for each target: the
   prefill, sample, regroup and decode_steps graphs (float32, CPU, Mojo ops), each
-  compiled in a fresh cache by a ``srm_max.runtime.precompile`` child with
-  ``SRM_MAX_CPU_TARGET=<target>``. Graphs shipped for other MAX versions are
+  compiled in a fresh cache by a ``srm_max.runtime.precompile`` child compiling
+  for ``<target>`` (a job's ``cpu_target``). Graphs shipped for other MAX versions are
   removed.
 
 Run it after any change to graphs/, mojo/, the graph-building code or MAX:
@@ -23,6 +23,7 @@ against the known answer where this CPU can run them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -89,16 +90,14 @@ def known_answer() -> dict[str, np.ndarray]:
 
 def build_target(target: str, workers: int) -> list[Path]:
     """Compile the shipped graphs for ``target`` in a fresh cache; -> the shipped files."""
-    from srm_max.runtime import cpu_target
     from srm_max import shipped_graphs
     from srm_max.runtime.precompile import compile_in_workers
 
-    jobs = shipped_graphs.embedded_jobs()
-    saved = {k: os.environ.get(k) for k in ("SRM_MAX_CACHE", cpu_target.ENV)}
+    # each job's child compiles for its own target (GraphJob.cpu_target)
+    jobs = [dataclasses.replace(job, cpu_target=target) for job in shipped_graphs.embedded_jobs()]
+    saved = os.environ.get("SRM_MAX_CACHE")
     with tempfile.TemporaryDirectory(prefix="srm-shipped-") as cache:
-        # the children inherit both: a cold compile for exactly this target
-        os.environ["SRM_MAX_CACHE"] = cache
-        os.environ[cpu_target.ENV] = target
+        os.environ["SRM_MAX_CACHE"] = cache  # the children inherit it: a cold compile
         try:
             compile_in_workers(jobs, workers)
             out = shipped_graphs.version_dir() / target
@@ -108,15 +107,13 @@ def build_target(target: str, workers: int) -> list[Path]:
             files = []
             for job in jobs:
                 shipped = shipped_graphs.shipped_file(job, target)
-                # the child keyed it for the target it compiled for: the same name
-                shutil.copyfile(Path(cache) / "mef" / shipped.name, shipped)
+                shutil.copyfile(job.mef_path(), shipped)  # keyed for the same target: the same name
                 files.append(shipped)
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            if saved is None:
+                os.environ.pop("SRM_MAX_CACHE", None)
+            else:
+                os.environ["SRM_MAX_CACHE"] = saved
     return files
 
 

@@ -91,7 +91,7 @@ def _compile(job: GraphJob) -> float:
 
 
 def _describe(jobs: list[GraphJob]) -> str:
-    kinds = ", ".join(f"{j.kind} ({j.architecture}, {j.dtype}, {j.device}{', ' + j.cpu_target if j.cpu_target else ''})"
+    kinds = ", ".join(f"{j.kind} ({', '.join(filter(None, (j.architecture, j.dtype, j.device, j.cpu_target)))})"
                       for j in jobs)
     return f"{len(jobs)} MAX graph{'s' if len(jobs) > 1 else ''}: {kinds}"
 
