@@ -8,6 +8,8 @@ tests of the project's Mojo ops run again in child processes with
 its float64 or reference form. A child that crashes in every run is reported as a
 failure naming the test each crash was in, instead of killing this run.
 ``SRM_MAX_TARGET_GUARD=1`` runs it on any x86-64 host (to check the guard itself).
+What the guard reruns is in tests/support/cpu_guard.py, whose graphs the session compiles
+up front for the guard's target (tests/conftest.py), so the children find them cached.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from srm_max.runtime import cpu_target
-from tests.support.cpu_guard import GUARD_OPTIONS, GUARD_TARGET, GUARD_TEST, GUARD_TESTS, guard_graph_jobs, guard_reason
+from tests.support.cpu_guard import (GUARD_OPTIONS, GUARD_TARGET, GUARD_TEST, GUARD_TESTS, guard_graph_jobs,
+                                     guard_reason)
 from tests.support.paths import REPO_ROOT as ROOT
 
 # A child that dies by a signal runs again, up to this many times in all: that runtime
@@ -144,7 +147,8 @@ def test_the_session_compiles_the_guards_graphs_for_its_target_when_it_runs(monk
 
     items = [MarkedItem(nodeid=GUARD_TEST),
              MarkedItem(declare(OP_SCAN), nodeid="tests/models/srm/test_kernels.py::test_a[1-2]"),
-             MarkedItem(declare(OP_PHA_PREFILL_ATTENTION), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention[x]"),
+             MarkedItem(declare(OP_PHA_PREFILL_ATTENTION),
+                        nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention[x]"),
              # not rerun: another test of a file the guard takes some tests of, a longer name,
              # a plain-op graph, a slow test, a file the guard does not take
              MarkedItem(declare(OP_LINEAR), nodeid=PREFILL_OP + "test_the_op_refuses_bad_shapes_naming_the_problem"),
@@ -157,7 +161,8 @@ def test_the_session_compiles_the_guards_graphs_for_its_target_when_it_runs(monk
     if guard_reason() is not None:
         pytest.skip(guard_reason())
     jobs = guard_graph_jobs(items)
-    assert [(job.kind, job.cpu_target) for job in jobs] == [(OP_SCAN, GUARD_TARGET), (OP_PHA_PREFILL_ATTENTION, GUARD_TARGET)]
+    assert [(job.kind, job.cpu_target) for job in jobs] == [(OP_SCAN, GUARD_TARGET),
+                                                             (OP_PHA_PREFILL_ATTENTION, GUARD_TARGET)]
     assert jobs[0].mef_path() != op_graphs.job(OP_SCAN).mef_path()
     assert guard_graph_jobs(items[1:]) == []
     monkeypatch.setenv(cpu_target.ENV, GUARD_TARGET)  # a run that compiles for the target already

@@ -112,8 +112,9 @@ def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, mo
     # the worker gets the target (it fails on the unknown kind, after the target check)
     with pytest.raises(RuntimeError, match="unknown SRM graph kind 'no_such_kind'"):
         compile_in_workers([dataclasses.replace(v3, kind="no_such_kind")], workers=1)
+    host_env = {k: v for k, v in os.environ.items() if k != cpu_target.ENV}
     proc = subprocess.run([sys.executable, "-m", "srm_max.runtime.precompile"], input=pickle.dumps(v3),
-                          capture_output=True, timeout=300, env={k: v for k, v in os.environ.items() if k != cpu_target.ENV})
+                          capture_output=True, timeout=300, env=host_env)
     assert proc.returncode != 0 and b"the job is for x86-64-v3, this process compiles for host-" in proc.stderr
 
 
@@ -133,7 +134,8 @@ def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
     assert undeclared(item, [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]) == []
     assert undeclared(item, [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]) == [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]
     assert needs_only_float32_kernel_graphs(item)
-    assert not needs_only_float32_kernel_graphs(MarkedItem(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False)))
+    mixed = MarkedItem(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False))
+    assert not needs_only_float32_kernel_graphs(mixed)
     with pytest.raises(ValueError, match=f"no graph of the op '{OP_WRITE_STATE_ROWS}' alone"):
         op_graphs(OP_WRITE_STATE_ROWS)
 
@@ -183,7 +185,8 @@ def test_the_compile_report_names_each_graph_dearest_first_with_the_file_declari
     from tests.support.graphs import compile_report, op_graphs
     from tests.support.op_graphs import job
 
-    first, second = MarkedItem(op_graphs(OP_SCAN)), MarkedItem(op_graphs(OP_SCAN, OP_LINEAR), nodeid="tests/y.py::test_y")
+    first = MarkedItem(op_graphs(OP_SCAN))
+    second = MarkedItem(op_graphs(OP_SCAN, OP_LINEAR), nodeid="tests/y.py::test_y")
     lines = compile_report({job(OP_SCAN): 12.4, job(OP_LINEAR): 40.0}, [first, second])
     assert lines[0].startswith("2 graphs compiled up front, 52 s of compiling")
     assert lines[1:] == [f"     40 s  {OP_LINEAR} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
