@@ -22,6 +22,7 @@ fails is not used and the graph compiles as usual.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -35,7 +36,6 @@ from .files import atomic_file
 from .models import registry
 from .models.srm.engine import Engine
 from .runtime import cpu_target
-from .runtime.compile_cache import graph_key
 from .runtime.call_types import SamplingArrays
 from .runtime.compiled import graph_kinds
 from .runtime.precompile import GraphJob
@@ -93,8 +93,8 @@ def embedded_jobs() -> list[GraphJob]:
 
 def shipped_file(job: GraphJob, target: str) -> Path:
     """Where the graph of ``job`` compiled for ``target`` is (or would be) shipped."""
-    graph = job.graph()
-    return version_dir() / target / f"{graph.name}-{graph_key(graph, job.graph_salt, target)}.mef"
+    # the name its cache entry has when compiled for ``target``
+    return version_dir() / target / dataclasses.replace(job, cpu_target=target).mef_path().name
 
 
 def install(jobs: list[GraphJob]) -> list[GraphJob]:
