@@ -159,7 +159,14 @@ def _top_k_total(scaled, vals, k_eff, device) -> TensorValue:
     return ops.cumsum(w, axis=-1)[:, V - 1 :]
 
 
-def build_sample_graph(name: str, vocab_size: int, device: DeviceRef, kernel_library: Path | None = None) -> Graph:
+# The sample graph reads logits and no weights, so it is one graph for every architecture
+# with the same vocabulary: one name and one salt of its cache key (``compile_cache.graph_key``),
+# the sampler's, so that an SRM and a PHA engine share one compiled graph.
+SAMPLE_GRAPH_NAME = "sample"
+SAMPLE_GRAPH_SALT = b"sample-graph-v1"  # bumped when a compiled sample graph must not be reused
+
+
+def build_sample_graph(vocab_size: int, device: DeviceRef, kernel_library: Path | None = None) -> Graph:
     """Draw tokens for samples that share logits: the samples of one prompt forked from
     a single prefill; and, asked for, their log-probabilities (with ``kernel_library`` on a
     CPU through the Mojo row op, as the prefill graphs' own draw: the same numbers).
@@ -186,7 +193,8 @@ def build_sample_graph(name: str, vocab_size: int, device: DeviceRef, kernel_lib
         TensorType(I64, [], host),
     ]
     row_op = device if cpu_ops_run(kernel_library is not None, device) else None  # the row op is CPU code
-    with Graph(name, input_types=input_types, custom_extensions=[kernel_library] if row_op is not None else []) as g:
+    with Graph(SAMPLE_GRAPH_NAME, input_types=input_types,
+               custom_extensions=[kernel_library] if row_op is not None else []) as g:
         logits, rows, temperature, top_k, top_p, seed, mode, counter, scored = (v.tensor for v in g.inputs)
         picked = ops.gather(logits, rows, axis=0)
         ids = sample(picked, temperature, top_k, top_p, seed, counter, mode, device)

@@ -53,17 +53,23 @@ def test_an_unguarded_script_runs_once_and_gets_the_workers_error(tmp_path, how)
 
 def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     """The sampler ignores the weight dtype (not the Mojo ops: with them it scores its
-    draws through the row op): the jobs for it that differ only in the weight dtype name
-    one graph, so precompile hands the workers one job per graph."""
+    draws through the row op) and the architecture (it reads logits, no weights): the jobs
+    for it that differ only in those name one graph, so precompile hands the workers one
+    job per graph."""
+    from tests.support.pha import CONFIG as PHA
     from tests.support.tiny import TINY
     from srm_max.models import registry
     from srm_max.runtime import precompile as pc
 
     monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    assert PHA.vocab_size == TINY.vocab_size
     arch = registry.of(TINY)
     jobs = [arch.graph_job("sample", TINY, dtype, "cpu", kernels) for dtype in ("float32", "bfloat16")
             for kernels in (True, False)]
     jobs.append(arch.graph_job("regroup", TINY, "bfloat16", "cpu", False))
+    pha_sample = registry.of(PHA).graph_job("sample", PHA, "float32", "cpu", True)
+    assert pha_sample.graph_salt != jobs[0].graph_salt and pha_sample.mef_path() == jobs[0].mef_path()
+    jobs.append(pha_sample)
     handed: list = []
     monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
     pc.precompile(jobs)

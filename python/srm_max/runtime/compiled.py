@@ -113,7 +113,7 @@ class CompiledGraphs:
         t0 = time.perf_counter()
         job = self.graph_job(kind)
         precompile([job])  # a miss compiles in a child process, saying what and for how long
-        model = load_compiled(self.session, job.graph, self.weights, graph_salt=job.graph_salt,
+        model = load_compiled(self.session, job.graph, self.weights, graph_salt=job.salt,
                               mef=job.mef_path())
         self.compile_seconds[kind] = time.perf_counter() - t0
         return model

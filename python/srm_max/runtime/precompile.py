@@ -30,6 +30,7 @@ from pathlib import Path
 from max.engine import InferenceSession
 from max.graph import DeviceRef, Graph
 
+from ..graphs.sampler import SAMPLE_GRAPH_SALT
 from . import cpu_target as targets
 from .compile_cache import cache_dir, compile_to_cache, mef_path
 from .device import DTYPES, resolve_device
@@ -50,12 +51,19 @@ class GraphJob:
     device: str  # "cpu" | "gpu"
     kernels: bool  # the Mojo ops
     build: Callable  # the architecture's (kind, config, weight DType, DeviceRef, kernels) -> Graph
-    graph_salt: bytes  # the architecture's salt of its graphs' cache keys (compile_cache.graph_key)
+    graph_salt: bytes  # the architecture's salt of its graphs' cache keys (``salt``)
     cpu_target: str = ""  # the virtual CPU target to compile for ("": what this process compiles for)
 
     @property
     def architecture(self) -> str:
         return self.config.architecture
+
+    @property
+    def salt(self) -> bytes:
+        """The salt of the graph's cache key (``compile_cache.graph_key``): the
+        architecture's, but the sampler's for the sample graph, which reads no weights and
+        so is one compiled graph for every architecture with that vocabulary."""
+        return SAMPLE_GRAPH_SALT if self.kind == "sample" else self.graph_salt
 
     def graph(self) -> Graph:
         wdtype = DTYPES[self.dtype]
@@ -79,14 +87,14 @@ class GraphJob:
 @functools.lru_cache(maxsize=None)
 def _built(job: GraphJob, directory: str) -> tuple[Path, int]:  # directory: part of the memo key only
     graph = job.graph()
-    return mef_path(graph, job.graph_salt, job.cpu_target or None), str(graph).count("\n")
+    return mef_path(graph, job.salt, job.cpu_target or None), str(graph).count("\n")
 
 
 def _compile(job: GraphJob) -> float:
     """Compile ``job`` into the cache (in this process); -> seconds."""
     t = time.perf_counter()
     device, _ = resolve_device(job.device)
-    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.graph_salt)
+    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.salt)
     return time.perf_counter() - t
 
 

@@ -26,7 +26,7 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     scored logits (mojo/score_head.mojo, mojo/score_rows.mojo); ``kernels`` changes no other graph."""
     cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "sample":
-        return build_sample_graph("pha_sample", config.vocab_size, device, kernel_library=cpu_ops)
+        return build_sample_graph(config.vocab_size, device, kernel_library=cpu_ops)
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
     if kind == "prefill":

@@ -23,7 +23,7 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
     library = kernel_library() if kernels else None
     if kind == "sample":
-        return build_sample_graph("srm_sample", config.vocab_size, device, kernel_library=library)
+        return build_sample_graph(config.vocab_size, device, kernel_library=library)
     if kind == "regroup":
         return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
     if kind == "prefill":
