@@ -139,8 +139,9 @@ def build_decode_steps_graph(config, schema, packed: list, kernel_library: Path,
     states, ids = tokens[:, -1], positions + S; then each new token's raw
     log-probability [B, S] (log_softmax of the logits, no temperature or filters) and
     the N most likely tokens at each step, log-probabilities [B, S, N] and ids [B, S, N]
-    (descending, ties by lower id). The same tokens and states as that graph in every
-    mode (tests/models/srm/test_engine.py, tests/models/srm/test_sampled_decode.py)."""
+    (descending, ties by lower id). The same tokens and states as single steps of
+    ``srm_decode_step``, each followed by graphs/sampler.py's draw, in every mode
+    (tests/models/srm/test_engine.py, tests/models/srm/test_sampled_decode.py)."""
     device = DeviceRef.CPU()
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"

@@ -11,29 +11,27 @@ import pytest
 
 from srm_max.runtime.compiled import graph_kinds
 
-# the graphs a CPU engine with the Mojo ops loads by itself (``Engine.graph_kinds``: its
-# decodes take decode_steps; the decode graph's loop is compiled only for tests that compare the two)
+# the graphs a CPU engine with the Mojo ops loads (``Engine.graph_kinds``: its decodes take
+# decode_steps)
 ENGINE_KINDS = graph_kinds(steps_in_one_op=True)
-# every graph kind such an engine can build (the decode loop included)
-KERNEL_KINDS = ENGINE_KINDS + ("decode",)
 
 
-def graphs(config, kinds=KERNEL_KINDS, dtype: str = "float32", kernels: bool = True):
+def graphs(config, kinds=ENGINE_KINDS, dtype: str = "float32", kernels: bool = True):
     """A marker naming compiled graphs that the marked tests need (CPU). The session
     compiles every graph the selected tests declare up front, side by side."""
     return pytest.mark.graphs(*[(kind, config, dtype, kernels) for kind in kinds])
 
 
-def op_graphs(*ops: str, vocab: int | None = None):
+def op_graphs(*ops: str, vocab: int | None = None, dtype: str = "float32"):
     """A marker naming graphs of Mojo ops alone (tests/support/op_graphs.py, by op name;
-    ``vocab``: the row width of the graphs that need one), which the marked tests load with
-    ``op_graphs.model``. They are float32 graphs with the Mojo ops, so the x86-64-v3 guard
-    keeps the tests that declare them."""
+    ``vocab``: the row width of the graphs that need one; ``dtype``: of their weights), which
+    the marked tests load with ``op_graphs.model``. The float32 ones are graphs with the Mojo
+    ops alone, so the x86-64-v3 guard keeps the tests that declare them."""
     from tests.support.op_graphs import OpGraphConfig, job
 
     for op in ops:
-        job(op, vocab)  # refuses an op with no graph of its own here
-    return graphs(OpGraphConfig(vocab), ops)
+        job(op, vocab, dtype)  # refuses an op with no graph of its own here
+    return graphs(OpGraphConfig(vocab), ops, dtype)
 
 
 def declared_graph_jobs(items) -> list:
@@ -42,7 +40,7 @@ def declared_graph_jobs(items) -> list:
     from tests.support import op_graphs
 
     specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
-    return [op_graphs.job(kind, config.vocab) if isinstance(config, op_graphs.OpGraphConfig)
+    return [op_graphs.job(kind, config.vocab, dtype) if isinstance(config, op_graphs.OpGraphConfig)
             else registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
             for kind, config, dtype, kernels in specs]
 

@@ -1,5 +1,6 @@
 """The op tests' graphs: each Mojo op alone (the row sampler beside graphs/sampler.py's
-sampler, which it must equal), float32, every dimension symbolic where the op allows, so
+sampler, which it must equal), float32 (the whole decode step also with bfloat16 matrices,
+as a bfloat16 engine packs them), every dimension symbolic where the op allows, so
 one compile serves every shape a test tries; and one piece of the PHA prefill graph alone
 (the placement of its states). tests/support/op_graphs.py names them by op (or piece),
 compiles them up front and loads them."""
@@ -15,7 +16,7 @@ from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR,
                                      OP_PHA_PREFILL_ATTENTION, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.models.pha.config import PHAConfig
-from srm_max.models.srm.packing import INPUTS
+from srm_max.models.srm.packing import INPUTS, MATRICES
 from srm_max.runtime.kernels import kernel_library
 
 F32, I64 = DType.float32, DType.int64
@@ -69,24 +70,26 @@ def scan_op(u, lengths, start, init, w, beta, lam, *, device):
                                  TensorType(F32, [u.shape[0], u.shape[2], u.shape[3]], device)])
 
 
-def _decode_graph(dev, greedy: bool):
+def _decode_graph(dev, greedy: bool, wdtype: DType = F32):
     """(ids, embedding, states, positions, *packing.INPUTS, eps, vocab) -> (logits,
-    new_states): one ``srm_decode_step`` with float32 weights. ``vocab`` is any [V] array:
+    new_states): one ``srm_decode_step``, the embedding and the packed matrices
+    (``packing.MATRICES``) in ``wdtype``, the rest float32. ``vocab`` is any [V] array:
     it only names the logits' width. With ``greedy``: one ``srm_decode_steps``, further
     inputs steps [S], temperature / top_k / top_p / seed [B], mode [1] and scored [1] (0: no
     log-probabilities), and -> (tokens [B, S], new_states, last [B], next positions [B])."""
     shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
               "beta": ["L", "H", "n"], "lam": ["L", "H"], "fc1": ["L", "P1"], "fc2": ["L", "P2"],
               "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
-    types = [TensorType(I64, ["B"], dev), TensorType(F32, ["E", "d"], dev),
+    types = [TensorType(I64, ["B"], dev), TensorType(wdtype, ["E", "d"], dev),
              TensorType(F32, ["L", "B", "H", "hd"], dev),
-             TensorType(I64, ["B"], dev), *(TensorType(F32, shapes[k], dev) for k in INPUTS),
+             TensorType(I64, ["B"], dev),
+             *(TensorType(wdtype if k in MATRICES else F32, shapes[k], dev) for k in INPUTS),
              TensorType(F32, [1], dev), TensorType(F32, ["V"], dev)]
     if greedy:
         types += [TensorType(I64, ["S"], dev), TensorType(F32, ["B"], dev), TensorType(I64, ["B"], dev),
                   TensorType(F32, ["B"], dev), TensorType(DType.uint64, ["B"], dev), TensorType(I64, [1], dev),
                   TensorType(I64, [1], dev)]
-    name = "srm_decode_steps_op" if greedy else "srm_decode_step_op"
+    name = ("srm_decode_steps_op" if greedy else "srm_decode_step_op") + ("_bf16" if wdtype == DType.bfloat16 else "")
     with Graph(name, input_types=types, custom_extensions=[kernel_library()]) as g:
         ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
         choice = [rest.pop() for _ in range(7)][::-1] if greedy else []  # steps, sampling, scored
@@ -110,9 +113,9 @@ def _decode_graph(dev, greedy: bool):
     return g
 
 
-def decode_step_graph(dev):
+def decode_step_graph(dev, wdtype: DType = F32):
     """The whole-step decode op, one step (``_decode_graph``)."""
-    return _decode_graph(dev, greedy=False)
+    return _decode_graph(dev, greedy=False, wdtype=wdtype)
 
 
 def decode_steps_graph(dev):

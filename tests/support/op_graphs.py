@@ -15,13 +15,13 @@ import os
 from dataclasses import dataclass
 
 from max.driver import CPU
-from max.dtype import DType
 from max.engine import InferenceSession
 
 from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
                                      OP_PHA_PREFILL_ATTENTION, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.runtime.compile_cache import load_compiled
+from srm_max.runtime.device import DTYPES
 from srm_max.runtime.precompile import GraphJob
 from tests.support import op_graph_builders as build
 from tests.support.paths import REPO_ROOT
@@ -51,12 +51,21 @@ class OpGraphConfig:
     architecture: str = "mojo_ops"  # what the compile log names the graph's family by
 
 
+# the op graphs that also come with bfloat16 weights (the others are float32 alone)
+WEIGHT_DTYPES = {OP_DECODE_STEP: ("float32", "bfloat16")}
+
+
 def build_graph(kind: str, config: OpGraphConfig, wdtype, device, kernels: bool):
     """The op graph ``kind`` (an op name; ``GraphJob.build``, so pickled by name for the
-    compile workers): float32, on the CPU, the op itself."""
-    if wdtype != DType.float32 or not kernels:
-        raise ValueError(f"the {kind} graph is float32 with the Mojo op; asked for {wdtype}, kernels={kernels}")
+    compile workers): float32 (or the weight dtype of ``WEIGHT_DTYPES``), on the CPU, the
+    op itself."""
+    dtypes = WEIGHT_DTYPES.get(kind, ("float32",))
+    if not kernels or wdtype not in [DTYPES[d] for d in dtypes]:
+        raise ValueError(f"the {kind} graph has {' or '.join(dtypes)} weights and the Mojo op; asked for "
+                         f"{wdtype}, kernels={kernels}")
     shape = {} if config.vocab is None else {"vocab": config.vocab}
+    if kind in WEIGHT_DTYPES:
+        shape["wdtype"] = wdtype
     return _builder(kind)(device, **shape)
 
 
@@ -66,10 +75,12 @@ def _builder(kind: str):
     return BUILDERS[kind]
 
 
-def job(kind: str, vocab: int | None = None) -> GraphJob:
-    """The compile job of the op graph ``kind`` (CPU, float32)."""
+def job(kind: str, vocab: int | None = None, dtype: str = "float32") -> GraphJob:
+    """The compile job of the op graph ``kind`` (CPU; ``dtype``: of its weights)."""
     _builder(kind)
-    return GraphJob(kind, OpGraphConfig(vocab), "float32", "cpu", True, build_graph, b"")
+    if dtype not in WEIGHT_DTYPES.get(kind, ("float32",)):
+        raise ValueError(f"no graph of the op {kind!r} alone with {dtype} weights")
+    return GraphJob(kind, OpGraphConfig(vocab), dtype, "cpu", True, build_graph, b"")
 
 
 _session = None
@@ -88,13 +99,13 @@ def session():
     return _session
 
 
-def model(kind: str, vocab: int | None = None):
+def model(kind: str, vocab: int | None = None, dtype: str = "float32"):
     """The compiled op graph ``kind``, loaded once per process: from the cache the
     session's up-front compile filled when the running test declares it."""
-    graph_job = job(kind, vocab)
+    graph_job = job(kind, vocab, dtype)
     _used.add(graph_job)
     if graph_job not in _models:
-        _models[graph_job] = load_compiled(session(), graph_job.graph, graph_salt=graph_job.graph_salt,
+        _models[graph_job] = load_compiled(session(), graph_job.graph, graph_salt=graph_job.salt,
                                            mef=graph_job.mef_path())
     return _models[graph_job]
 

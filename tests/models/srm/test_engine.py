@@ -8,11 +8,11 @@ import torch
 
 from srm_max.graphs import sampler
 from srm_max.runtime.call_types import SamplingArrays
-from srm_max.runtime.drawn import scored_input
 from tests.support.sampler_mirror import draw_np, filtered_probs
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs
 from tests.support.prompts import random_prompts, reference_prefill
+from tests.support.single_steps import decode_in_single_steps, single_step_graphs
 from tests.support.tiny import TINY
 
 # Every test runs the float32 graphs with the Mojo ops (the CPU engine's default); a test
@@ -179,14 +179,13 @@ def test_the_whole_step_op_gives_a_sample_the_same_tokens_in_any_batch(request, 
         np.testing.assert_array_equal(states, big_states[:, index])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_greedy_decode_in_one_op_equals_the_graph_loop(request, dtype):
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=single_step_graphs("float32")),
+                                   pytest.param("bfloat16", marks=[BFLOAT16, single_step_graphs("bfloat16")])])
+def test_greedy_decode_in_one_op_equals_single_steps(request, dtype):
     """An all-greedy decode on the CPU runs every step inside one op
-    (``srm_decode_steps``); the decode graph's loop of one-step ops with MAX's argmax
-    gives the same tokens, bit for bit the same states, and the same last ids and
-    positions, also where positions run past the context (clamped)."""
-    from max.driver import Buffer
-
+    (``srm_decode_steps``); single steps of the whole-step op with MAX's argmax
+    (tests/support/single_steps.py) give the same tokens, bit for bit the same states, and
+    the same last ids and positions, also where positions run past the context (clamped)."""
     engine = engine_of(request, dtype)
     assert engine.steps_in_one_op
     n = TINY.context_length
@@ -196,14 +195,11 @@ def test_greedy_decode_in_one_op_equals_the_graph_loop(request, dtype):
     greedy = SamplingArrays.greedy(len(prompts))
     steps = 10
     one_op = engine.decode(pre.next_ids, lengths, pre.states, greedy, steps)
-    toks, states, last, pos, *_ = engine.decode_model.execute(
-        engine.to_device(pre.next_ids), engine.to_device(np.array(lengths, np.int64)), pre.states,
-        *engine.sampling_buffers(greedy), engine.to_device(np.arange(steps, dtype=np.int64)),
-        Buffer.from_numpy(np.array(steps, np.int64)), scored_input(None))
-    np.testing.assert_array_equal(one_op.tokens, engine.host(toks))
-    np.testing.assert_array_equal(engine.host(one_op.states), engine.host(states))
-    np.testing.assert_array_equal(engine.host(one_op.ids), engine.host(last))
-    np.testing.assert_array_equal(engine.host(one_op.positions), engine.host(pos))
+    toks, states, last, pos = decode_in_single_steps(engine, pre.next_ids, lengths, pre.states, greedy, steps)
+    np.testing.assert_array_equal(one_op.tokens, toks)
+    np.testing.assert_array_equal(engine.host(one_op.states), states)
+    np.testing.assert_array_equal(engine.host(one_op.ids), last)
+    np.testing.assert_array_equal(engine.host(one_op.positions), pos)
 
 
 @BFLOAT16
@@ -218,9 +214,6 @@ def test_the_suite_precompiles_the_graphs_its_engines_load(request, engine, engi
     jobs = set(declared_graph_jobs([request.node]))
     plain = Engine(TINY, tiny_weights, kernels=False)
     loaded = {e.graph_job(kind) for e in (engine, engine_bf16, plain) for kind in e.graph_kinds()}
-    # the kernel engines decode in one op; this module also runs their decode graph's loop
-    # to compare the two, so it declares that graph too
-    loaded |= {e.graph_job("decode") for e in (engine, engine_bf16)}
     assert loaded == jobs
 
 

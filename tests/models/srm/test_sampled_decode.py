@@ -1,7 +1,8 @@
 """Sampled decode inside the whole-step op (mojo/decode_step.mojo with
 mojo/row_sampler.mojo): on the CPU with the Mojo kernels every decode, greedy or
-sampled, runs all its steps in one op; the decode graph's loop of one-step ops and
-MAX's sampler ops (graphs/sampler.py) must give the same tokens and states."""
+sampled, runs all its steps in one op; single steps of the whole-step op, each followed by
+MAX's sampler ops (graphs/sampler.py; tests/support/single_steps.py), must give the same
+tokens and states."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from max.driver import Buffer
 from srm_max.graphs import sampler
 from srm_max.graphs.op_names import OP_SAMPLE_ROWS
 from srm_max.runtime.call_types import SamplingArrays
-from srm_max.runtime.drawn import scored_input
 from tests.support.sampler_mirror import filtered_probs
 from tests.support.graphs import graphs, op_graphs
 from tests.support.op_graphs import model as op_graph_model
 from tests.support.prompts import random_prompts
+from tests.support.single_steps import decode_in_single_steps, single_step_graphs
 from tests.support.tiny import TINY
 
 pytestmark = [graphs(TINY), graphs(TINY, dtype="bfloat16")]
@@ -35,21 +36,13 @@ def sampling_of(rows, seeds) -> SamplingArrays:
                           np.asarray(seeds, np.uint64))
 
 
-def loop_decode(engine, ids, lengths, states, s: SamplingArrays, steps: int):
-    """The decode graph's loop: one-step ops and the MAX sampler ops."""
-    toks, states, last, pos, *_ = engine.decode_model.execute(
-        engine.to_device(ids), engine.to_device(np.asarray(lengths, np.int64)), states,
-        *engine.sampling_buffers(s), engine.to_device(np.arange(steps, dtype=np.int64)),
-        Buffer.from_numpy(np.array(steps, np.int64)), scored_input(None))
-    return engine.host(toks), engine.host(states), engine.host(last), engine.host(pos)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [pytest.param(dtype, marks=single_step_graphs(dtype))
+                                   for dtype in ("float32", "bfloat16")])
 @pytest.mark.parametrize("filtered", [True, False])
-def test_sampled_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dtype, filtered):
+def test_sampled_decode_in_one_op_equals_single_steps(engine, engine_bf16, dtype, filtered):
     """A mixed batch (greedy rows, plain temperatures, top-k, top-p, several seeds;
     with ``filtered`` False no row filters: the plain mode) draws in the one op the
-    tokens the graph loop draws, and ends in bit for bit the same states, ids and
+    tokens that single steps draw, and ends in bit for bit the same states, ids and
     positions, also where positions run past the context (clamped)."""
     engine = engine if dtype == "float32" else engine_bf16
     assert engine.steps_in_one_op
@@ -64,9 +57,10 @@ def test_sampled_decode_in_one_op_equals_the_graph_loop(engine, engine_bf16, dty
     states = engine.host(pre.states)
     steps = 9
     one_op = engine.decode(pre.next_ids, lengths, engine.to_device(states), s, steps)
-    toks, loop_states, last, pos = loop_decode(engine, pre.next_ids, lengths, engine.to_device(states), s, steps)
+    toks, stepped_states, last, pos = decode_in_single_steps(engine, pre.next_ids, lengths, engine.to_device(states),
+                                                             s, steps)
     np.testing.assert_array_equal(one_op.tokens, toks)
-    np.testing.assert_array_equal(engine.host(one_op.states), loop_states)
+    np.testing.assert_array_equal(engine.host(one_op.states), stepped_states)
     np.testing.assert_array_equal(engine.host(one_op.ids), last)
     np.testing.assert_array_equal(engine.host(one_op.positions), pos)
     drawn = np.array([t > 0 for t, _, _ in rows])
