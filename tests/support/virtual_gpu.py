@@ -3,18 +3,60 @@ check that the GPU decode graph's ops build, for machines without a GPU.
 
 ``python -m tests.support.virtual_gpu --virtual-gpu sm_90a`` from the repository root,
 in a fresh process: virtual device mode has to be set before any device is created.
+The test session starts that process once its compiles up front are done (``start``), so
+that it runs beside the tests, which leave a core idle; the test then waits for it
+(``outcome``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from srm_max.files import atomic_file
 from srm_max.runtime.compile_cache import cache_dir
 from srm_max.runtime.kernels import OP_STEP_FUNCTIONAL, kernel_library
 from tests.support.op_graph_builders import scan_op
+from tests.support.paths import REPO_ROOT
+
+
+ARCH = "sm_90a"
+TEST = "tests/models/srm/test_kernels.py::test_gpu_path_compiles_virtual_sm90a"
+_child: tuple[subprocess.Popen, object] | None = None  # the compile's process and its output file
+
+
+def skip_reason() -> str | None:
+    """Why the check does not run here (None: it runs)."""
+    if os.environ.get("SRM_MAX_SKIP_GPU_COMPILE"):
+        return "SRM_MAX_SKIP_GPU_COMPILE is set"
+    from max import driver
+
+    if not hasattr(driver, "set_virtual_device_api"):
+        return "this MAX has no virtual device mode"
+    return None
+
+
+def start() -> None:
+    """Start the compile for ``ARCH`` in a child process, unless it has been started."""
+    global _child
+    if _child is None:
+        out = tempfile.TemporaryFile()
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.virtual_gpu", "--virtual-gpu", ARCH],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        _child = (proc, out)
+
+
+def outcome(timeout_s: float = 600) -> tuple[int, str]:
+    """Wait for the compile (started now if it was not) -> (its exit code, its output)."""
+    start()
+    proc, out = _child
+    proc.wait(timeout=timeout_s)
+    out.seek(0)
+    return proc.returncode, out.read().decode(errors="replace")
 
 
 def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:

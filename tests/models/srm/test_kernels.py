@@ -2,15 +2,11 @@
 
 Two CPU graphs (one step, scan) with all dims symbolic, declared below so the session
 compiles them up front (tests/support/op_graphs.py). The GPU-path compile check runs in a subprocess
-(virtual device mode) and can be skipped with SRM_MAX_SKIP_GPU_COMPILE=1 or
+(virtual device mode, tests/support/virtual_gpu.py) and can be skipped with SRM_MAX_SKIP_GPU_COMPILE=1 or
 ``-k "not virtual_gpu"``.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,11 +14,10 @@ import pytest
 from srm_max.graphs.op_names import OP_SCAN, OP_STEP_FUNCTIONAL
 from srm_max.runtime import kernels as library
 from tests.support import mojo_ops as K
-from tests.support import op_graph_builders
+from tests.support import op_graph_builders, virtual_gpu
 from tests.support.graphs import op_graphs
 from tests.support.mixer_reference import close, closed_form_state, make_params, ref_scan, ref_step
 from tests.support.op_graphs import model
-from tests.support.paths import REPO_ROOT
 
 pytestmark = op_graphs(OP_SCAN, OP_STEP_FUNCTIONAL)
 
@@ -211,19 +206,16 @@ def test_gpu_path_compiles_virtual_sm90a():
     """Compile the GPU ops (the mixer step and scan) for sm_90a in MAX virtual-device mode (no GPU needed).
 
     Runs in a subprocess: virtual device mode must be set before any device
-    exists, and this test process already has a CPU session.
+    exists, and this test process already has a CPU session. The session starts it
+    beside the tests (tests/conftest.py ``suite_graphs``).
     """
-    if os.environ.get("SRM_MAX_SKIP_GPU_COMPILE"):
-        pytest.skip("SRM_MAX_SKIP_GPU_COMPILE is set")
-    from max import driver
+    if reason := virtual_gpu.skip_reason():
+        pytest.skip(reason)
+    code, output = virtual_gpu.outcome()
+    assert code == 0 and f"OK {virtual_gpu.ARCH}" in output, output
 
-    if not hasattr(driver, "set_virtual_device_api"):
-        pytest.skip("this MAX has no virtual device mode")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.virtual_gpu", "--virtual-gpu", "sm_90a"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and "OK sm_90a" in proc.stdout, proc.stdout + proc.stderr
+
+def test_the_session_starts_the_virtual_gpu_check_by_this_name(request):
+    """tests/conftest.py starts the check's compile beside the tests when its test is
+    selected, found by its node id."""
+    assert virtual_gpu.TEST == f"{request.node.nodeid.split('::')[0]}::{test_gpu_path_compiles_virtual_sm90a.__name__}"
