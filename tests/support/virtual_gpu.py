@@ -23,7 +23,6 @@ from srm_max.runtime.kernels import OP_STEP_FUNCTIONAL, kernel_library
 from tests.support.op_graph_builders import scan_op
 from tests.support.paths import REPO_ROOT
 
-
 ARCH = "sm_90a"
 TEST = "tests/models/srm/test_kernels.py::test_gpu_path_compiles_virtual_sm90a"
 _child: tuple[subprocess.Popen, object] | None = None  # the compile's process and its output file
@@ -59,7 +58,7 @@ def outcome(timeout_s: float = 600) -> tuple[int, str]:
     return proc.returncode, out.read().decode(errors="replace")
 
 
-def compile_for_virtual_gpu(arch: str = "sm_90a", mef_out: Path | None = None) -> float:
+def compile_for_virtual_gpu(arch: str = ARCH, mef_out: Path | None = None) -> float:
     """Compile the mixer step's and the scan's GPU paths for ``arch`` without a GPU; returns seconds.
 
     Must run in a fresh process: virtual device mode has to be set before any
@@ -127,7 +126,7 @@ if __name__ == "__main__":  # pragma: no cover - used by the virtual-GPU test
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--virtual-gpu", default="sm_90a", metavar="ARCH")
+    ap.add_argument("--virtual-gpu", default=ARCH, metavar="ARCH")
     ap.add_argument("--mef-out", type=Path, default=None)
     a = ap.parse_args()
     try:
