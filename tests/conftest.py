@@ -96,9 +96,8 @@ def pytest_runtest_call(item):
     result = yield
     missing = undeclared(item, op_graphs.used())
     if missing:
-        named = ", ".join(job.kind if job.config.vocab is None else f"{job.kind} with vocab={job.config.vocab}"
-                          for job in missing)
-        pytest.fail(f"{item.nodeid} uses op graphs it does not declare: add op_graphs({named}) "
+        named = " and ".join(f"op_graphs({use.marker_args()})" for use in sorted(missing, key=str))
+        pytest.fail(f"{item.nodeid} uses op graphs it does not declare: add {named} "
                     "(tests/support/graphs.py) to its marks")
     return result
 

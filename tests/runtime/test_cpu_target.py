@@ -138,32 +138,34 @@ def test_the_session_compiles_the_guards_graphs_for_its_target_when_it_runs(monk
     """tests/conftest.py compiles up front, for x86-64-v3, the graphs of the collected tests
     the guard's children rerun (float32 graphs with the Mojo ops, not slow), and nothing
     for the guard when the guard is not collected or skips."""
-    from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_PREFILL_ATTENTION, OP_SCAN
+    from srm_max.graphs.op_names import OP_SAMPLE_ROWS
     from tests.support import op_graphs
     from tests.support.cpu_guard import PREFILL_OP
     from tests.support.graphs import graphs, op_graphs as declare
     from tests.support.stand_ins import MarkedItem
     from tests.support.tiny import TINY
 
+    def op_graph(vocab):  # a graph of its own for each row width
+        return declare(OP_SAMPLE_ROWS, vocab=vocab)
+
     items = [MarkedItem(nodeid=GUARD_TEST),
-             MarkedItem(declare(OP_SCAN), nodeid="tests/models/srm/test_kernels.py::test_a[1-2]"),
-             MarkedItem(declare(OP_PHA_PREFILL_ATTENTION),
-                        nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention[x]"),
+             MarkedItem(op_graph(8), nodeid="tests/models/srm/test_kernels.py::test_a[1-2]"),
+             MarkedItem(op_graph(16), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention[x]"),
              # not rerun: another test of a file the guard takes some tests of, a longer name,
              # a plain-op graph, a slow test, a file the guard does not take
-             MarkedItem(declare(OP_LINEAR), nodeid=PREFILL_OP + "test_the_op_refuses_bad_shapes_naming_the_problem"),
-             MarkedItem(declare(OP_LINEAR), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention_too"),
+             MarkedItem(op_graph(24), nodeid=PREFILL_OP + "test_the_op_refuses_bad_shapes_naming_the_problem"),
+             MarkedItem(op_graph(32), nodeid=PREFILL_OP + "test_the_op_equals_float64_causal_attention_too"),
              MarkedItem(graphs(TINY, ("prefill",), kernels=False), nodeid="tests/models/srm/test_kernels.py::test_b"),
-             MarkedItem(declare(OP_LINEAR), pytest.mark.slow, nodeid="tests/models/srm/test_linear_op.py::test_c"),
-             MarkedItem(declare(OP_LINEAR), nodeid="tests/models/srm/test_engine.py::test_d")]
+             MarkedItem(op_graph(40), pytest.mark.slow, nodeid="tests/models/srm/test_linear_op.py::test_c"),
+             MarkedItem(op_graph(48), nodeid="tests/models/srm/test_engine.py::test_d")]
     monkeypatch.delenv(cpu_target.ENV, raising=False)
     monkeypatch.setenv("SRM_MAX_TARGET_GUARD", "1")
     if guard_reason() is not None:
         pytest.skip(guard_reason())
     jobs = guard_graph_jobs(items)
-    assert [(job.kind, job.cpu_target) for job in jobs] == [(OP_SCAN, GUARD_TARGET),
-                                                             (OP_PHA_PREFILL_ATTENTION, GUARD_TARGET)]
-    assert jobs[0].mef_path() != op_graphs.job(OP_SCAN).mef_path()
+    assert [(job.kind, job.config.vocab, job.cpu_target) for job in jobs] == [(OP_SAMPLE_ROWS, 8, GUARD_TARGET),
+                                                                              (OP_SAMPLE_ROWS, 16, GUARD_TARGET)]
+    assert jobs[0].mef_path() != op_graphs.job(OP_SAMPLE_ROWS, 8).mef_path()
     assert guard_graph_jobs(items[1:]) == []
     monkeypatch.setenv(cpu_target.ENV, GUARD_TARGET)  # a run that compiles for the target already
     assert guard_graph_jobs(items) == []

@@ -130,15 +130,18 @@ def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, mo
 
 
 def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
-    from srm_max.graphs.op_names import OP_LINEAR, OP_SAMPLE_ROWS, OP_SCAN, OP_WRITE_STATE_ROWS
+    from srm_max.graphs.op_names import OP_DECODE_STEP, OP_LINEAR, OP_SAMPLE_ROWS, OP_SCAN, OP_WRITE_STATE_ROWS
     from tests.support.graphs import declared_graph_jobs, graphs, needs_only_float32_kernel_graphs, op_graphs, undeclared
-    from tests.support.op_graphs import job
+    from tests.support.op_graphs import TOGETHER, OpUse, job
     from tests.support.tiny import TINY
 
     item = MarkedItem(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64))
     assert declared_graph_jobs([item]) == [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]
-    assert undeclared(item, [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]) == []
-    assert undeclared(item, [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]) == [job(OP_LINEAR), job(OP_SAMPLE_ROWS, 128)]
+    assert undeclared(item, [OpUse(OP_SCAN), OpUse(OP_SAMPLE_ROWS, 64)]) == []
+    # the linear op shares the scan's graph (op_graphs.TOGETHER): declared with it
+    assert job(OP_LINEAR) == job(OP_SCAN) and job(OP_LINEAR).kind == TOGETHER
+    assert undeclared(item, [OpUse(OP_LINEAR), OpUse(OP_SAMPLE_ROWS, 128), OpUse(OP_DECODE_STEP, dtype="bfloat16")]) \
+        == [OpUse(OP_SAMPLE_ROWS, 128), OpUse(OP_DECODE_STEP, dtype="bfloat16")]
     assert needs_only_float32_kernel_graphs(item)
     mixed = MarkedItem(op_graphs(OP_SCAN), graphs(TINY, ("prefill",), kernels=False))
     assert not needs_only_float32_kernel_graphs(mixed)
@@ -150,14 +153,15 @@ def test_a_test_using_an_op_graph_it_does_not_declare_fails():
     """tests/conftest.py's check after each test: run alone, such a test would compile the
     graph inside itself, one at a time."""
     import tests.conftest as conftest
-    from srm_max.graphs.op_names import OP_LINEAR, OP_SCAN
+    from srm_max.graphs.op_names import OP_LINEAR, OP_SAMPLE_ROWS, OP_SCAN
     from tests.support import op_graphs
     from tests.support.graphs import op_graphs as declare
 
     item = MarkedItem(declare(OP_SCAN))
     # the uses a test made (patched only around each check: this test's own check follows)
-    for used, problem in (({op_graphs.job(OP_SCAN)}, None),
-                          ({op_graphs.job(OP_SCAN), op_graphs.job(OP_LINEAR)}, rf"add op_graphs\({OP_LINEAR}\)")):
+    scan, linear, rows = op_graphs.OpUse(OP_SCAN), op_graphs.OpUse(OP_LINEAR), op_graphs.OpUse(OP_SAMPLE_ROWS, 64)
+    for used, problem in (({scan, linear}, None),
+                          ({scan, rows}, rf"add op_graphs\({OP_SAMPLE_ROWS}, vocab=64\)")):
         call = conftest.pytest_runtest_call(item)
         next(call)  # the test runs here
         with pytest.MonkeyPatch.context() as patch:
@@ -187,13 +191,13 @@ def test_a_compile_worker_started_anywhere_builds_an_op_graph(tmp_path):
 def test_the_compile_report_names_each_graph_dearest_first_with_the_file_declaring_it():
     """The session's summary of its up-front compiles (tests/conftest.py): one line a
     graph, the dearest first, each with the first test file that declares it."""
-    from srm_max.graphs.op_names import OP_LINEAR, OP_SCAN
+    from srm_max.graphs.op_names import OP_SAMPLE_ROWS, OP_SCAN
     from tests.support.graphs import compile_report, op_graphs
-    from tests.support.op_graphs import job
+    from tests.support.op_graphs import TOGETHER, job
 
     first = MarkedItem(op_graphs(OP_SCAN))
-    second = MarkedItem(op_graphs(OP_SCAN, OP_LINEAR), nodeid="tests/y.py::test_y")
-    lines = compile_report({job(OP_SCAN): 12.4, job(OP_LINEAR): 40.0}, [first, second])
+    second = MarkedItem(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64), nodeid="tests/y.py::test_y")
+    lines = compile_report({job(OP_SCAN): 12.4, job(OP_SAMPLE_ROWS, 64): 40.0}, [first, second])
     assert lines[0].startswith("2 graphs compiled up front, 52 s of compiling")
-    assert lines[1:] == [f"     40 s  {OP_LINEAR} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
-                         f"     12 s  {OP_SCAN} (mojo_ops, float32, Mojo ops), declared by tests/x.py"]
+    assert lines[1:] == [f"     40 s  {OP_SAMPLE_ROWS} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
+                         f"     12 s  {TOGETHER} (mojo_ops, float32, Mojo ops), declared by tests/x.py"]

@@ -40,9 +40,10 @@ def declared_graph_jobs(items) -> list:
     from tests.support import op_graphs
 
     specs = dict.fromkeys(spec for item in items for marker in item.iter_markers("graphs") for spec in marker.args)
-    return [op_graphs.job(kind, config.vocab, dtype) if isinstance(config, op_graphs.OpGraphConfig)
-            else registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
-            for kind, config, dtype, kernels in specs]
+    return list(dict.fromkeys(  # several ops may share one graph (op_graphs.TOGETHER)
+        op_graphs.job(kind, config.vocab, dtype) if isinstance(config, op_graphs.OpGraphConfig)
+        else registry.of(config).graph_job(kind, config, dtype, "cpu", kernels)
+        for kind, config, dtype, kernels in specs))
 
 
 def compile_report(seconds: dict, items) -> list[str]:
@@ -65,9 +66,9 @@ def compile_report(seconds: dict, items) -> list[str]:
 
 
 def undeclared(item, used) -> list:
-    """The graphs among ``used`` that ``item`` does not declare."""
+    """The op graphs among ``used`` (``op_graphs.OpUse``) whose graph ``item`` does not declare."""
     declared = set(declared_graph_jobs([item]))
-    return [job for job in used if job not in declared]
+    return [use for use in used if use.job() not in declared]
 
 
 # the pytest option (tests/conftest.py) that keeps only the tests for which

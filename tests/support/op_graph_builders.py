@@ -1,14 +1,19 @@
-"""The op tests' graphs: each Mojo op alone (the row sampler beside graphs/sampler.py's
-sampler, which it must equal), float32 (the whole decode step also with bfloat16 matrices,
-as a bfloat16 engine packs them), every dimension symbolic where the op allows, so
-one compile serves every shape a test tries; and one piece of the PHA prefill graph alone
-(the placement of its states). tests/support/op_graphs.py names them by op (or piece),
-compiles them up front and loads them."""
+"""The op tests' graphs: each Mojo op alone as an ``OpPiece`` (its inputs, every dimension
+symbolic where the op allows, so one compile serves every shape a test tries; its output;
+its inputs for a call that does nothing), float32 (the whole decode step also with
+bfloat16 matrices, as a bfloat16 engine packs them); the pieces side by side in one graph
+(``together``); the row sampler beside graphs/sampler.py's sampler, which it must equal;
+and one piece of the PHA prefill graph alone (the placement of its states).
+tests/support/op_graphs.py names them by op (or piece), compiles them up front and loads
+them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 from max.dtype import DType
-from max.graph import Dim, Graph, TensorType, ops
+from max.graph import Dim, Graph, SymbolicDim, TensorType, ops
 
 from srm_max.graphs import sampler
 from srm_max.graphs.pha.model import PrefillStates, StateLayout
@@ -44,23 +49,58 @@ def _mixer_types(dev, *, scan: bool = False):
     ]
 
 
-def step_graph(dev):
-    """(state, u, positions, w, beta, lam) -> (y, new_state): one mixer step."""
-    with Graph("srm_mixer_step_functional", input_types=_mixer_types(dev), custom_extensions=[kernel_library()]) as g:
-        state, u, positions, w, beta, lam = (v.tensor for v in g.inputs)
-        y_t = TensorType(F32, u.shape, dev)
-        y, new_state = ops.custom(OP_STEP_FUNCTIONAL, device=dev, values=[state, u, positions, w, beta, lam],
-                                  out_types=[y_t, y_t])
-        g.output(y.tensor, new_state.tensor)
+@dataclass(frozen=True)
+class OpPiece:
+    """One op alone: its inputs (symbolic dimensions by name), what it computes from them,
+    and the sizes of its dimensions in a call that gives it nothing to do."""
+
+    types: Callable  # device -> [TensorType]
+    body: Callable  # (input values, device) -> [outputs]
+    outputs: int
+    idle: dict = field(default_factory=dict)  # dimension -> size where not 0 (the op's shape checks)
+
+
+def graph_of(name: str, piece: OpPiece, dev) -> Graph:
+    """``piece`` as a graph of its own."""
+    with Graph(name, input_types=piece.types(dev), custom_extensions=[kernel_library()]) as g:
+        g.output(*_tensors(piece.body([v.tensor for v in g.inputs], dev)))
     return g
 
 
-def scan_graph(dev):
-    """(u, lengths, start, init, w, beta, lam) -> (y, final_state): the mixer over prompts."""
-    with Graph("srm_mixer_scan", input_types=_mixer_types(dev, scan=True), custom_extensions=[kernel_library()]) as g:
-        y, fin = scan_op(*(v.tensor for v in g.inputs), device=dev)
-        g.output(y.tensor, fin.tensor)
+def together(name: str, pieces: list[OpPiece], dev) -> Graph:
+    """The ``pieces`` side by side in one graph (each piece's dimensions renamed apart): its
+    inputs and outputs are theirs one piece after the other. A graph's compile is mostly a
+    fixed cost whatever it holds (docs/testing.md), so one graph of several ops alone
+    compiles in about the time of one."""
+    types = [_renamed(t, f"p{i}_") for i, piece in enumerate(pieces) for t in piece.types(dev)]
+    with Graph(name, input_types=types, custom_extensions=[kernel_library()]) as g:
+        values, outputs = [v.tensor for v in g.inputs], []
+        for piece in pieces:
+            n = len(piece.types(dev))
+            outputs += _tensors(piece.body(values[:n], dev))
+            values = values[n:]
+        g.output(*outputs)
     return g
+
+
+def _renamed(t: TensorType, prefix: str) -> TensorType:
+    return TensorType(t.dtype, [Dim(prefix + d.name) if isinstance(d, SymbolicDim) else d for d in t.shape], t.device)
+
+
+def _tensors(outputs) -> list:
+    return [o.tensor if hasattr(o, "tensor") else o for o in outputs]
+
+
+def _step_body(values, dev):
+    state, u, positions, w, beta, lam = values
+    y_t = TensorType(F32, u.shape, dev)
+    return ops.custom(OP_STEP_FUNCTIONAL, device=dev, values=[state, u, positions, w, beta, lam], out_types=[y_t, y_t])
+
+
+# (state, u, positions, w, beta, lam) -> (y, new_state): one mixer step
+STEP = OpPiece(_mixer_types, _step_body, 2)
+# (u, lengths, start, init, w, beta, lam) -> (y, final_state): the mixer over prompts
+SCAN = OpPiece(lambda dev: _mixer_types(dev, scan=True), lambda values, dev: scan_op(*values, device=dev), 2)
 
 
 def scan_op(u, lengths, start, init, w, beta, lam, *, device):
@@ -70,13 +110,13 @@ def scan_op(u, lengths, start, init, w, beta, lam, *, device):
                                  TensorType(F32, [u.shape[0], u.shape[2], u.shape[3]], device)])
 
 
-def _decode_graph(dev, greedy: bool, wdtype: DType = F32):
-    """(ids, embedding, states, positions, *packing.INPUTS, eps, vocab) -> (logits,
-    new_states): one ``srm_decode_step``, the embedding and the packed matrices
-    (``packing.MATRICES``) in ``wdtype``, the rest float32. ``vocab`` is any [V] array:
-    it only names the logits' width. With ``greedy``: one ``srm_decode_steps``, further
-    inputs steps [S], temperature / top_k / top_p / seed [B], mode [1] and scored [1] (0: no
-    log-probabilities), and -> (tokens [B, S], new_states, last [B], next positions [B])."""
+def _decode_types(dev, greedy: bool, wdtype: DType = F32) -> list[TensorType]:
+    """(ids, embedding, states, positions, *packing.INPUTS, eps, vocab): one
+    ``srm_decode_step``'s inputs, the embedding and the packed matrices
+    (``packing.MATRICES``) in ``wdtype``, the rest float32. ``vocab`` is any [V] array: it
+    only names the logits' width. With ``greedy`` (``srm_decode_steps``) further inputs
+    steps [S], temperature / top_k / top_p / seed [B], mode [1] and scored [1] (0: no
+    log-probabilities)."""
     shapes = {"norms": ["L", 4, "d"], "fc1_b": ["L", "f"], "biases": ["L", 3, "d"], "w": ["L", "H", "n"],
               "beta": ["L", "H", "n"], "lam": ["L", "H"], "fc1": ["L", "P1"], "fc2": ["L", "P2"],
               "proj": ["L", "P3"], "out": ["L", "P3"], "head": ["P4"]}
@@ -89,81 +129,85 @@ def _decode_graph(dev, greedy: bool, wdtype: DType = F32):
         types += [TensorType(I64, ["S"], dev), TensorType(F32, ["B"], dev), TensorType(I64, ["B"], dev),
                   TensorType(F32, ["B"], dev), TensorType(DType.uint64, ["B"], dev), TensorType(I64, [1], dev),
                   TensorType(I64, [1], dev)]
-    name = ("srm_decode_steps_op" if greedy else "srm_decode_step_op") + ("_bf16" if wdtype == DType.bfloat16 else "")
-    with Graph(name, input_types=types, custom_extensions=[kernel_library()]) as g:
-        ids, embedding, states, positions, *rest = (v.tensor for v in g.inputs)
-        choice = [rest.pop() for _ in range(7)][::-1] if greedy else []  # steps, sampling, scored
-        vocab = rest.pop()
-        activations = Dim("f") + 3 * Dim("d")
-        if greedy:
-            tokens, new_states, last, next_positions, *_ = ops.custom(
-                OP_DECODE_STEPS, device=dev, values=[ids, embedding, states, positions, *rest, *choice],
-                out_types=[TensorType(I64, ["B", "S"], dev), TensorType(F32, states.shape, dev),
-                           TensorType(I64, ["B"], dev), TensorType(I64, ["B"], dev),
-                           TensorType(F32, ["B", activations + vocab.shape[0]], dev),
-                           TensorType(F32, ["B", "S"], dev), TensorType(F32, ["B", "S", 0], dev),
-                           TensorType(I64, ["B", "S", 0], dev)])
-            g.output(tokens.tensor, new_states.tensor, last.tensor, next_positions.tensor)
-        else:
-            logits, new_states, _, _ = ops.custom(
-                OP_DECODE_STEP, device=dev, values=[ids, embedding, states, positions, *rest],
-                out_types=[TensorType(F32, ["B", vocab.shape[0]], dev), TensorType(F32, states.shape, dev),
-                           TensorType(F32, ["B", activations], dev), TensorType(I64, ["B"], dev)])
-            g.output(logits.tensor, new_states.tensor)
-    return g
+    return types
+
+
+def _decode_body(values, dev, greedy: bool):
+    """-> (logits [B, V], new_states) of one step; with ``greedy`` (tokens [B, S],
+    new_states, last [B], next positions [B])."""
+    ids, embedding, states, positions, *rest = values
+    choice = [rest.pop() for _ in range(7)][::-1] if greedy else []  # steps, sampling, scored
+    vocab = rest.pop()
+    B, d, f = ids.shape[0], embedding.shape[1], rest[1].shape[1]  # rest[1]: fc1_b [L, f]
+    activations = f + 3 * d
+    if greedy:
+        S = choice[0].shape[0]
+        tokens, new_states, last, next_positions, *_ = ops.custom(
+            OP_DECODE_STEPS, device=dev, values=[ids, embedding, states, positions, *rest, *choice],
+            out_types=[TensorType(I64, [B, S], dev), TensorType(F32, states.shape, dev),
+                       TensorType(I64, [B], dev), TensorType(I64, [B], dev),
+                       TensorType(F32, [B, activations + vocab.shape[0]], dev),
+                       TensorType(F32, [B, S], dev), TensorType(F32, [B, S, 0], dev),
+                       TensorType(I64, [B, S, 0], dev)])
+        return [tokens, new_states, last, next_positions]
+    logits, new_states, _, _ = ops.custom(
+        OP_DECODE_STEP, device=dev, values=[ids, embedding, states, positions, *rest],
+        out_types=[TensorType(F32, [B, vocab.shape[0]], dev), TensorType(F32, states.shape, dev),
+                   TensorType(F32, [B, activations], dev), TensorType(I64, [B], dev)])
+    return [logits, new_states]
+
+
+# the whole-step decode op, one step, float32 weights: -> (logits, new_states)
+DECODE_STEP = OpPiece(lambda dev: _decode_types(dev, False), lambda values, dev: _decode_body(values, dev, False), 2)
+# S steps each choosing its token: -> (tokens, new_states, last, next positions); the op's
+# scratch must hold a row of the logits (V <= the embedding's rows)
+DECODE_STEPS = OpPiece(lambda dev: _decode_types(dev, True), lambda values, dev: _decode_body(values, dev, True), 4,
+                       {"V": 1, "E": 1})
 
 
 def decode_step_graph(dev, wdtype: DType = F32):
-    """The whole-step decode op, one step (``_decode_graph``)."""
-    return _decode_graph(dev, greedy=False, wdtype=wdtype)
+    """The whole-step decode op, one step, alone (its bfloat16-weight graph; the float32
+    one is among the ops together)."""
+    piece = OpPiece(lambda d: _decode_types(d, False, wdtype), DECODE_STEP.body, 2)
+    return graph_of("srm_decode_step_op" + ("_bf16" if wdtype == DType.bfloat16 else ""), piece, dev)
 
 
-def decode_steps_graph(dev):
-    """The whole-step decode op, S steps each choosing its token (``_decode_graph``)."""
-    return _decode_graph(dev, greedy=True)
+def _score_head_types(dev):
+    return [TensorType(F32, ["R", "d"], dev), TensorType(F32, ["V", "dh"], dev), TensorType(I64, ["R"], dev),
+            TensorType(I64, ["K"], dev)]
 
 
-def score_head_graph(dev):
-    """(x [R, d], head [V, dh], targets [R], width [K]) -> (logprobs [R], top values
-    [R, K], top ids [R, K]). The head's width is its own dimension, so that a mismatch
-    reaches the op's check; ``width`` only names the outputs' width K, so one graph serves
-    every K."""
-    types = [TensorType(F32, ["R", "d"], dev), TensorType(F32, ["V", "dh"], dev), TensorType(I64, ["R"], dev),
-             TensorType(I64, ["K"], dev)]
-    with Graph("score_head_any_k", input_types=types, custom_extensions=[kernel_library()]) as g:
-        rows, w, tg, width = (v.tensor for v in g.inputs)
-        R, k_dim = rows.shape[0], width.shape[0]
-        out = ops.custom(OP_SCORE_HEAD, device=dev, values=[rows, w, tg],
-                         out_types=[TensorType(F32, [R], dev), TensorType(F32, [R, k_dim], dev),
-                                    TensorType(I64, [R, k_dim], dev)])
-        g.output(*(o.tensor for o in out))
-    return g
+def _score_rows_types(dev):
+    return [TensorType(F32, ["R", "V"], dev), TensorType(I64, ["R"], dev), TensorType(I64, ["K"], dev)]
 
 
-def score_rows_graph(dev):
-    """(logits [R, V], targets [R], width [K]) -> (logprobs [R], top values [R, K], top
-    ids [R, K]); ``width`` only names K, so one graph serves every K."""
-    types = [TensorType(F32, ["R", "V"], dev), TensorType(I64, ["R"], dev), TensorType(I64, ["K"], dev)]
-    with Graph("score_rows_any_k", input_types=types, custom_extensions=[kernel_library()]) as g:
-        rows, tg, width = (v.tensor for v in g.inputs)
-        R, k_dim = rows.shape[0], width.shape[0]
-        out = ops.custom(OP_SCORE_ROWS, device=dev, values=[rows, tg],
-                         out_types=[TensorType(F32, [R], dev), TensorType(F32, [R, k_dim], dev),
-                                    TensorType(I64, [R, k_dim], dev)])
-        g.output(*(o.tensor for o in out))
-    return g
+def _scored(op: str, values, dev):
+    """``op`` on the values but the last, ``width`` [K], which only names the outputs'
+    width K (one graph serves every K) -> (logprobs [R], top values [R, K], top ids [R, K])."""
+    *inputs, width = values
+    R, k_dim = inputs[0].shape[0], width.shape[0]
+    return ops.custom(op, device=dev, values=inputs,
+                      out_types=[TensorType(F32, [R], dev), TensorType(F32, [R, k_dim], dev),
+                                 TensorType(I64, [R, k_dim], dev)])
 
 
-def linear_graph(dev):
-    """(x [R, K], w [N, Kw], b [Nb]) -> x @ w^T + b [R, N]; w's width and b's length their
-    own dimensions, so that a mismatch reaches the op's checks."""
-    types = [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["N", "Kw"], dev), TensorType(F32, ["Nb"], dev)]
-    with Graph("linear_op", input_types=types, custom_extensions=[kernel_library()]) as g:
-        rows, weight, bias = (v.tensor for v in g.inputs)
-        y = ops.custom(OP_LINEAR, device=dev, values=[rows, weight, bias],
-                       out_types=[TensorType(F32, [rows.shape[0], weight.shape[0]], dev)])
-        g.output(y[0].tensor)
-    return g
+# (x [R, d], head [V, dh], targets [R], width [K]): the head's width is its own dimension,
+# so that a mismatch reaches the op's check
+SCORE_HEAD = OpPiece(_score_head_types, lambda values, dev: _scored(OP_SCORE_HEAD, values, dev), 3, {"K": 1, "V": 1})
+# (logits [R, V], targets [R], width [K])
+SCORE_ROWS = OpPiece(_score_rows_types, lambda values, dev: _scored(OP_SCORE_ROWS, values, dev), 3, {"K": 1, "V": 1})
+
+
+def _linear_body(values, dev):
+    rows, weight, bias = values
+    return ops.custom(OP_LINEAR, device=dev, values=[rows, weight, bias],
+                      out_types=[TensorType(F32, [rows.shape[0], weight.shape[0]], dev)])
+
+
+# (x [R, K], w [N, Kw], b [Nb]) -> x @ w^T + b [R, N]; w's width and b's length their own
+# dimensions, so that a mismatch reaches the op's checks
+LINEAR = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["N", "Kw"], dev),
+                              TensorType(F32, ["Nb"], dev)], _linear_body, 1)
 
 
 def sample_rows_graph(dev, vocab: int):
@@ -181,34 +225,32 @@ def sample_rows_graph(dev, vocab: int):
     return g
 
 
-def pha_prefill_attention_graph(dev):
-    """(q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended [B, T, Hq, dh]."""
-    types = [TensorType(F32, ["B", "T", "Hq", "dh"], dev), TensorType(F32, ["B", "T", "Hkv", "dh"], dev),
-             TensorType(F32, ["B", "T", "Hkv", "dh"], dev), TensorType(I64, ["B"], dev)]
-    with Graph("pha_prefill_attention_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
-        q, k, v, lengths = (x.tensor for x in g.inputs)
-        (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=[q, k, v, lengths],
-                            out_types=[TensorType(F32, q.shape, dev)])
-        g.output(att.tensor)
-    return g
+def _attention_body(values, dev):
+    q, k, v, lengths = values
+    return ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=[q, k, v, lengths],
+                      out_types=[TensorType(F32, q.shape, dev)])
 
 
-def pha_gss_scan_graph(dev):
-    """(ends [B, M, H, 2N], xs [B, M, C, H], a_chunk [2N], a_step [2N], ct [H, 2N], lengths [B])
-    -> (carried [B, M, H, 2N], state [B, 2, H, N])."""
-    types = [TensorType(F32, ["B", "M", "H", "R"], dev), TensorType(F32, ["XB", "XM", "C", "XH"], dev),
-             TensorType(F32, ["A"], dev), TensorType(F32, ["AS"], dev), TensorType(F32, ["CH", "CR"], dev),
-             TensorType(I64, ["NB"], dev)]
-    with Graph("pha_gss_scan_alone", input_types=types, custom_extensions=[kernel_library()]) as g:
-        ends, xs, a_chunk, a_step, ct, lengths = (x.tensor for x in g.inputs)
-        B, H = ends.shape[0], ends.shape[2]
-        carried, state = ops.custom(OP_PHA_GSS_SCAN, device=dev, values=[ends, xs, a_chunk, a_step, ct, lengths],
-                                    out_types=[TensorType(F32, ends.shape, dev),
-                                               TensorType(F32, [B, 2, H, ct.shape[1] // 2], dev)])
-        g.output(carried.tensor, state.tensor)
-    return g
+# (q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended [B, T, Hq, dh]
+PHA_ATTENTION = OpPiece(lambda dev: [TensorType(F32, ["B", "T", "Hq", "dh"], dev),
+                                     TensorType(F32, ["B", "T", "Hkv", "dh"], dev),
+                                     TensorType(F32, ["B", "T", "Hkv", "dh"], dev), TensorType(I64, ["B"], dev)],
+                        _attention_body, 1, {"Hq": 1, "Hkv": 1})
 
 
+def _gss_scan_body(values, dev):
+    ends, xs, a_chunk, a_step, ct, lengths = values
+    B, H = ends.shape[0], ends.shape[2]
+    return ops.custom(OP_PHA_GSS_SCAN, device=dev, values=[ends, xs, a_chunk, a_step, ct, lengths],
+                      out_types=[TensorType(F32, ends.shape, dev), TensorType(F32, [B, 2, H, ct.shape[1] // 2], dev)])
+
+
+# (ends [B, M, H, 2N], xs [B, M, C, H], a_chunk [2N], a_step [2N], ct [H, 2N], lengths [B])
+# -> (carried [B, M, H, 2N], state [B, 2, H, N])
+PHA_GSS_SCAN = OpPiece(lambda dev: [TensorType(F32, ["B", "M", "H", "R"], dev),
+                                    TensorType(F32, ["XB", "XM", "C", "XH"], dev), TensorType(F32, ["A"], dev),
+                                    TensorType(F32, ["AS"], dev), TensorType(F32, ["CH", "CR"], dev),
+                                    TensorType(I64, ["NB"], dev)], _gss_scan_body, 2, {"C": 1})
 
 
 # The PHA prefill's placement of each layer's states in the state tensor (``PrefillStates``),

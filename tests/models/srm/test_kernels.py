@@ -51,8 +51,8 @@ def test_ops_registered():
     from max.graph import DeviceRef
 
     # building the graphs checks that every op is registered in the library
-    op_graph_builders.step_graph(DeviceRef.CPU())
-    op_graph_builders.scan_graph(DeviceRef.CPU())
+    op_graph_builders.graph_of("srm_mixer_step", op_graph_builders.STEP, DeviceRef.CPU())
+    op_graph_builders.graph_of("srm_mixer_scan", op_graph_builders.SCAN, DeviceRef.CPU())
 
 
 # ----------------------------------------------------------------- scan
