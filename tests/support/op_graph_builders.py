@@ -56,7 +56,7 @@ class OpPiece:
 
     types: Callable  # device -> [TensorType]
     body: Callable  # (input values, device) -> [outputs]
-    outputs: int
+    outputs: int  # how many ``body`` returns (a call of the ``together`` graph picks its own by it)
     idle: dict = field(default_factory=dict)  # dimension -> size where not 0 (the op's shape checks)
 
 
@@ -88,6 +88,7 @@ def _renamed(t: TensorType, prefix: str) -> TensorType:
 
 
 def _tensors(outputs) -> list:
+    """The tensors of a body's outputs (``ops.custom`` returns graph values)."""
     return [o.tensor if hasattr(o, "tensor") else o for o in outputs]
 
 
