@@ -19,10 +19,10 @@ GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
 # loops are written per SIMD width (AVX2: 8 float32 lanes, 16 registers; AVX-512: 16 and
 # 32), each against its float64 or reference form, through the graph of the ops alone
 # (tests/support/op_graphs.py ``TOGETHER``) or the engine's decode op alone (each a small
-# compile for x86-64-v3). The engines' other graphs
-# are MAX's own kernels around these ops, with no loop in them on a CPU (the MAX fault this
-# guard was made for struck plain ops inside ``ops.while_loop``, docs/avx2_crash.md, and the
-# CPU decode is one op now); they run as AVX2 code natively on the AVX2 CI machines.
+# compile for x86-64-v3). The engines' other graphs are MAX's own kernels around these
+# ops, with no loop in them on a CPU (the MAX fault this guard was made for struck plain
+# ops inside ``ops.while_loop``, docs/avx2_crash.md, and the CPU decode is one op now);
+# they run as AVX2 code natively on the AVX2 CI machines.
 #
 # Children of the guard, each a process of its own. Under a virtual target, MAX's runtime
 # faults at random calls once a PHA model has been loaded into a process after another has

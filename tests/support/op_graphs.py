@@ -134,7 +134,7 @@ def _idle_inputs(piece) -> list[Buffer]:
 
 _session = None
 _models: dict[GraphJob, object] = {}
-_ops_together: dict[tuple[GraphJob, str], OneOpOfTogether] = {}
+_ops_together: dict[str, OneOpOfTogether] = {}  # by op
 _used: set[OpUse] = set()  # by the running test (forget_uses clears it before each)
 
 
@@ -158,9 +158,9 @@ def model(kind: str, vocab: int | None = None, dtype: str = "float32"):
         _models[graph_job] = load_compiled(session(), graph_job.graph, graph_salt=graph_job.salt,
                                            mef=graph_job.mef_path())
     if graph_job.kind == TOGETHER:
-        if (graph_job, kind) not in _ops_together:
-            _ops_together[(graph_job, kind)] = OneOpOfTogether(_models[graph_job], kind)
-        return _ops_together[(graph_job, kind)]
+        if kind not in _ops_together:
+            _ops_together[kind] = OneOpOfTogether(_models[graph_job], kind)
+        return _ops_together[kind]
     return _models[graph_job]
 
 

@@ -46,6 +46,7 @@ CONFIG = PHAConfig(vocab_size=TINY.vocab_size, d_model=16, n_layers=2, context_l
 GSS_ALONE = dataclasses.replace(CONFIG, branches=("gss", "ffn"))
 ATTENTION_ALONE = dataclasses.replace(CONFIG, branches=("attn", "ffn"), d_model=128, n_q_heads=4, n_kv_heads=1)
 
+
 def random_pha(config: PHAConfig = CONFIG, seed: int = 0) -> PHA:
     """Float32 reference with unequal mixing weights, varied logit scales, non-trivial
     norms and biases, O(1) logits (``randomized``), and DSS modes

@@ -14,7 +14,6 @@ class NoWork:
         raise AssertionError(f"engine.{name} used before the arguments were checked")
 
 
-
 class MarkedItem:
     """Stands in for a collected test (a pytest item) with ``nodeid`` and the given marks."""
 
