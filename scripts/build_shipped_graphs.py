@@ -99,7 +99,7 @@ def build_target(target: str, workers: int) -> list[Path]:
     with tempfile.TemporaryDirectory(prefix="srm-shipped-") as cache:
         os.environ["SRM_MAX_CACHE"] = cache  # the children inherit it: a cold compile
         try:
-            compile_in_workers(jobs, workers)
+            compile_in_workers([(job,) for job in jobs], workers)  # one file per graph
             out = shipped_graphs.version_dir() / target
             if out.exists():
                 shutil.rmtree(out)

@@ -8,7 +8,10 @@ import textwrap
 
 import pytest
 
+from tests.support.graphs import graphs
+from tests.support.pha import CONFIG as PHA
 from tests.support.stand_ins import MarkedItem
+from tests.support.tiny import TINY
 
 # A user's first script: no ``if __name__ == "__main__":`` guard. It counts its own
 # top-level runs in a file and asks two compile workers for graphs of a kind that does
@@ -25,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     arch = registry.of(config)
     jobs = [arch.graph_job("no_such_kind", config), arch.graph_job("no_such_kind", config, "bfloat16")]
     try:
-        compile_in_workers(jobs, workers=2)
+        compile_in_workers([(job,) for job in jobs], workers=2)
     except RuntimeError as e:
         print("worker error:", e)
 """)
@@ -56,8 +59,6 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     draws through the row op) and the architecture (it reads logits, no weights): the jobs
     for it that differ only in those name one graph, so precompile hands the workers one
     job per graph."""
-    from tests.support.pha import CONFIG as PHA
-    from tests.support.tiny import TINY
     from srm_max.models import registry
     from srm_max.runtime import precompile as pc
 
@@ -71,28 +72,34 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
     assert pha_sample.graph_salt != jobs[0].graph_salt and pha_sample.mef_path() == jobs[0].mef_path()
     jobs.append(pha_sample)
     handed: list = []
-    monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
+    monkeypatch.setattr(pc, "compile_in_workers", lambda units, workers: handed.extend(j for u in units for j in u) or {})
     pc.precompile(jobs)
     assert sorted((j.kind, j.dtype, j.kernels) for j in handed) == [
         ("regroup", "bfloat16", False), ("sample", "float32", False), ("sample", "float32", True)]
 
 
-def test_precompile_starts_the_longest_graphs_first(tmp_path, monkeypatch):
-    """The workers get the graphs longest first (lines of MLIR, what a compile grows
-    with), so that the compiles left when cores fall idle at the end are the short ones."""
-    from tests.support.tiny import TINY
+def test_precompile_compiles_an_engines_graphs_as_one_unit_the_longest_first(tmp_path, monkeypatch):
+    """The graphs binding one engine's weights are one unit (compiled together, a fixed
+    cost once and their kernels shared); a graph binding none (the sampler's, the
+    regrouping) is one of its own, as other engines may load it. The workers get the units
+    longest first (lines of MLIR, what a compile grows with), so that the compiles left
+    when cores fall idle at the end are the short ones."""
     from srm_max.models import registry
     from srm_max.runtime import precompile as pc
 
     monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
     arch = registry.of(TINY)
-    jobs = [arch.graph_job(kind, TINY, "float32", "cpu", kernels) for kind, kernels in
-            (("regroup", True), ("sample", True), ("decode", False), ("prefill", False), ("decode_steps", True))]
+    jobs = [arch.graph_job(kind, TINY, dtype, "cpu", kernels) for kind, dtype, kernels in
+            (("regroup", "float32", True), ("sample", "float32", True), ("decode", "float32", False),
+             ("prefill", "float32", False), ("decode_steps", "float32", True), ("prefill", "bfloat16", True))]
     handed: list = []
-    monkeypatch.setattr(pc, "compile_in_workers", lambda missing, workers: handed.extend(missing) or {})
+    monkeypatch.setattr(pc, "compile_in_workers", lambda units, workers: handed.extend(units) or {})
     pc.precompile(jobs)
-    sizes = [j.size() for j in handed]
-    assert len(handed) == 5 and sizes == sorted(sizes, reverse=True) and handed[0].kind == "prefill"
+    assert sorted((tuple((j.kind, j.dtype, j.kernels) for j in unit) for unit in handed), key=str) == sorted([
+        (("decode", "float32", False), ("prefill", "float32", False)), (("decode_steps", "float32", True),),
+        (("prefill", "bfloat16", True),), (("regroup", "float32", True),), (("sample", "float32", True),)], key=str)
+    sizes = [sum(j.size() for j in unit) for unit in handed]
+    assert sizes == sorted(sizes, reverse=True) and [j.kind for j in handed[0]] == ["decode", "prefill"]
 
 
 def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, monkeypatch):
@@ -107,7 +114,6 @@ def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, mo
     from srm_max.runtime import cpu_target
     from srm_max.runtime.compile_cache import graph_key
     from srm_max.runtime.precompile import compile_in_workers
-    from tests.support.tiny import TINY
 
     monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
     host = registry.of(TINY).graph_job("regroup", TINY)
@@ -117,12 +123,49 @@ def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, mo
     assert v3.mef_path() != host.mef_path() and v3.mef_path().parent == host.mef_path().parent
     # the worker gets the target (it fails on the unknown kind, after the target check)
     with pytest.raises(RuntimeError, match="unknown SRM graph kind 'no_such_kind'"):
-        compile_in_workers([dataclasses.replace(v3, kind="no_such_kind")], workers=1)
+        compile_in_workers([(dataclasses.replace(v3, kind="no_such_kind"),)], workers=1)
     host_env = {k: v for k, v in os.environ.items() if k != cpu_target.ENV}
-    proc = subprocess.run([sys.executable, "-m", "srm_max.runtime.precompile"], input=pickle.dumps(v3),
+    proc = subprocess.run([sys.executable, "-m", "srm_max.runtime.precompile"], input=pickle.dumps((v3,)),
                           capture_output=True, timeout=300, env=host_env)
     assert proc.returncode != 0 and b"the job is for x86-64-v3, this process compiles for host-" in proc.stderr
 
+
+
+@graphs(TINY, ("regroup", "sample"))
+@graphs(PHA, ("regroup",))
+def test_one_worker_compiles_its_units_one_after_another(tmp_path, monkeypatch):
+    """A worker lives for several units, taking the next unit of its CPU target when its
+    compile ends; a unit for another target waits for a worker of its own (here it fails at
+    once). A unit's graphs compile as one file under each graph's cache path, from which
+    each loads alone. (Graphs the suite compiles up front: MAX's own cache holds their
+    kernels.)"""
+    import dataclasses
+
+    from srm_max.models import registry
+    from srm_max.runtime import precompile as pc
+    from max.engine import InferenceSession
+    from srm_max.runtime.compile_cache import load_compiled
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    started: list[str] = []
+
+    class CountedWorker(pc._Worker):
+        def __init__(self, cpu_target):
+            started.append(cpu_target)
+            super().__init__(cpu_target)
+
+    monkeypatch.setattr(pc, "_Worker", CountedWorker)
+    regroup, sample = (registry.of(TINY).graph_job(kind, TINY, kernels=True) for kind in ("regroup", "sample"))
+    pha_regroup = registry.of(PHA).graph_job("regroup", PHA, kernels=True)
+    v3 = dataclasses.replace(regroup, kind="no_such_kind", cpu_target="x86-64-v3")
+    with pytest.raises(RuntimeError, match="unknown SRM graph kind 'no_such_kind'"):
+        pc.compile_in_workers([(regroup,), (v3,), (sample, pha_regroup)], workers=1)
+    assert started == ["", "x86-64-v3"]  # the host's worker compiled both of its units
+    assert regroup.mef_path().exists() and sample.mef_path().samefile(pha_regroup.mef_path())
+    session = InferenceSession()
+    for job in (sample, pha_regroup):
+        model = load_compiled(session, job.graph, {}, job.salt, mef=job.mef_path())
+        assert model.name == job.graph().name
 
 # The op tests' graphs (tests/support/op_graphs.py) are compile jobs like the engines': the
 # marker declares them, the session compiles them up front in the same workers, and a test
@@ -133,7 +176,6 @@ def test_op_graphs_are_declared_by_op_and_kept_by_the_avx2_guard():
     from srm_max.graphs.op_names import OP_DECODE_STEP, OP_LINEAR, OP_SAMPLE_ROWS, OP_SCAN, OP_WRITE_STATE_ROWS
     from tests.support.graphs import declared_graph_jobs, graphs, needs_only_float32_kernel_graphs, op_graphs, undeclared
     from tests.support.op_graphs import TOGETHER, OpUse, job
-    from tests.support.tiny import TINY
 
     item = MarkedItem(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64))
     assert declared_graph_jobs([item]) == [job(OP_SCAN), job(OP_SAMPLE_ROWS, 64)]
@@ -188,16 +230,21 @@ def test_a_compile_worker_started_anywhere_builds_an_op_graph(tmp_path):
     assert proc.stdout.decode().splitlines()[-1] == job(OP_LINEAR).graph().name
 
 
-def test_the_compile_report_names_each_graph_dearest_first_with_the_file_declaring_it():
+def test_the_compile_report_names_each_unit_dearest_first_with_the_file_declaring_it():
     """The session's summary of its up-front compiles (tests/conftest.py): one line a
-    graph, the dearest first, each with the first test file that declares it."""
+    unit, the dearest first, each with its graphs and the first test file that declares it."""
     from srm_max.graphs.op_names import OP_SAMPLE_ROWS, OP_SCAN
+    from srm_max.models import registry
     from tests.support.graphs import compile_report, op_graphs
     from tests.support.op_graphs import TOGETHER, job
 
     first = MarkedItem(op_graphs(OP_SCAN))
     second = MarkedItem(op_graphs(OP_SCAN), op_graphs(OP_SAMPLE_ROWS, vocab=64), nodeid="tests/y.py::test_y")
-    lines = compile_report({job(OP_SCAN): 12.4, job(OP_SAMPLE_ROWS, 64): 40.0}, [first, second])
-    assert lines[0].startswith("2 graphs compiled up front, 52 s of compiling")
-    assert lines[1:] == [f"     40 s  {OP_SAMPLE_ROWS} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
+    third = MarkedItem(graphs(TINY, ("prefill", "decode_steps")), nodeid="tests/z.py::test_z")
+    engine = tuple(registry.of(TINY).graph_job(kind, TINY, kernels=True) for kind in ("prefill", "decode_steps"))
+    lines = compile_report({(job(OP_SCAN),): 12.4, (job(OP_SAMPLE_ROWS, 64),): 40.0, engine: 75.0},
+                           [first, second, third])
+    assert lines[0].startswith("4 graphs compiled up front in 3 units, 127 s of compiling")
+    assert lines[1:] == ["     75 s  prefill + decode_steps (srm, float32, Mojo ops), declared by tests/z.py",
+                         f"     40 s  {OP_SAMPLE_ROWS} (mojo_ops, float32, Mojo ops), declared by tests/y.py",
                          f"     12 s  {TOGETHER} (mojo_ops, float32, Mojo ops), declared by tests/x.py"]

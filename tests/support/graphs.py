@@ -47,21 +47,24 @@ def declared_graph_jobs(items) -> list:
 
 
 def compile_report(seconds: dict, items) -> list[str]:
-    """Lines naming each graph the session compiled up front (``seconds``: what
+    """Lines naming each unit of graphs the session compiled up front (``seconds``: what
     ``precompile`` returned), dearest first, with the first test file that declares it:
     which graphs the cold suite's time goes to."""
     first_file: dict = {}
     for item in items:
         for job in declared_graph_jobs([item]):
             first_file.setdefault(job.mef_path(), item.nodeid.split("::")[0])
-    lines = [f"{len(seconds)} graph{'s' if len(seconds) != 1 else ''} compiled up front, "
-             f"{sum(seconds.values()):.0f} s of compiling "
+    graphs = sum(len(unit) for unit in seconds)
+    lines = [f"{graphs} graph{'s' if graphs != 1 else ''} compiled up front in {len(seconds)} "
+             f"unit{'s' if len(seconds) != 1 else ''}, {sum(seconds.values()):.0f} s of compiling "
              "(side by side, so more than the wall-clock time):"]
-    for job, s in sorted(seconds.items(), key=lambda js: -js[1]):
+    for unit, s in sorted(seconds.items(), key=lambda us: -us[1]):
+        job = unit[0]
         ops = "Mojo ops" if job.kernels else "plain ops"
         target = f", for {job.cpu_target}" if job.cpu_target else ""
         where = first_file.get(dataclasses.replace(job, cpu_target="").mef_path(), "?")
-        lines.append(f"{s:7.0f} s  {job.kind} ({job.architecture}, {job.dtype}, {ops}{target}), declared by {where}")
+        kinds = " + ".join(j.kind for j in unit)
+        lines.append(f"{s:7.0f} s  {kinds} ({job.architecture}, {job.dtype}, {ops}{target}), declared by {where}")
     return lines
 
 

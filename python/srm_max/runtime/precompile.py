@@ -1,15 +1,15 @@
-"""Compile several MAX graphs at once, one process each.
+"""Compile several MAX graphs at once, in a few worker processes.
 
 A cold MAX compile runs for minutes on ONE core, so a machine with more cores
 compiles an engine's prefill and decode graphs (or a test suite's graphs) side
 by side. A ``GraphJob`` names a graph by picklable facts (kind, config, dtype,
 device, kernels, and its architecture's graph builder, pickled by name); a child
-process (``python -m srm_max.runtime.precompile``) builds it exactly as the engine
-does, compiles it and writes the ``.mef`` file the engine then loads in
-milliseconds (``compile_cache``). Children inherit the
-environment, so ``SRM_MAX_CPU_TARGET`` holds for them too; a job that names a CPU
-target of its own sets it for its child alone (one session can fill the cache for
-another process that will compile for that target).
+process (``python -m srm_max.runtime.precompile``, one per core) builds each job
+it is handed exactly as the engine does, compiles it and writes the ``.mef`` file
+the engine then loads in milliseconds (``compile_cache``), then takes the next.
+Children inherit the environment, so ``SRM_MAX_CPU_TARGET`` holds for them too; a
+job that names a CPU target of its own goes to a child started with that target
+(one session can fill the cache for another process that will compile for it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
 import tempfile
@@ -83,89 +84,169 @@ class GraphJob:
     def cached(self) -> bool:
         return self.mef_path().exists()
 
+    def engine(self) -> tuple | None:
+        """What the engine that loads this graph is (its config, weight dtype, device, Mojo
+        ops, architecture and CPU target), when the graph binds that engine's weights;
+        None for a graph that binds none (the sampler's, the regrouping), which engines of
+        other weight dtypes or architectures may share."""
+        if not _built(self, str(cache_dir()))[2]:
+            return None
+        return self.config, self.dtype, self.device, self.kernels, self.build, self.graph_salt, self.cpu_target
+
+
+# Graphs compiled together (``compile_cache.compile_to_cache``): those of one engine.
+Unit = tuple[GraphJob, ...]
+
 
 @functools.lru_cache(maxsize=None)
-def _built(job: GraphJob, directory: str) -> tuple[Path, int]:  # directory: part of the memo key only
+def _built(job: GraphJob, directory: str) -> tuple[Path, int, bool]:  # directory: part of the memo key only
     graph = job.graph()
-    return mef_path(graph, job.salt, job.cpu_target or None), str(graph).count("\n")
+    text = str(graph)
+    # a weight is an external constant in MAX's IR (also inside a loop's body, which
+    # ``Graph``'s own list of weights leaves out)
+    return mef_path(graph, job.salt, job.cpu_target or None), text.count("\n"), "mo.constant.external" in text
 
 
-def _compile(job: GraphJob) -> float:
-    """Compile ``job`` into the cache (in this process); -> seconds."""
+def compile_units(jobs: list[GraphJob]) -> list[Unit]:
+    """The jobs as compile units, in the order of each unit's first job: the graphs that
+    bind one engine's weights make one unit (they compile in about two thirds of their
+    times apart, ``compile_to_cache``); every other graph is a unit of its own, since it
+    may be loaded by other engines, whose weights would not bind the unit's other graphs."""
+    units: dict[object, list[GraphJob]] = {}
+    for job in jobs:
+        engine = job.engine()
+        units.setdefault(job if engine is None else engine, []).append(job)
+    return [tuple(unit) for unit in units.values()]
+
+
+def _compile(unit: Unit, sessions: dict[str, InferenceSession]) -> float:
+    """Compile ``unit`` into the cache (in this process, in its device's session from
+    ``sessions``, made on first use); -> seconds."""
     t = time.perf_counter()
-    device, _ = resolve_device(job.device)
-    compile_to_cache(InferenceSession(devices=[device]), job.graph(), job.salt)
+    device_name = unit[0].device
+    if device_name not in sessions:
+        device, _ = resolve_device(device_name)
+        sessions[device_name] = InferenceSession(devices=[device])
+    compile_to_cache(sessions[device_name], [(job.graph, job.salt) for job in unit])
     return time.perf_counter() - t
 
 
-def _describe(jobs: list[GraphJob]) -> str:
-    kinds = ", ".join(f"{j.kind} ({', '.join(filter(None, (j.architecture, j.dtype, j.device, j.cpu_target)))})"
-                      for j in jobs)
-    return f"{len(jobs)} MAX graph{'s' if len(jobs) > 1 else ''}: {kinds}"
+def describe(unit: Unit) -> str:
+    """``prefill + decode (pha, float32, cpu)``: the unit's kinds and what they are for."""
+    job = unit[0]
+    facts = ", ".join(filter(None, (job.architecture, job.dtype, job.device, job.cpu_target)))
+    return f"{' + '.join(j.kind for j in unit)} ({facts})"
 
 
-def compile_in_workers(jobs: list[GraphJob], workers: int) -> dict[GraphJob, float]:
-    """Compile each job in a child ``python -m srm_max.runtime.precompile`` (at most ``workers`` at
-    once, in the order given), logging the elapsed time while they run; -> seconds per job.
+class _Worker:
+    """A child ``python -m srm_max.runtime.precompile`` that compiles the units handed to
+    it one after another, all for one CPU target (its environment's): a worker that lives
+    for several units starts MAX once.
+
+    Units go down its stdin as a stream of pickles; it answers each with a line of seconds
+    on its stdout, and everything else it prints goes to a file that a failure's error quotes."""
+
+    def __init__(self, cpu_target: str):
+        self.cpu_target = cpu_target
+        self.unit: Unit | None = None
+        self.output = tempfile.TemporaryFile()
+        env = os.environ | {targets.ENV: cpu_target} if cpu_target else None
+        self.proc = subprocess.Popen([sys.executable, "-m", "srm_max.runtime.precompile"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.output, env=env)
+
+    def give(self, unit: Unit) -> None:
+        self.unit = unit
+        pickle.dump(unit, self.proc.stdin)
+        self.proc.stdin.flush()
+
+    def seconds(self) -> float:
+        """The finished unit's seconds (its answer is ready on stdout); raises
+        ``RuntimeError`` with the worker's output if it died instead."""
+        line = self.proc.stdout.readline()
+        if line:
+            self.unit = None
+            return float(line)
+        self.proc.wait()
+        self.output.seek(0)
+        text = self.output.read().decode(errors="replace")
+        raise RuntimeError(f"compiling the {' + '.join(j.kind for j in self.unit)} graph failed "
+                           f"(exit {self.proc.returncode}):\n{text[-4000:]}")
+
+    def close(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.stdin.close()  # the worker ends at the end of its stream
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.output.close()
+
+
+def compile_in_workers(units: list[Unit], workers: int) -> dict[Unit, float]:
+    """Compile each unit (``compile_units``; a tuple of jobs compiled together) in at most
+    ``workers`` children ``python -m srm_max.runtime.precompile`` at once, in the order given,
+    each child taking the next unit of its CPU target as its last compile ends; logs the
+    elapsed time while they run; -> seconds per unit.
 
     Fresh interpreters, not multiprocessing: a spawned multiprocessing worker imports the
     caller's ``__main__`` again, so a user's unguarded script would start over in every
     worker. A child that fails raises ``RuntimeError`` with its output."""
-    pending = deque(jobs)
-    running: dict[GraphJob, tuple[subprocess.Popen, object]] = {}
-    seconds: dict[GraphJob, float] = {}
+    pending = deque(units)
+    running: list[_Worker] = []
+    seconds: dict[Unit, float] = {}
     t0 = time.perf_counter()
     next_report = t0 + REPORT_EVERY_S
+
+    def hand_out(worker: _Worker) -> bool:
+        """Give ``worker`` the next pending unit of its target; False if there is none."""
+        unit = next((u for u in pending if u[0].cpu_target == worker.cpu_target), None)
+        if unit is None:
+            return False
+        pending.remove(unit)
+        worker.give(unit)
+        return True
+
     try:
         while pending or running:
             while pending and len(running) < max(1, workers):
-                job = pending.popleft()
-                out = tempfile.TemporaryFile()
-                env = os.environ | {targets.ENV: job.cpu_target} if job.cpu_target else None
-                proc = subprocess.Popen([sys.executable, "-m", "srm_max.runtime.precompile"], stdin=subprocess.PIPE,
-                                        stdout=out, stderr=subprocess.STDOUT, env=env)
-                proc.stdin.write(pickle.dumps(job))
-                proc.stdin.close()
-                running[job] = (proc, out)
-            time.sleep(POLL_S)
-            for job, (proc, out) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                del running[job]
-                out.seek(0)
-                text = out.read().decode(errors="replace")
-                out.close()
-                if proc.returncode != 0:
-                    raise RuntimeError(f"compiling the {job.kind} graph failed (exit {proc.returncode}):\n"
-                                       f"{text[-4000:]}")
-                seconds[job] = float(text.strip().splitlines()[-1])
-                log.info("compiled the %s graph in %.0f s", job.kind, seconds[job])
+                worker = _Worker(pending[0][0].cpu_target)
+                running.append(worker)
+                hand_out(worker)
+            ready, _, _ = select.select([w.proc.stdout for w in running], [], [], POLL_S)
+            for worker in [w for w in running if w.proc.stdout in ready]:
+                unit = worker.unit
+                seconds[unit] = worker.seconds()
+                log.info("compiled %s in %.0f s", describe(unit), seconds[unit])
+                if not hand_out(worker):
+                    running.remove(worker)
+                    worker.close()
             if time.perf_counter() >= next_report and running:
-                log.info("still compiling: %.0f s elapsed, %d of %d graphs done",
-                         time.perf_counter() - t0, len(seconds), len(jobs))
+                log.info("still compiling: %.0f s elapsed, %d of %d units done",
+                         time.perf_counter() - t0, len(seconds), len(units))
                 next_report += REPORT_EVERY_S
     finally:
-        for proc, out in running.values():
-            proc.kill()
-            proc.wait()
-            out.close()
+        for worker in running:
+            worker.close(kill=True)
     return seconds
 
 
-def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[GraphJob, float]:
-    """Compile the jobs not yet in the cache, ``workers`` at a time (default: one per
-    core), each in its own process; -> seconds per compiled job. Says what it compiles
-    and why through ``logging`` (the ``srm-max`` commands show it on stderr)."""
+def precompile(jobs: list[GraphJob], workers: int | None = None) -> dict[Unit, float]:
+    """Compile the jobs not yet in the cache, one unit per engine (``compile_units``),
+    ``workers`` units at a time (default: one per core), in child processes; -> seconds
+    per compiled unit. Says what it compiles and why through ``logging`` (the ``srm-max``
+    commands show it on stderr)."""
     missing = [j for path, j in _one_job_per_graph(jobs).items() if not path.exists()]
-    # the longest first, so that the compiles left at the end, when cores fall idle, are short
-    missing.sort(key=GraphJob.size, reverse=True)
     if not missing:
         return {}
-    workers = min(workers or os.cpu_count() or 1, len(missing))
-    log.info("compiling %s for this CPU: once per model shape and machine (cached under %s); "
-             "each takes minutes on a small CPU, %d at a time", _describe(missing), _cache_dir(), workers)
+    units = compile_units(missing)
+    # the longest first, so that the compiles left at the end, when cores fall idle, are short
+    units.sort(key=lambda unit: sum(job.size() for job in unit), reverse=True)
+    workers = min(workers or os.cpu_count() or 1, len(units))
+    log.info("compiling %d MAX graph%s for this CPU: %s; once per model shape and machine (cached under %s); "
+             "each takes minutes on a small CPU, %d at a time", len(missing), "s" if len(missing) > 1 else "",
+             "; ".join(map(describe, units)), _cache_dir(), workers)
     t = time.perf_counter()
-    seconds = compile_in_workers(missing, workers)
+    seconds = compile_in_workers(units, workers)
     log.info("compiled %d graph%s in %.0f s", len(missing), "s" if len(missing) > 1 else "", time.perf_counter() - t)
     return seconds
 
@@ -185,21 +266,31 @@ def _cache_dir() -> Path:
 
 
 def _worker_main() -> int:
-    """``python -m srm_max.runtime.precompile``: compile the pickled GraphJob on stdin, print seconds."""
-    job = pickle.loads(sys.stdin.buffer.read())
-    if not isinstance(job, GraphJob):
-        raise SystemExit("srm_max.runtime.precompile: expected a pickled GraphJob on stdin")
-    if job.cpu_target and targets.current() != job.cpu_target:  # its .mef would go under another key
-        raise SystemExit(f"srm_max.runtime.precompile: the job is for {job.cpu_target}, this process compiles "
-                         f"for {targets.current()}")
-    print(_compile(job), flush=True)
-    # The .mef file is complete (written atomically) once _compile returns; MAX's worker
+    """``python -m srm_max.runtime.precompile``: compile each pickled unit (a tuple of
+    GraphJobs) on stdin in turn, answering each with a line of its seconds (``_Worker``)."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # what MAX prints is not an answer
+    units = sys.stdin.buffer
+    sessions: dict[str, InferenceSession] = {}
+    while True:
+        try:
+            unit = pickle.load(units)
+        except EOFError:
+            break
+        if not (isinstance(unit, tuple) and unit and all(isinstance(job, GraphJob) for job in unit)):
+            raise SystemExit("srm_max.runtime.precompile: expected a pickled tuple of GraphJobs on stdin")
+        for job in unit:
+            if job.cpu_target and targets.current() != job.cpu_target:  # its .mef would go under another key
+                raise SystemExit(f"srm_max.runtime.precompile: the job is for {job.cpu_target}, this process "
+                                 f"compiles for {targets.current()}")
+        print(_compile(unit, sessions), file=answers, flush=True)
+    # Each .mef file is complete (written atomically) once _compile returns; MAX's worker
     # threads can abort the interpreter's teardown after that ("terminate called without an
-    # active exception"), which would report a finished compile as failed: leave at once.
+    # active exception"), which would report finished compiles as failed: leave at once.
     os._exit(0)
 
 
-__all__ = ["GraphJob", "compile_in_workers", "precompile"]
+__all__ = ["GraphJob", "Unit", "compile_in_workers", "compile_units", "describe", "precompile"]
 
 
 if __name__ == "__main__":
