@@ -1,7 +1,7 @@
 """What one cold MAX graph compile costs on this CPU, and what it grows with: the
 measurements behind the test suite's compile budget (docs/testing.md).
 
-    python -m bench.compile_cost [--models] [--out bench/results/compile_cost.json]
+    python -m bench.compile_cost [--models] [--units] [--out bench/results/compile_cost.json]
 
 Each graph compiles in a child process with a fresh, empty ``HOME`` (so MAX's own caches
 under ``~/.cache/modular`` start empty, as on a clean CI machine) and its CPU seconds are
@@ -17,7 +17,13 @@ they inflate wall-clock time. The graphs:
   every branch on) with 2 blocks and with 1, to show whether the compile grows with depth;
   and the suite's SRM config's (tests/support/tiny.py) plain-op prefill and decode graphs,
   the decode once in the prefill's ``HOME`` (``srm_plain_decode_after_prefill``) and once in
-  an empty one, to show how much two graphs of one model share.
+  an empty one, to show how much two graphs of one model share;
+- with ``--units``: the graphs of two test engines compiled one child each way, as the
+  compile workers do (``srm_max.runtime.precompile``): each graph in a compile of its own
+  (``units_apart``), and in the compile units that ``compile_units`` makes of them
+  (``units_together``: the graphs binding the engine's weights as one). The engines: the
+  suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
+  PHA with plain ops (prefill, decode).
 
 MAX compiles a graph's kernels (after fusing its ops) one by one and keeps each in a
 kernel cache under ``~/.cache/modular``; with ``MODULAR_ENABLE_CACHE_LOGGING=1`` it logs,
@@ -45,6 +51,20 @@ MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill
                 "srm_plain_decode")
 # compiled one after the other in one HOME (the rest each in an empty one)
 SHARED_HOME = ("srm_plain_prefill", "srm_plain_decode_after_prefill")
+UNIT_ENGINES = ("srm_mojo_ops", "pha_plain_ops")
+UNIT_GRAPHS = tuple(f"{engine}_{way}" for engine in UNIT_ENGINES for way in ("units_apart", "units_together"))
+
+
+def engine_jobs(engine: str) -> list:
+    """The compile jobs of one test engine's graphs (``--units``)."""
+    from srm_max.models import registry
+    from tests.support.pha import CONFIG as PHA
+    from tests.support.tiny import TINY
+
+    if engine == "srm_mojo_ops":
+        return [registry.of(TINY).graph_job(kind, TINY, "float32", "cpu", True)
+                for kind in ("prefill", "decode_steps", "sample", "regroup")]
+    return [registry.of(PHA).graph_job(kind, PHA, "float32", "cpu", False) for kind in ("prefill", "decode")]
 
 
 def build(name: str):
@@ -91,10 +111,21 @@ def build(name: str):
 
 def compile_once(name: str) -> None:
     """In the child: build and compile the graph (MAX's ``InferenceSession.compile``, as
-    the engines' compile workers do; weights are bound later, at load)."""
+    the engines' compile workers do; weights are bound later, at load), or for a name of
+    ``UNIT_GRAPHS`` the engine's graphs one unit after another, as a compile worker does."""
     from max.driver import CPU
     from max.engine import InferenceSession
 
+    if name in UNIT_GRAPHS:
+        from srm_max.runtime.precompile import _compile, compile_units
+
+        engine, way = name.split("_units_")
+        jobs = engine_jobs(engine)
+        units = compile_units(jobs) if way == "together" else [(job,) for job in jobs]
+        sessions: dict = {}
+        for unit in units:
+            _compile(unit, sessions)
+        return
     InferenceSession(devices=[CPU()]).compile(build(name))
 
 
@@ -132,6 +163,8 @@ def main(argv=None) -> None:
     parser.add_argument("--models", action="store_true",
                         help="also the test PHA's plain prefill at 2 and 1 blocks, and the test SRM's plain prefill "
                              "and decode (the decode after the prefill in one HOME, and alone)")
+    parser.add_argument("--units", action="store_true",
+                        help="also two test engines' graphs compiled each alone and as compile units")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -141,8 +174,15 @@ def main(argv=None) -> None:
         # compile ("terminate called without an active exception"): leave at once
         os._exit(0)
     rows = []
+    if args.units:
+        # the units' children share one package of the Mojo ops, built here, so that
+        # no child's seconds hold its build; each exports its .mef files there too
+        os.environ["SRM_MAX_CACHE"] = units_cache = tempfile.mkdtemp(prefix="srm-compile-cost-")
+        from srm_max.runtime.kernels import kernel_library
+
+        kernel_library()
     with tempfile.TemporaryDirectory() as first_home:
-        names = list(GRAPHS) + (list(MODEL_GRAPHS) if args.models else [])
+        names = list(GRAPHS) + (list(MODEL_GRAPHS) if args.models else []) + (list(UNIT_GRAPHS) if args.units else [])
         with tempfile.TemporaryDirectory() as model_home:
             for i, name in enumerate(names):
                 if i == 0:
@@ -157,6 +197,10 @@ def main(argv=None) -> None:
         again["graph"] = "add_again_warm"
         rows.append(again)
         print(json.dumps(again), flush=True)
+    if args.units:
+        import shutil
+
+        shutil.rmtree(units_cache, ignore_errors=True)
     result = {"machine": machine_info(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")

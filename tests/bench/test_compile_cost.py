@@ -30,3 +30,17 @@ def test_kernel_counts_sum_the_batches_of_the_log():
 def test_depth_is_what_differs_between_the_pha_graphs():
     two, one = str(build("pha_plain_prefill_2")), str(build("pha_plain_prefill_1"))
     assert "blocks.1." in two and "blocks.1." not in one
+
+
+def test_the_engines_of_units_compile_as_these_units(tmp_path, monkeypatch):
+    """``--units`` compares each graph compiled alone with the units the compile workers
+    make: the graphs binding the engine's weights together, and those binding none (the
+    sampler and the regrouping) together."""
+    from bench.compile_cost import engine_jobs
+    from srm_max.runtime.precompile import compile_units
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    kinds = {engine: [[job.kind for job in unit] for unit in compile_units(engine_jobs(engine))]
+             for engine in ("srm_mojo_ops", "pha_plain_ops")}
+    assert kinds == {"srm_mojo_ops": [["prefill", "decode_steps"], ["sample", "regroup"]],
+                     "pha_plain_ops": [["prefill", "decode"]]}

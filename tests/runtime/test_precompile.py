@@ -80,8 +80,8 @@ def test_jobs_of_the_same_graph_compile_once(monkeypatch, tmp_path):
 
 def test_precompile_compiles_an_engines_graphs_as_one_unit_the_longest_first(tmp_path, monkeypatch):
     """The graphs binding one engine's weights are one unit (compiled together, a fixed
-    cost once and their kernels shared); a graph binding none (the sampler's, the
-    regrouping) is one of its own, as other engines may load it. The workers get the units
+    cost once and their kernels shared); the graphs binding none (the sampler's, the
+    regrouping), which other engines may load, are another. The workers get the units
     longest first (lines of MLIR, what a compile grows with), so that the compiles left
     when cores fall idle at the end are the short ones."""
     from srm_max.models import registry
@@ -97,7 +97,7 @@ def test_precompile_compiles_an_engines_graphs_as_one_unit_the_longest_first(tmp
     pc.precompile(jobs)
     assert sorted((tuple((j.kind, j.dtype, j.kernels) for j in unit) for unit in handed), key=str) == sorted([
         (("decode", "float32", False), ("prefill", "float32", False)), (("decode_steps", "float32", True),),
-        (("prefill", "bfloat16", True),), (("regroup", "float32", True),), (("sample", "float32", True),)], key=str)
+        (("prefill", "bfloat16", True),), (("regroup", "float32", True), ("sample", "float32", True))], key=str)
     sizes = [sum(j.size() for j in unit) for unit in handed]
     assert sizes == sorted(sizes, reverse=True) and [j.kind for j in handed[0]] == ["decode", "prefill"]
 
@@ -131,22 +131,22 @@ def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, mo
 
 
 
-@graphs(TINY, ("regroup", "sample"))
-@graphs(PHA, ("regroup",))
 def test_one_worker_compiles_its_units_one_after_another(tmp_path, monkeypatch):
     """A worker lives for several units, taking the next unit of its CPU target when its
     compile ends; a unit for another target waits for a worker of its own (here it fails at
     once). A unit's graphs compile as one file under each graph's cache path, from which
-    each loads alone. (Graphs the suite compiles up front: MAX's own cache holds their
-    kernels.)"""
+    each loads alone."""
     import dataclasses
 
-    from srm_max.models import registry
-    from srm_max.runtime import precompile as pc
+    import numpy as np
     from max.engine import InferenceSession
+    from srm_max.runtime import precompile as pc
     from srm_max.runtime.compile_cache import load_compiled
+    from tests.support.op_graphs import pythonpath_with_repo_root
+    from tests.support.stand_ins import PassThroughConfig, pass_through_graph
 
     monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_repo_root())  # the workers import the stand-in
     started: list[str] = []
 
     class CountedWorker(pc._Worker):
@@ -155,17 +155,19 @@ def test_one_worker_compiles_its_units_one_after_another(tmp_path, monkeypatch):
             super().__init__(cpu_target)
 
     monkeypatch.setattr(pc, "_Worker", CountedWorker)
-    regroup, sample = (registry.of(TINY).graph_job(kind, TINY, kernels=True) for kind in ("regroup", "sample"))
-    pha_regroup = registry.of(PHA).graph_job("regroup", PHA, kernels=True)
-    v3 = dataclasses.replace(regroup, kind="no_such_kind", cpu_target="x86-64-v3")
-    with pytest.raises(RuntimeError, match="unknown SRM graph kind 'no_such_kind'"):
-        pc.compile_in_workers([(regroup,), (v3,), (sample, pha_regroup)], workers=1)
+    a, b = (pc.GraphJob(kind, PassThroughConfig(), "float32", "cpu", False, pass_through_graph, b"")
+            for kind in ("a", "b"))
+    v3 = dataclasses.replace(a, kind="no_such_kind", cpu_target="x86-64-v3")
+    with pytest.raises(RuntimeError, match="unknown pass-through graph kind 'no_such_kind'"):
+        pc.compile_in_workers([(a,), (v3,), (a, b)], workers=1)
     assert started == ["", "x86-64-v3"]  # the host's worker compiled both of its units
-    assert regroup.mef_path().exists() and sample.mef_path().samefile(pha_regroup.mef_path())
+    assert a.mef_path().samefile(b.mef_path())  # the second unit's file replaced the first's
     session = InferenceSession()
-    for job in (sample, pha_regroup):
+    for job in (a, b):
         model = load_compiled(session, job.graph, {}, job.salt, mef=job.mef_path())
-        assert model.name == job.graph().name
+        assert model.name == f"pass_through_{job.kind}"
+        (out,) = model.execute(np.array([1.5, -2.0], np.float32))
+        np.testing.assert_array_equal(out.to_numpy(), [1.5, -2.0])
 
 # The op tests' graphs (tests/support/op_graphs.py) are compile jobs like the engines': the
 # marker declares them, the session compiles them up front in the same workers, and a test

@@ -1,6 +1,8 @@
-"""Stand-ins for an engine and for a collected test."""
+"""Stand-ins for an engine, for a collected test, and for a model's graphs."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tests.support.tiny import TINY
 
@@ -26,3 +28,23 @@ class MarkedItem:
 
     def get_closest_marker(self, name):
         return next(iter(self.iter_markers(name)), None)
+
+
+@dataclass(frozen=True)
+class PassThroughConfig:
+    """The config of ``pass_through_graph``'s stand-in model."""
+
+    architecture: str = "pass_through"
+
+
+def pass_through_graph(kind: str, config, wdtype, device, kernels):
+    """A graph builder (as an architecture's) whose graphs return their input, and compile
+    in a second or two: for the compile workers' tests. The kinds: "a" and "b"."""
+    from max.dtype import DType
+    from max.graph import Graph, TensorType
+
+    if kind not in ("a", "b"):
+        raise ValueError(f"unknown pass-through graph kind {kind!r}")
+    with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, [2], device)]) as g:
+        g.output(g.inputs[0])
+    return g

@@ -84,17 +84,18 @@ class GraphJob:
     def cached(self) -> bool:
         return self.mef_path().exists()
 
-    def engine(self) -> tuple | None:
-        """What the engine that loads this graph is (its config, weight dtype, device, Mojo
-        ops, architecture and CPU target), when the graph binds that engine's weights;
-        None for a graph that binds none (the sampler's, the regrouping), which engines of
-        other weight dtypes or architectures may share."""
+    def unit_key(self) -> tuple:
+        """What the graphs compiled with this one in a unit share (``compile_units``): for a
+        graph that binds weights, its engine (config, weight dtype, device, Mojo ops,
+        architecture, CPU target), since a unit is loaded with one engine's weights; for one
+        that binds none (the sampler's, the regrouping, which engines of other weight dtypes
+        or architectures share), only the device and CPU target: any engine can load it."""
         if not _built(self, str(cache_dir()))[2]:
-            return None
+            return self.device, self.cpu_target
         return self.config, self.dtype, self.device, self.kernels, self.build, self.graph_salt, self.cpu_target
 
 
-# Graphs compiled together (``compile_cache.compile_to_cache``): those of one engine.
+# Graphs compiled together (``compile_cache.compile_to_cache``, ``compile_units``).
 Unit = tuple[GraphJob, ...]
 
 
@@ -108,14 +109,13 @@ def _built(job: GraphJob, directory: str) -> tuple[Path, int, bool]:  # director
 
 
 def compile_units(jobs: list[GraphJob]) -> list[Unit]:
-    """The jobs as compile units, in the order of each unit's first job: the graphs that
-    bind one engine's weights make one unit (they compile in about two thirds of their
-    times apart, ``compile_to_cache``); every other graph is a unit of its own, since it
-    may be loaded by other engines, whose weights would not bind the unit's other graphs."""
-    units: dict[object, list[GraphJob]] = {}
+    """The jobs as compile units (``GraphJob.unit_key``), in the order of each unit's first
+    job: the graphs that bind one engine's weights make one unit, and those that bind none
+    another (a unit compiles in about two thirds of its graphs' times apart,
+    ``compile_to_cache``)."""
+    units: dict[tuple, list[GraphJob]] = {}
     for job in jobs:
-        engine = job.engine()
-        units.setdefault(job if engine is None else engine, []).append(job)
+        units.setdefault(job.unit_key(), []).append(job)
     return [tuple(unit) for unit in units.values()]
 
 
