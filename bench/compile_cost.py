@@ -1,7 +1,8 @@
 """What one cold MAX graph compile costs on this CPU, and what it grows with: the
 measurements behind the test suite's compile budget (docs/testing.md).
 
-    python -m bench.compile_cost [--models] [--units] [--out bench/results/compile_cost.json]
+    python -m bench.compile_cost [--models] [--out bench/results/compile_cost.json]
+    python -m bench.compile_cost --units [--out bench/results/compile_units.json]
 
 Each graph compiles in a child process with a fresh, empty ``HOME`` (so MAX's own caches
 under ``~/.cache/modular`` start empty, as on a clean CI machine) and its CPU seconds are
@@ -18,8 +19,8 @@ they inflate wall-clock time. The graphs:
   and the suite's SRM config's (tests/support/tiny.py) plain-op prefill and decode graphs,
   the decode once in the prefill's ``HOME`` (``srm_plain_decode_after_prefill``) and once in
   an empty one, to show how much two graphs of one model share;
-- with ``--units``: the graphs of two test engines compiled one child each way, as the
-  compile workers do (``srm_max.runtime.precompile``): each graph in a compile of its own
+- with ``--units`` (alone): the graphs of two test engines compiled one child each way, as
+  the compile workers do (``srm_max.runtime.precompile``): each graph in a compile of its own
   (``units_apart``), and in the compile units that ``compile_units`` makes of them
   (``units_together``: the graphs binding the engine's weights as one). The engines: the
   suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
@@ -46,6 +47,7 @@ from pathlib import Path
 from bench.common import machine_info
 
 OUT = Path(__file__).with_name("results") / "compile_cost.json"
+UNITS_OUT = OUT.with_name("compile_units.json")
 GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
 MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_decode_after_prefill",
                 "srm_plain_decode")
@@ -158,31 +160,32 @@ def measure(name: str, home: str) -> dict:
             **kernel_counts(done.stdout + done.stderr), "load_average": list(os.getloadavg())}
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", action="store_true",
-                        help="also the test PHA's plain prefill at 2 and 1 blocks, and the test SRM's plain prefill "
-                             "and decode (the decode after the prefill in one HOME, and alone)")
-    parser.add_argument("--units", action="store_true",
-                        help="also two test engines' graphs compiled each alone and as compile units")
-    parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        compile_once(args.child)
-        # MAX's worker threads can abort the interpreter's teardown after a finished
-        # compile ("terminate called without an active exception"): leave at once
-        os._exit(0)
-    rows = []
-    if args.units:
-        # the units' children share one package of the Mojo ops, built here, so that
-        # no child's seconds hold its build; each exports its .mef files there too
-        os.environ["SRM_MAX_CACHE"] = units_cache = tempfile.mkdtemp(prefix="srm-compile-cost-")
-        from srm_max.runtime.kernels import kernel_library
+def measure_units() -> list[dict]:
+    """The ``UNIT_GRAPHS`` rows, each in an empty ``HOME``."""
+    import shutil
 
-        kernel_library()
+    # the children share one package of the Mojo ops, built here, so that no child's
+    # seconds hold its build; each exports its .mef files there too
+    os.environ["SRM_MAX_CACHE"] = cache = tempfile.mkdtemp(prefix="srm-compile-cost-")
+    from srm_max.runtime.kernels import kernel_library
+
+    kernel_library()
+    rows = []
+    try:
+        for name in UNIT_GRAPHS:
+            with tempfile.TemporaryDirectory() as home:
+                rows.append(measure(name, home))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return rows
+
+
+def measure_graphs(models: bool) -> list[dict]:
+    """The ``GRAPHS`` rows (and ``MODEL_GRAPHS``'), then ``add_again_warm``."""
+    rows = []
     with tempfile.TemporaryDirectory() as first_home:
-        names = list(GRAPHS) + (list(MODEL_GRAPHS) if args.models else []) + (list(UNIT_GRAPHS) if args.units else [])
+        names = list(GRAPHS) + (list(MODEL_GRAPHS) if models else [])
         with tempfile.TemporaryDirectory() as model_home:
             for i, name in enumerate(names):
                 if i == 0:
@@ -197,16 +200,32 @@ def main(argv=None) -> None:
         again["graph"] = "add_again_warm"
         rows.append(again)
         print(json.dumps(again), flush=True)
-    if args.units:
-        import shutil
+    return rows
 
-        shutil.rmtree(units_cache, ignore_errors=True)
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", action="store_true",
+                        help="also the test PHA's plain prefill at 2 and 1 blocks, and the test SRM's plain prefill "
+                             "and decode (the decode after the prefill in one HOME, and alone)")
+    parser.add_argument("--units", action="store_true",
+                        help="instead: two test engines' graphs compiled each alone and as compile units")
+    parser.add_argument("--out", type=Path, help=f"default {OUT} ({UNITS_OUT} with --units)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        compile_once(args.child)
+        # MAX's worker threads can abort the interpreter's teardown after a finished
+        # compile ("terminate called without an active exception"): leave at once
+        os._exit(0)
+    out = args.out or (UNITS_OUT if args.units else OUT)
+    rows = measure_units() if args.units else measure_graphs(args.models)
     result = {"machine": machine_info(), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    tmp.replace(out)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

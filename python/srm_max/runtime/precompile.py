@@ -33,7 +33,7 @@ from max.graph import DeviceRef, Graph
 
 from ..graphs.sampler import SAMPLE_GRAPH_SALT
 from . import cpu_target as targets
-from .compile_cache import cache_dir, compile_to_cache, mef_path
+from .compile_cache import cache_dir, compile_to_cache, graph_name, mef_path
 from .device import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,18 @@ def compile_units(jobs: list[GraphJob]) -> list[Unit]:
     """The jobs as compile units (``GraphJob.unit_key``), in the order of each unit's first
     job: the graphs that bind one engine's weights make one unit, and those that bind none
     another (a unit compiles in about two thirds of its graphs' times apart,
-    ``compile_to_cache``)."""
-    units: dict[tuple, list[GraphJob]] = {}
+    ``compile_to_cache``); a graph whose name a unit already holds (MAX loads a unit's
+    graphs by name) starts another unit of that key."""
+    units: dict[tuple, list[list[GraphJob]]] = {}
     for job in jobs:
-        units.setdefault(job.unit_key(), []).append(job)
-    return [tuple(unit) for unit in units.values()]
+        name = graph_name(job.mef_path())
+        same_key = units.setdefault(job.unit_key(), [])
+        unit = next((u for u in same_key if name not in {graph_name(j.mef_path()) for j in u}), None)
+        if unit is None:
+            same_key.append(unit := [])
+        unit.append(job)
+    ordered = sorted((unit for same_key in units.values() for unit in same_key), key=lambda u: jobs.index(u[0]))
+    return [tuple(unit) for unit in ordered]
 
 
 def _compile(unit: Unit, sessions: dict[str, InferenceSession]) -> float:
