@@ -92,10 +92,10 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
 
     MAX compiles the kernels of a unit together, and a compile pays a fixed cost of
     its own (its JIT session) besides its kernels, while graphs of one model share
-    many kernels (a prefill and a decode run the same matmuls): so the graphs of one
-    engine compile in about two thirds of the time as one unit. A unit is loaded with
-    one weights registry (``load_compiled``), so the graphs in it that bind weights
-    must be one engine's."""
+    many kernels (a prefill and a decode run the same matmuls): so graphs compile in
+    less time as one unit than apart (docs/testing.md). A unit is loaded with one
+    weights registry (``load_compiled``), so the graphs in it that bind weights must
+    be one engine's."""
     graphs, paths = [], []
     for build, graph_salt in builders:
         # the key is taken at once: MAX's text of a graph can change when the next graph is

@@ -111,9 +111,9 @@ def _built(job: GraphJob, directory: str) -> tuple[Path, int, bool]:  # director
 def compile_units(jobs: list[GraphJob]) -> list[Unit]:
     """The jobs as compile units (``GraphJob.unit_key``), in the order of each unit's first
     job: the graphs that bind one engine's weights make one unit, and those that bind none
-    another (a unit compiles in about two thirds of its graphs' times apart,
-    ``compile_to_cache``); a graph whose name a unit already holds (MAX loads a unit's
-    graphs by name) starts another unit of that key."""
+    another (a unit compiles in less time than its graphs apart, ``compile_to_cache``); a
+    graph whose name a unit already holds (MAX loads a unit's graphs by name) starts
+    another unit of that key."""
     units: dict[tuple, list[list[GraphJob]]] = {}
     for job in jobs:
         name = graph_name(job.mef_path())
