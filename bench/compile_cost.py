@@ -22,7 +22,8 @@ they inflate wall-clock time. The graphs:
 - with ``--units`` (alone): the graphs of two test engines compiled one child each way, as
   the compile workers do (``srm_max.runtime.precompile``): each graph in a compile of its own
   (``units_apart``), and in the compile units that ``compile_units`` makes of them
-  (``units_together``: the graphs binding the engine's weights as one). The engines: the
+  (``units_together``: the graphs binding the engine's weights as one, those binding none
+  as another). The engines: the
   suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
   PHA with plain ops (prefill, decode).
 
