@@ -35,16 +35,18 @@ class PassThroughConfig:
     """The config of ``pass_through_graph``'s stand-in model."""
 
     architecture: str = "pass_through"
+    width: int = 2  # of the one input (and output)
 
 
 def pass_through_graph(kind: str, config, wdtype, device, kernels):
     """A graph builder (as an architecture's) whose graphs return their input, and compile
-    in a second or two: for the compile workers' tests. The kinds: "a" and "b"."""
+    in a second or two: for the compile workers' and the cache's tests. The kinds: "a", "b"
+    and "c" (the same code under three names)."""
     from max.dtype import DType
     from max.graph import Graph, TensorType
 
-    if kind not in ("a", "b"):
+    if kind not in ("a", "b", "c"):
         raise ValueError(f"unknown pass-through graph kind {kind!r}")
-    with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, [2], device)]) as g:
+    with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, [config.width], device)]) as g:
         g.output(g.inputs[0])
     return g

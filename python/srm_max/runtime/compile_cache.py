@@ -17,6 +17,7 @@ graphs (``shipped_graphs``) are found.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -29,6 +30,8 @@ from max.graph import Graph, Module
 
 from ..files import atomic_file
 from . import cpu_target
+
+log = logging.getLogger(__name__)
 
 # before anything compiles: SRM_MAX_CPU_TARGET (a virtual CPU target) holds for every graph
 cpu_target.apply_requested()
@@ -108,14 +111,16 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
         libraries = sorted({str(lib) for graph in graphs for lib in graph.kernel_libraries_paths})
         compiled = session.compile(_one_module(graphs), custom_extensions=libraries)
     paths[0].parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(paths[0]) as tmp:  # concurrent processes never see half a file
-        compiled.export_mef(str(tmp))
-    for path in paths[1:]:
-        with atomic_file(path) as tmp:
-            try:
-                os.link(paths[0], tmp)
-            except OSError:  # a file system without hard links
-                shutil.copyfile(paths[0], tmp)
+    with atomic_file(paths[0]) as first:  # concurrent processes never see half a file
+        compiled.export_mef(str(first))
+        # the other paths link to this export itself, not to paths[0] once it is in place,
+        # which another process may replace meanwhile with a unit that lacks their graphs
+        for path in paths[1:]:
+            with atomic_file(path) as tmp:
+                try:
+                    os.link(first, tmp)
+                except OSError:  # a file system without hard links
+                    shutil.copyfile(first, tmp)
     return compiled
 
 
@@ -143,20 +148,46 @@ def load_compiled(
     """Load ``graph`` from the ``.mef`` cache, compiling and exporting it on a miss.
 
     ``graph`` may be a function that builds it; with ``mef``, its cache path when
-    already known, a hit loads without building the graph at all. A cached file may
-    hold the graphs compiled with it as one unit (``compile_to_cache``): they are
-    initialized too, with the same ``weights_registry``, and only ``graph`` is returned.
-    """
+    already known, a hit loads without building the graph at all."""
     if mef is None:
         graph = graph if isinstance(graph, Graph) else graph()
         mef = mef_path(graph, graph_salt)
-    compiled = None
+    return load_unit(session, graph, weights_registry, graph_salt, mef)[graph_name(mef)]
+
+
+def load_unit(
+    session: InferenceSession,
+    graph: Graph | Callable[[], Graph],
+    weights_registry: Mapping | None,
+    graph_salt: bytes,
+    mef: Path,
+) -> dict[str, Model]:
+    """Every graph of the cached file ``mef`` (``graph``'s cache path), initialized with
+    ``weights_registry``, by name: a file holds the graphs compiled with ``graph`` as one
+    unit (``compile_to_cache``), which a caller may keep for their own later use. On a
+    miss, or a file that does not hold ``graph`` (damaged, or written under this key by
+    another version), ``graph`` is compiled and exported first."""
+    name = graph_name(mef)
     if mef.exists():
         try:
-            compiled = engine.read(mef)
-        except Exception:  # a stale or damaged cache entry: rebuild it
-            mef.unlink(missing_ok=True)
-    if compiled is None:
-        built = graph
-        compiled = compile_to_cache(session, [((lambda: built) if isinstance(graph, Graph) else graph, graph_salt)])
-    return session.init_all(compiled, weights_registry=weights_registry)[graph_name(mef)]
+            models = _holding(session.init_all(engine.read(mef), weights_registry=weights_registry), name)
+        except Exception:  # a damaged cache entry, or one whose graphs bind other weights
+            models = None
+        if models is not None:
+            return models
+        log.warning("the cached %s does not hold its graph (damaged or stale): compiling it again", mef)
+        mef.unlink(missing_ok=True)
+    built = graph
+    compiled = compile_to_cache(session, [((lambda: built) if isinstance(graph, Graph) else graph, graph_salt)])
+    return _holding(session.init_all(compiled, weights_registry=weights_registry), name)
+
+
+def _holding(models: dict[str, Model], name: str) -> dict[str, Model] | None:
+    """``models`` (a file's, by name) with the graph ``name``; None if they lack it. A file
+    of one graph is the graph of its path whatever the name inside: MAX's own compile cache
+    answers a graph with an earlier compiled graph of the same code, under that one's name."""
+    if name in models:
+        return models
+    if len(models) == 1:
+        return {name: next(iter(models.values()))}
+    return None

@@ -32,7 +32,7 @@ from ..graphs.scoring import TOP_N
 from ..graphs.slots import slots_taken
 from ..weight_shapes import shape_problem
 from .call_types import DecodeResult, PrefillResult, SamplingArrays, ScoreResult
-from .compile_cache import load_compiled
+from .compile_cache import graph_name, load_unit
 from .drawn import one_step_scores, scored_input, steps_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
@@ -71,6 +71,16 @@ def session_weights(full: dict[str, np.ndarray], matrices: set[str], dtype: str)
     return reg
 
 
+def _file_identity(path) -> tuple | None:
+    """What tells one file from another, links to it included (a replaced file differs);
+    None if there is none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def right_padded(prompts: list, width: int) -> np.ndarray:
     """[B, width] int64: each prompt's ids, then zeros."""
     ids = np.zeros((len(prompts), width), np.int64)
@@ -93,6 +103,7 @@ class CompiledGraphs:
         self.weights = weights  # name -> array/Buffer: what the compiled graphs bind
         self.session = InferenceSession(devices=[self.device])
         self._models: dict[str, Model] = {}
+        self._unit_files: dict[tuple, dict[str, Model]] = {}  # ``_load``'s
         self.compile_seconds: dict[str, float] = {}
         self._lock = threading.RLock()
 
@@ -110,13 +121,21 @@ class CompiledGraphs:
         return [self.graph_job(kind) for kind in self.graph_kinds()]
 
     def _load(self, kind: str) -> Model:
+        """The graph ``kind``, from the cache (a miss compiles in a child process, saying what
+        and for how long). Its file may hold other graphs of this engine compiled with it as
+        one unit: initialized with it, they are kept, and a later load of one of them from the
+        same file takes it instead of initializing the file again (on a GPU, weights again)."""
         t0 = time.perf_counter()
         job = self.graph_job(kind)
-        precompile([job])  # a miss compiles in a child process, saying what and for how long
-        model = load_compiled(self.session, job.graph, self.weights, graph_salt=job.salt,
-                              mef=job.mef_path())
+        precompile([job])
+        mef = job.mef_path()
+        name = graph_name(mef)
+        models = self._unit_files.get(_file_identity(mef), {})
+        if name not in models:
+            models = load_unit(self.session, job.graph, self.weights, job.salt, mef)
+            self._unit_files[_file_identity(mef)] = models
         self.compile_seconds[kind] = time.perf_counter() - t0
-        return model
+        return models[name]
 
     # Under a virtual CPU target, MAX 26.7's runtime faults now and then when a model is
     # loaded into a process after another model has run (docs/avx2_crash.md): an engine
