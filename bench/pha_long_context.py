@@ -34,6 +34,13 @@ memory depend only on shapes):
     rows move), and the fresh row written into the donated states in the finished row's slot
     (``refill_in_place_ms_b{B}``, the slot pool's refill when the new rows fill every freed
     slot, on a CPU), beside a decode step;
+  - against the FMA peak measured in the same run (bench/fma_peak.py): the FLOPs a
+    prefill of one n-token prompt must do (``prefill_flops``: every matrix once per token,
+    the output head once, the attention's causal scores and weighted values; the GSS scan's
+    own arithmetic left out, so a lower bound for the PHA) over its time and the peak:
+    ``prefill_percent_of_fma_peak``; llama.cpp's prompt the same way
+    (``llama_cpp_prefill_flops``), and ``prefill_per_flop``: the prefill ratio to llama.cpp
+    times the ratio of the FLOPs per prompt, above 1 where the engine does its FLOPs faster;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
@@ -64,6 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import pha_llama_cpp
+from bench.fma_peak import fma_peak
 from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
 
 MODELS = ("pha", "pha-attn", "pha-gss", "pha-ffn", "srm")
@@ -169,6 +177,30 @@ def llama_cpp_step_bytes(config, batch: int, start: int, steps: int, parameters:
     return 4 * parameters + batch * sum(kv_row * (start + s) for s in range(steps)) / steps
 
 
+def prefill_flops(name: str, config, n: int) -> float:
+    """The FLOPs of the products a prefill of one ``n``-token prompt must do: every matrix
+    a decode step multiplies by (``matrix_bytes``) once per token, but the output head once
+    (a prefill's logits are its last token's), and the attention's scores and weighted
+    values over the causal rows, n (n + 1) / 2 per query head and block. The GSS scan's own
+    arithmetic and the SRM's token mixing are left out: a lower bound for those models."""
+    c = config
+    head = c.vocab_size * c.d_model
+    macs = (matrix_bytes(name, c, 1) - head) * n + head
+    if name != "srm" and "attn" in c.branches:
+        macs += c.n_layers * c.n_q_heads * c.head_dim * n * (n + 1)
+    return 2.0 * macs
+
+
+def llama_cpp_prefill_flops(config, tokens: int, parameters: int) -> float:
+    """The same for llama.cpp's Llama of ``config``'s attention shape and ``parameters``
+    (its tied embedding, the output head, once: ``llama-batched-bench`` asks for the
+    logits of each sequence's last prompt token only)."""
+    c = config
+    head = c.vocab_size * c.d_model
+    macs = (parameters - head) * tokens + head + c.n_layers * c.n_q_heads * c.head_dim * tokens * (tokens + 1)
+    return 2.0 * macs
+
+
 def read_bytes_per_s(nbytes: int, repeats: int) -> float:
     """The best read bandwidth of ``repeats`` 2-thread torch sums over one ``nbytes`` array."""
     import torch
@@ -199,6 +231,12 @@ def reread_limit_ms(bytes_per_step: float, matrix_bytes: int, steps: int, reread
     (at the ``reread`` bandwidth) and reads its samples' state (``bytes_per_step``
     less the matrices' 1 / ``steps`` share, at the ``stream`` bandwidth)."""
     return 1e3 * (matrix_bytes / reread + (bytes_per_step - matrix_bytes / steps) / stream)
+
+
+def percent_of_peak(flops: float, seconds: float, peak: dict) -> float:
+    """``flops`` done in ``seconds`` as a percentage of the FMA ``peak`` (``fma_peak``:
+    every core, per CPU-second)."""
+    return 100 * flops / seconds / peak["flops"]
 
 
 def graphs_used(engine, prefill: bool = True, decode: bool = True, refill: bool = False) -> list:
@@ -250,7 +288,7 @@ def measure(name: str, engine, n: int, steps: int, batches, repeats: int, rng, t
             short = [rng.integers(0, c.vocab_size, length).tolist()]
             row[f"prefill_seconds_t{length}"] = min(timed(repeats, lambda: engine.prefill(short)))
         row |= {"prefill_seconds_runs": runs, "prefill_seconds": min(runs), "prefill_spread": spread(runs),
-                "prefill_tokens_per_s": n / min(runs)}
+                "prefill_tokens_per_s": n / min(runs), "prefill_flops": prefill_flops(name, c, n)}
     for B in batches:
         ids = rng.integers(0, c.vocab_size, B).astype(np.int64)
         pos = np.full(B, start, np.int64)
@@ -300,7 +338,8 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
                          "decode_spread": spread(decode), "prompt_tokens_per_s_runs": prompt,
                          "prompt_tokens_per_s": max(prompt), "step_ms": 1e3 * B / max(decode),
                          "reread_bytes_per_step": int(llama_cpp_step_bytes(pha_config_of(n), B, n - steps, steps,
-                                                                           params))})
+                                                                           params)),
+                         "prompt_flops": B * llama_cpp_prefill_flops(pha_config_of(n), runs[0][i]["pp"], params)})
             print(rows[-1], flush=True)
     return rows
 
@@ -337,13 +376,18 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
     """The MAX engines' decode (per batch) and prefill (batch 1) over llama.cpp's best at
     the same context and batch, whatever its thread count: > 1 is faster than llama.cpp.
     Where both rows give the bytes a step re-reads, also their ratio and the decode per
-    byte (> 1: the engine reads its bytes faster than llama.cpp reads its own)."""
+    byte (> 1: the engine reads its bytes faster than llama.cpp reads its own); where both
+    give a prefill's FLOPs, their ratio per token and the prefill per FLOP (the same for
+    the FLOPs)."""
     best: dict[tuple, dict] = {}
     for ll in llama:
-        for key in ("decode_tokens_per_s", "prompt_tokens_per_s"):
+        # with each rate, what it is weighed by: the bytes a decode step re-reads, the FLOPs per prompt token
+        flops_per_token = ll["prompt_flops"] / (ll["batch"] * ll["prompt_tokens"]) if "prompt_flops" in ll else None
+        for key, weight in (("decode_tokens_per_s", ll.get("reread_bytes_per_step")),
+                            ("prompt_tokens_per_s", flops_per_token)):
             at = best.setdefault((ll["context"], ll["batch"]), {})
             if key not in at or ll[key] > at[key][0]:
-                at[key] = (ll[key], ll.get("threads", 2), ll.get("reread_bytes_per_step"))
+                at[key] = (ll[key], ll.get("threads", 2), weight)
     out = []
     for r in rows:
         for (n, B), ll in sorted(best.items()):
@@ -360,8 +404,11 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
                     more = r[f"reread_bytes_per_step_b{B}"] / llama_bytes
                     entry |= {"bytes_per_step_over_llama_cpp": more, "decode_per_byte": entry["decode"] * more}
             if B == 1 and "prefill_tokens_per_s" in r:
-                rate, threads, _ = ll["prompt_tokens_per_s"]
+                rate, threads, llama_flops = ll["prompt_tokens_per_s"]
                 entry |= {"prefill": r["prefill_tokens_per_s"] / rate, "llama_cpp_prefill_threads": threads}
+                if llama_flops and "prefill_flops" in r:
+                    more = r["prefill_flops"] / r["context"] / llama_flops
+                    entry |= {"prefill_flops_per_token_over_llama_cpp": more, "prefill_per_flop": entry["prefill"] * more}
             if len(entry) > 6:
                 out.append(entry)
     return out
@@ -432,6 +479,9 @@ def main(argv=None) -> dict:
            "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
            "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
            "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": []}
+    if not (args.state_only or args.no_prefill):
+        run["fma_peak"] = fma_peak()
+        print(f"FMA peak: {run['fma_peak']['flops'] / 1e9:.0f} GFLOP/s", flush=True)
     earlier = json.loads(out.read_text())["runs"] if args.append and out.exists() else []
     result = {"runs": earlier + [run]}
     prefill = not args.no_prefill
@@ -482,6 +532,10 @@ def main(argv=None) -> dict:
                         for kind in ("", "donated_"):
                             if f"{kind}step_ms_b{B}" in row:
                                 row[f"{kind}percent_of_reread_b{B}"] = 100 * limit / row[f"{kind}step_ms_b{B}"]
+            for row in rows:
+                if "prefill_flops" in row:
+                    row["prefill_percent_of_fma_peak"] = percent_of_peak(row["prefill_flops"], row["prefill_seconds"],
+                                                                         run["fma_peak"])
         run["rows"] += rows
         run["load_average_after"] = list(os.getloadavg())
         write_json(out, result)  # partial results survive an interrupted run
@@ -490,6 +544,10 @@ def main(argv=None) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             run["llama_cpp"] = llama_cpp_rows(contexts, batches, args.steps, args.repeats, Path(tmp),
                                               lambda n: configs("pha", n, args.quick), args.llama_cpp_threads)
+        if "fma_peak" in run:
+            for ll in run["llama_cpp"]:
+                seconds = ll["batch"] * ll["prompt_tokens"] / ll["prompt_tokens_per_s"]
+                ll["prompt_percent_of_fma_peak"] = percent_of_peak(ll["prompt_flops"], seconds, run["fma_peak"])
         run["load_average_after"] = list(os.getloadavg())
     write_json(out, summarized(result))
     print(json.dumps(result["against_llama_cpp"], indent=1))

@@ -205,3 +205,27 @@ def test_the_branch_variants_are_the_pha_with_branches_left_out():
         variant = bench.configs(name, 512, quick=True)
         assert variant.branches == branches
         assert dataclasses.replace(variant, branches=pha.branches) == pha
+
+
+def test_a_prefills_flops_count_each_matrix_per_token_the_head_once_and_the_causal_attention():
+    c = bench.configs("pha", 512, quick=True)
+    head = c.vocab_size * c.d_model
+    matrices = bench.matrix_bytes("pha", c, weight_bytes=1) - head  # elements, the head apart
+    # 10 tokens: 1 + 2 + ... + 10 = 55 causal rows per query head, a score and a weighted value each
+    attention = c.n_layers * c.n_q_heads * c.head_dim * 2 * 55
+    assert bench.prefill_flops("pha", c, 10) == 2 * (10 * matrices + head + attention)
+    gss = bench.configs("pha-gss", 512, quick=True)  # no attention branch
+    assert bench.prefill_flops("pha-gss", gss, 10) == 2 * (10 * (bench.matrix_bytes("pha-gss", gss, 1) - head) + head)
+    # llama.cpp's Llama: its parameters, the tied embedding as the head once
+    assert bench.llama_cpp_prefill_flops(c, 10, 5000 + head) == 2 * (10 * 5000 + head + attention)
+
+
+def test_the_prefill_per_flop_weighs_the_ratio_by_the_flops_per_token():
+    rows = [{"model": "pha", "path": "op", "context": 512, "prefill_tokens_per_s": 900.0,
+             "prefill_flops": 512 * 3e6}]
+    llama = [{"context": 512, "batch": 1, "decode_tokens_per_s": 1.0, "prompt_tokens_per_s": 1000.0,
+              "prompt_tokens": 496, "prompt_flops": 496 * 2e6}]
+    (entry,) = bench.against_llama_cpp(rows, llama)
+    assert entry["prefill"] == 0.9 and entry["prefill_flops_per_token_over_llama_cpp"] == pytest.approx(1.5)
+    assert entry["prefill_per_flop"] == pytest.approx(1.35)
+    assert bench.percent_of_peak(2e9, 0.5, {"flops": 8e9}) == 50
