@@ -408,7 +408,8 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
                 entry |= {"prefill": r["prefill_tokens_per_s"] / rate, "llama_cpp_prefill_threads": threads}
                 if llama_flops and "prefill_flops" in r:
                     more = r["prefill_flops"] / r["context"] / llama_flops
-                    entry |= {"prefill_flops_per_token_over_llama_cpp": more, "prefill_per_flop": entry["prefill"] * more}
+                    entry |= {"prefill_flops_per_token_over_llama_cpp": more,
+                              "prefill_per_flop": entry["prefill"] * more}
             if len(entry) > 6:
                 out.append(entry)
     return out

@@ -23,10 +23,16 @@ SALT = b"pass-through-test"
 def job(tmp_path, monkeypatch):
     """kind -> the stand-in graph's job, in an empty cache of ours. MAX's own compile cache
     (beside ours, one per machine) answers a graph with an earlier compiled one of the same
-    code under that one's names: each test's graphs have a width no earlier one used."""
+    code under that one's names: each test's graphs have a shape no earlier one used (of
+    a million)."""
     monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
-    config = PassThroughConfig(width=3 + secrets.randbelow(10**5))
-    return lambda kind: GraphJob(kind, config, "float32", "cpu", False, pass_through_graph, SALT)
+    rows, columns = (1 + secrets.randbelow(1000) for _ in range(2))
+
+    def job_of(kind: str, other_code: bool = False) -> GraphJob:
+        """``other_code``: a shape of its own, so its code is not the other graphs'."""
+        config = PassThroughConfig(shape=(rows + 1000 * other_code, columns))
+        return GraphJob(kind, config, "float32", "cpu", False, pass_through_graph, SALT)
+    return job_of
 
 
 @pytest.fixture(scope="module")
@@ -36,36 +42,42 @@ def session():
     return InferenceSession()
 
 
-def passes_through(model, width: int) -> bool:
-    x = np.linspace(-2.0, 1.5, width, dtype=np.float32)
+def passes_through(model, shape: tuple[int, ...]) -> bool:
+    x = np.linspace(-2.0, 1.5, int(np.prod(shape)), dtype=np.float32).reshape(shape)
     (out,) = model.execute(x)
     return np.array_equal(out.to_numpy(), x)
 
 
-def test_a_file_of_one_graph_is_its_paths_graph_whatever_its_name(job, session, caplog):
+def test_a_graph_loads_under_its_own_name_whatever_max_compiled_before(job, session, caplog):
     """MAX's own compile cache answers a graph with an earlier compiled graph of the same
-    code under that one's name: a single graph's file at a path is that path's graph."""
+    code, under that one's name: graphs are found by name in their files, so a graph
+    loaded from the cache is compiled again, beside MAX's cache, until its file holds it."""
     a, b = job("a"), job("b")
     compile_cache.compile_to_cache(session, [(a.graph, SALT)])
-    shutil.copyfile(a.mef_path(), b.mef_path())
+    compile_cache.compile_to_cache(session, [(b.graph, SALT)])  # the same code as a's
+    assert list(session.init_all(compile_cache.engine.read(b.mef_path()))) == ["pass_through_a"]
     with caplog.at_level(logging.WARNING, logger=compile_cache.__name__):
         model = compile_cache.load_compiled(session, b.graph, {}, SALT, mef=b.mef_path())
-    assert passes_through(model, a.config.width) and not caplog.text
+    assert model.name == "pass_through_b" and passes_through(model, a.config.shape)
+    assert f"the cached {b.mef_path()} does not hold its graph" in caplog.text
+    assert list(session.init_all(compile_cache.engine.read(b.mef_path()))) == ["pass_through_b"]
 
 
 def test_a_file_that_does_not_hold_its_graph_is_compiled_again(job, session, caplog):
-    """A cache path holding a unit of other graphs (written under this key by another
-    version) or no graph at all (damaged) is rebuilt, with a warning, and then holds it."""
-    a, b, c = job("a"), job("b"), job("c")
+    """A cache path holding another graph or a unit of others (written under this key by
+    another version) or no graph at all (damaged) is rebuilt, with a warning, and then
+    holds it."""
+    a, b, c = job("a"), job("b", other_code=True), job("c")
+    compile_cache.compile_to_cache(session, [(a.graph, SALT)])
+    alone = a.mef_path().read_bytes()
     compile_cache.compile_to_cache(session, [(a.graph, SALT), (c.graph, SALT)])
-    for content in (a.mef_path().read_bytes(), b"not a compiled model"):
+    for content in (alone, a.mef_path().read_bytes(), b"not a compiled model"):
         b.mef_path().write_bytes(content)
         with caplog.at_level(logging.WARNING, logger=compile_cache.__name__):
             model = compile_cache.load_compiled(session, b.graph, {}, SALT, mef=b.mef_path())
-        assert passes_through(model, a.config.width)
+        assert model.name == "pass_through_b" and passes_through(model, b.config.shape)
         assert f"the cached {b.mef_path()} does not hold its graph" in caplog.text
         caplog.clear()
-        assert len(session.init_all(compile_cache.engine.read(b.mef_path()))) == 1  # b's own file
         compile_cache.load_compiled(session, b.graph, {}, SALT, mef=b.mef_path())
         assert not caplog.text  # now a hit
 
@@ -129,8 +141,8 @@ def test_an_engine_initializes_a_unit_file_once(job, session, monkeypatch):
     monkeypatch.setattr(compiled, "load_unit", counted)
     engine = PassThroughEngine(a.config)
     assert engine.model("a").name == "pass_through_a" and engine.model("b").name == "pass_through_b"
-    assert loads == ["pass_through_a"] and passes_through(engine.model("b"), a.config.width)
+    assert loads == ["pass_through_a"] and passes_through(engine.model("b"), a.config.shape)
     compile_cache.compile_to_cache(session, [(b.graph, SALT)])
     engine = PassThroughEngine(a.config).load(["a", "b"])
     assert loads == ["pass_through_a", "pass_through_a", "pass_through_b"]
-    assert passes_through(engine.model("b"), a.config.width)
+    assert passes_through(engine.model("b"), a.config.shape)

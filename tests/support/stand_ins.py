@@ -35,7 +35,7 @@ class PassThroughConfig:
     """The config of ``pass_through_graph``'s stand-in model."""
 
     architecture: str = "pass_through"
-    width: int = 2  # of the one input (and output)
+    shape: tuple[int, ...] = (2,)  # of the one input (and output)
 
 
 def pass_through_graph(kind: str, config, wdtype, device, kernels):
@@ -47,6 +47,6 @@ def pass_through_graph(kind: str, config, wdtype, device, kernels):
 
     if kind not in ("a", "b", "c"):
         raise ValueError(f"unknown pass-through graph kind {kind!r}")
-    with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, [config.width], device)]) as g:
+    with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, list(config.shape), device)]) as g:
         g.output(g.inputs[0])
     return g

@@ -16,11 +16,14 @@ graphs (``shipped_graphs``) are found.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -32,6 +35,9 @@ from ..files import atomic_file
 from . import cpu_target
 
 log = logging.getLogger(__name__)
+
+# where MAX keeps its own caches, a compiled-model cache among them
+MAX_CACHE_ENV = "MODULAR_CACHE_DIR"
 
 # before anything compiles: SRM_MAX_CPU_TARGET (a virtual CPU target) holds for every graph
 cpu_target.apply_requested()
@@ -88,10 +94,12 @@ def graph_name(mef: Path) -> str:
     return mef.stem.rsplit("-", 1)[0]
 
 
-def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callable[[], Graph], bytes]]):
+def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callable[[], Graph], bytes]],
+                     fresh: bool = False):
     """Build the graphs (``builders``: a function and the salt of its cache key each),
     compile them as one unit and export it to each graph's ``.mef`` path (atomically;
-    the paths are links to one file); -> the compiled unit.
+    the paths are links to one file); -> the compiled unit. ``fresh``: beside MAX's own
+    caches (``load_unit`` says why), in an empty directory of their own.
 
     MAX compiles the kernels of a unit together, and a compile pays a fixed cost of
     its own (its JIT session) besides its kernels, while graphs of one model share
@@ -106,10 +114,12 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
         graphs.append(build())
         paths.append(mef_path(graphs[-1], graph_salt))
     if len(graphs) == 1:
-        compiled = session.compile(graphs[0])
+        compile_it = functools.partial(session.compile, graphs[0])
     else:
         libraries = sorted({str(lib) for graph in graphs for lib in graph.kernel_libraries_paths})
-        compiled = session.compile(_one_module(graphs), custom_extensions=libraries)
+        compile_it = functools.partial(session.compile, _one_module(graphs), custom_extensions=libraries)
+    with _fresh_max_cache() if fresh else contextlib.nullcontext():
+        compiled = compile_it()
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(paths[0]) as first:  # concurrent processes never see half a file
         compiled.export_mef(str(first))
@@ -122,6 +132,21 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
                 except OSError:  # a file system without hard links
                     shutil.copyfile(first, tmp)
     return compiled
+
+
+@contextlib.contextmanager
+def _fresh_max_cache():
+    """MAX's own caches (``MODULAR_CACHE_DIR``) in an empty temporary directory meanwhile."""
+    before = os.environ.get(MAX_CACHE_ENV)
+    with tempfile.TemporaryDirectory(prefix="srm-max-fresh-") as folder:
+        os.environ[MAX_CACHE_ENV] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ[MAX_CACHE_ENV]
+            else:
+                os.environ[MAX_CACHE_ENV] = before
 
 
 def _one_module(graphs: list[Graph]) -> Module:
@@ -170,24 +195,19 @@ def load_unit(
     name = graph_name(mef)
     if mef.exists():
         try:
-            models = _holding(session.init_all(engine.read(mef), weights_registry=weights_registry), name)
+            models = session.init_all(engine.read(mef), weights_registry=weights_registry)
         except Exception:  # a damaged cache entry, or one whose graphs bind other weights
-            models = None
-        if models is not None:
+            models = {}
+        if name in models:
             return models
         log.warning("the cached %s does not hold its graph (damaged or stale): compiling it again", mef)
         mef.unlink(missing_ok=True)
     built = graph
-    compiled = compile_to_cache(session, [((lambda: built) if isinstance(graph, Graph) else graph, graph_salt)])
-    return _holding(session.init_all(compiled, weights_registry=weights_registry), name)
-
-
-def _holding(models: dict[str, Model], name: str) -> dict[str, Model] | None:
-    """``models`` (a file's, by name) with the graph ``name``; None if they lack it. A file
-    of one graph is the graph of its path whatever the name inside: MAX's own compile cache
-    answers a graph with an earlier compiled graph of the same code, under that one's name."""
-    if name in models:
-        return models
-    if len(models) == 1:
-        return {name: next(iter(models.values()))}
-    return None
+    builders = [((lambda: built) if isinstance(graph, Graph) else graph, graph_salt)]
+    models = session.init_all(compile_to_cache(session, builders), weights_registry=weights_registry)
+    if name not in models:
+        # MAX's own compile cache answers a compile with an earlier one of the same code,
+        # under that one's graph names (which a graph of another name, in an earlier version
+        # or another unit, may have had): compile beside it
+        models = session.init_all(compile_to_cache(session, builders, fresh=True), weights_registry=weights_registry)
+    return models
