@@ -136,7 +136,9 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
 
 @contextlib.contextmanager
 def _fresh_max_cache():
-    """MAX's own caches (``MODULAR_CACHE_DIR``) in an empty temporary directory meanwhile."""
+    """MAX's own caches (``MODULAR_CACHE_DIR``) in an empty temporary directory meanwhile.
+    The setting is the process's: a compile in another thread meanwhile uses that directory
+    too (slower, never wrong), which this rare rebuild accepts."""
     before = os.environ.get(MAX_CACHE_ENV)
     with tempfile.TemporaryDirectory(prefix="srm-max-fresh-") as folder:
         os.environ[MAX_CACHE_ENV] = folder
