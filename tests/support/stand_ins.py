@@ -40,12 +40,12 @@ class PassThroughConfig:
 
 def pass_through_graph(kind: str, config, wdtype, device, kernels):
     """A graph builder (as an architecture's) whose graphs return their input, and compile
-    in a second or two: for the compile workers' and the cache's tests. The kinds: "a", "b"
-    and "c" (the same code under three names)."""
+    in a second or two: for the compile workers' and the cache's tests. The kinds: "a" and
+    "b" (the same code under two names)."""
     from max.dtype import DType
     from max.graph import Graph, TensorType
 
-    if kind not in ("a", "b", "c"):
+    if kind not in ("a", "b"):
         raise ValueError(f"unknown pass-through graph kind {kind!r}")
     with Graph(f"pass_through_{kind}", input_types=[TensorType(DType.float32, list(config.shape), device)]) as g:
         g.output(g.inputs[0])

@@ -105,7 +105,7 @@ def compile_to_cache(session: InferenceSession, builders: Sequence[tuple[Callabl
     its own (its JIT session) besides its kernels, while graphs of one model share
     many kernels (a prefill and a decode run the same matmuls): so graphs compile in
     less time as one unit than apart (docs/testing.md). A unit is loaded with one
-    weights registry (``load_compiled``), so the graphs in it that bind weights must
+    weights registry (``load_unit``), so the graphs in it that bind weights must
     be one engine's."""
     graphs, paths = [], []
     for build, graph_salt in builders:
@@ -204,12 +204,13 @@ def load_unit(
             return models
         log.warning("the cached %s does not hold its graph (damaged or stale): compiling it again", mef)
         mef.unlink(missing_ok=True)
-    built = graph
-    builders = [((lambda: built) if isinstance(graph, Graph) else graph, graph_salt)]
-    models = session.init_all(compile_to_cache(session, builders), weights_registry=weights_registry)
-    if name not in models:
+    build = (lambda: graph) if isinstance(graph, Graph) else graph
+    for fresh in (False, True):
         # MAX's own compile cache answers a compile with an earlier one of the same code,
         # under that one's graph names (which a graph of another name, in an earlier version
-        # or another unit, may have had): compile beside it
-        models = session.init_all(compile_to_cache(session, builders, fresh=True), weights_registry=weights_registry)
+        # or another unit, may have had): then compile beside it
+        models = session.init_all(compile_to_cache(session, [(build, graph_salt)], fresh),
+                                  weights_registry=weights_registry)
+        if name in models:
+            break
     return models
