@@ -81,13 +81,13 @@ def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
 
 
 
-def column_mask(n_heads: int, device: DeviceRef) -> TensorValue:
-    """[H, 1] float32: 1 for column-repeat heads (the first half), 0 for row heads.
-
-    Used by multiplication (``select_heads``), not ``ops.where``.
-    """
-    m = (np.arange(n_heads) < n_heads // 2).astype(np.float32).reshape(n_heads, 1)
-    return const(m, F32, device)
+def floor_div_nonnegative(x: TensorValue, divisor: int) -> TensorValue:
+    """x // divisor for int64 x >= 0 and a positive int ``divisor``. ``ops.floor_div``'s
+    correction for signed operands tests the divisor's sign, a test of a constant alone,
+    which MAX computes at compile time in a compiled subgraph of its own (seconds of
+    every compile); unsigned division needs no correction."""
+    quotient = ops.floor_div(ops.cast(x, U64), ops.constant(divisor, U64, device=x.device))
+    return ops.cast(quotient, I64)
 
 
 def clamp_max(x: TensorValue, hi: int) -> TensorValue:
@@ -119,12 +119,21 @@ def per_channel(x: TensorValue, n_groups: int, width: int, device: DeviceRef) ->
     return ops.gather(x, index, axis=x.rank - 1)
 
 
-def channel_column_mask(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
-    """[d] float32: 1 on the channels of column-repeat heads, 0 on row heads."""
-    m = np.repeat((np.arange(n_heads) < n_heads // 2).astype(np.float32), head_dim)
-    return const(m, F32, device)
+class HeadKinds:
+    """Per channel [d], a value on the column-repeat heads (the first half) and another on
+    the row heads, by multiplication with two constant 0/1 masks (not ``ops.where``). Each
+    mask is a constant of its own: one computed from the other (1 - mask) is arithmetic on
+    constants alone, which MAX computes at compile time in a compiled subgraph of its own
+    (seconds of every compile)."""
 
+    def __init__(self, n_heads: int, head_dim: int, device: DeviceRef):
+        m = np.repeat((np.arange(n_heads) < n_heads // 2).astype(np.float32), head_dim)
+        self.column, self.row = const(m, F32, device), const(1.0 - m, F32, device)
 
-def select_heads(col: TensorValue, on_column: TensorValue, on_row: TensorValue) -> TensorValue:
-    """col * on_column + (1 - col) * on_row (col: the 0/1 column_mask)."""
-    return col * on_column + (1.0 - col) * on_row
+    def one_on_columns(self, on_row: TensorValue) -> TensorValue:
+        """1 on the column heads' channels, ``on_row`` on the row heads'."""
+        return self.column + self.row * on_row
+
+    def one_on_rows(self, on_column: TensorValue) -> TensorValue:
+        """``on_column`` on the column heads' channels, 1 on the row heads'."""
+        return self.column * on_column + self.row

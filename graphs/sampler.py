@@ -32,15 +32,18 @@ def _rot32(x: TensorValue, device: DeviceRef) -> TensorValue:
     return ops.floor_div(x, _u64(_2_32, device)) + x * _u64(_2_32, device)
 
 
-def _squares(ctr: TensorValue, key: TensorValue, device: DeviceRef) -> TensorValue:
-    """32 random bits (in a uint64) per (counter, key)."""
+def _squares(ctr: TensorValue, key: TensorValue, device: DeviceRef, bits: int = 32) -> TensorValue:
+    """The top ``bits`` of Squares' 32 random bits (in a uint64) per (counter, key),
+    shifted down in one division: MAX folds a division of a quotient by a constant into
+    one division by the constants' product, which it computes in a compiled subgraph of
+    its own (seconds of every compile)."""
     x = ctr * key
     y = x
     z = y + key
     x = _rot32(x * x + y, device)
     x = _rot32(x * x + z, device)
     x = _rot32(x * x + y, device)
-    return ops.floor_div(x * x + z, _u64(_2_32, device))
+    return ops.floor_div(x * x + z, _u64(1 << (64 - bits), device))
 
 
 def _key_of(seed: TensorValue, device: DeviceRef) -> TensorValue:
@@ -54,8 +57,7 @@ def hash_uniform(seed: TensorValue, counter: TensorValue, n: int, device: Device
     key = ops.unsqueeze(_key_of(seed, device), -1)  # [B, 1]
     r = const(np.arange(n, dtype=np.uint64).reshape(1, n), U64, device)
     ctr = ops.unsqueeze(ops.cast(counter, U64) * _u64(n, device), -1) + r  # [B, n]
-    bits = _squares(ctr, key, device)
-    top = ops.cast(ops.floor_div(bits, _u64(256, device)), F32)  # 24 bits
+    top = ops.cast(_squares(ctr, key, device, bits=24), F32)
     return (top + 0.5) * (1.0 / (1 << 24))
 
 

@@ -80,7 +80,9 @@ def attn_step(x: TensorValue, pos: TensorValue, st: TensorValue, a: dict, c, K: 
     fresh = ops.sum(q4 * per_query(k), axis=-1)  # [B, Hkv, G, 1]
     logits = ops.concat([cached, fresh], axis=-1)  # [B, Hkv, G, n + 1]
     seen = ops.cast(ops.unsqueeze(K.iota_n(), 0) < ops.unsqueeze(pos, 1), F32)  # [B, n]
-    seen = ops.concat([seen, ops.unsqueeze(ops.cast(pos * 0 + 1, F32), -1)], axis=1)  # [B, n + 1]
+    # the new column: a constant broadcast, not arithmetic on pos (pos * 0 + 1 folds to a
+    # constant that MAX casts at compile time in a compiled subgraph of its own)
+    seen = ops.concat([seen, ops.broadcast_to(ops.constant(1.0, F32, device=K.device), [B, 1])], axis=1)  # [B, n + 1]
     keep = ops.broadcast_to(ops.reshape(seen, [B, 1, 1, n + 1]), [B, Hkv, G, n + 1])
     p = _masked_softmax(logits, keep, K.logit_bound)
     p_new = ops.broadcast_to(p[:, :, :, n:], [B, Hkv, G, dh])

@@ -28,7 +28,7 @@ import numpy as np
 from max.graph import TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_GSS_SCAN
-from ..ops import F32, I64, const, linear
+from ..ops import F32, I64, const, floor_div_nonnegative, linear
 
 # Prefill chunk (tokens). The scan costs O(T C H) inside chunks and O((T / C)**2 N H)
 # between them on the plain path; 64 balances the two at T = 8192, N = 512.
@@ -127,7 +127,7 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
         y_carry, state = carried_by_op(ends, xs, lengths, g, c, device)
         return _out(y_in + y_carry + xs * g["D"], u, g), state
     last = lengths - 1
-    m = ops.floor_div(last, ops.constant(C, I64, device=device))  # each sample's last chunk
+    m = floor_div_nonnegative(last, C)  # each sample's last chunk
     j = last - m * C
     y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
     out = _out(y_in + y_carry + xs * g["D"], u, g)

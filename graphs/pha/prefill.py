@@ -14,7 +14,7 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..ops import F32, I64, U64, cpu_ops_run, linear
+from ..ops import F32, I64, U64, cpu_ops_run, floor_div_nonnegative, linear
 from ..sampler import drawn_logprobs, sample
 from ..scoring import rows_logprobs, score_input_types
 from .attention import attn_prefill
@@ -42,8 +42,7 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
     c, C = W.config, CHUNK
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
-    chunk = ops.constant(C, I64, device=device)
-    chunk_rows, chunk_cols = ops.floor_div(pos[:, 0], chunk), ops.floor_div(pos_cols[:, 0], chunk)
+    chunk_rows, chunk_cols = floor_div_nonnegative(pos[:, 0], C), floor_div_nonnegative(pos_cols[:, 0], C)
     flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
     layer_state = PrefillStates(c, flat_pos, B, device)
     x = _embed(W, ids)  # [B, M, C, E]
@@ -109,7 +108,7 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         W = PHAWeights(c, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
         last = lengths - 1
-        m = ops.floor_div(last, ops.constant(C, I64, device=device))
+        m = floor_div_nonnegative(last, C)
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
         nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)

@@ -59,13 +59,13 @@ def _mixer_step(u: TensorValue, pos: TensorValue, state: TensorValue, p: dict, c
     H, hd = config.n_heads, config.head_dim
     d = H * hd
     B = u.shape[0]
-    col = gops.channel_column_mask(H, hd, device)  # [d]
+    heads = gops.HeadKinds(H, hd, device)
     wt = gops.per_channel(ops.gather(p["w"], pos, axis=0), H, hd, device)  # [B, d]
     bt = gops.per_channel(ops.gather(p["beta"], pos, axis=0), H, hd, device)
     lam = gops.per_channel(ops.exp(p["loglam"]), H, hd, device)  # [d]
     s = ops.reshape(state, [B, d])
-    new = u * gops.select_heads(col, 1.0, wt) + lam * s
-    y = new * gops.select_heads(col, wt, 1.0) + bt
+    new = u * heads.one_on_columns(wt) + lam * s
+    y = new * heads.one_on_rows(wt) + bt
     return y, ops.reshape(new, [B, H, hd])
 
 

@@ -69,10 +69,10 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, apos: TensorValue, init: T
     H, hd, C = config.n_heads, config.head_dim, CHUNK
     B, N = u.shape[0], u.shape[1]
     # Per-head vectors expanded per channel [.., d]: see decode._mixer_step.
-    col = gops.channel_column_mask(H, hd, device)  # [d]
+    heads = gops.HeadKinds(H, hd, device)
     wt = gops.per_channel(ops.gather(p["w"], apos, axis=0), H, hd, device)  # [B, N, C, d]
     bt = gops.per_channel(ops.gather(p["beta"], apos, axis=0), H, hd, device)
-    v = ops.reshape(u * gops.select_heads(col, 1.0, wt), [B, N, C, H, hd])  # what enters the state
+    v = ops.reshape(u * heads.one_on_columns(wt), [B, N, C, H, hd])  # what enters the state
     loglam = p["loglam"]  # [H]
 
     # Inside a chunk: within[h, j, i] = lam_h**(j - i) for j >= i.
@@ -92,7 +92,7 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, apos: TensorValue, init: T
     # S_m = chunk m's last local state (init: the state before chunk 0's first token).
     S = ops.reshape(local[:, C - 1, :], [H, B, N, hd])
     S = ops.reshape(ops.permute(S, [0, 2, 1, 3]), [H, N, -1])  # [H, N(m), B*hd]
-    cidx = ops.cast(ops.floor_div(pos[:, 0], ops.constant(C, I64, device=device)), F32)  # [N]
+    cidx = ops.cast(gops.floor_div_nonnegative(pos[:, 0], C), F32)  # [N]
     ci = ops.reshape(cidx, [N, 1])
     cj = ops.reshape(cidx, [1, N])
     before = ops.cast(ci > cj, F32)  # [N, N]: 1 where m < n
@@ -109,7 +109,7 @@ def _mixer_parallel(u: TensorValue, pos: TensorValue, apos: TensorValue, init: T
     states = ops.permute(ops.reshape(states, [H, C, B, N, hd]), [2, 3, 1, 0, 4])  # [B, N, C, H, hd]
 
     flat = ops.reshape(states, [B, N, C, H * hd])
-    y = flat * gops.select_heads(col, wt, 1.0) + bt
+    y = flat * heads.one_on_rows(wt) + bt
     return y, states
 
 
