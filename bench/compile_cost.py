@@ -3,6 +3,7 @@ measurements behind the test suite's compile budget (docs/testing.md).
 
     python -m bench.compile_cost [--models] [--out bench/results/compile_cost.json]
     python -m bench.compile_cost --units [--out bench/results/compile_units.json]
+    python -m bench.compile_cost --constant-subgraphs [--out bench/results/constant_subgraphs.json]
 
 Each graph compiles in a child process with a fresh, empty ``HOME`` (so MAX's own caches
 under ``~/.cache/modular`` start empty, as on a clean CI machine) and its CPU seconds are
@@ -12,6 +13,9 @@ they inflate wall-clock time. The graphs:
 - ``add``: one elementwise op, the cost of any graph;
 - ``matmul``: one 2-D matmul; ``matmul_twice``: two of the same signature;
 - ``matmul_2d_and_3d``: a 2-D and a batched 3-D matmul (two signatures);
+- ``floor_div_signed`` and ``floor_div_nonnegative``: an int64 vector divided by a
+  constant with ``ops.floor_div`` and with ``graphs.ops.floor_div_nonnegative``, to show
+  what arithmetic on constants alone costs (see ``--constant-subgraphs``);
 - ``add_again_warm``: ``add`` once more in the first child's ``HOME``, to show which part
   MAX's caches keep between processes (a graph identical to one compiled before);
 - with ``--models``: the test PHA's plain-op prefill graph (tests/support/pha.py's shape,
@@ -26,6 +30,14 @@ they inflate wall-clock time. The graphs:
   as another). The engines: the
   suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
   PHA with plain ops (prefill, decode).
+
+With ``--constant-subgraphs`` (alone): each graph of the test engines (``SUITE_GRAPHS``)
+compiled in a child up to its emitted Mojo (MAX's ``pre_jit``), counting the constant
+subgraphs MAX wrote beside it: before its kernels, MAX compiles and runs each op whose
+operands are all constants (a constant's sign test inside ``ops.floor_div``, 1 - a constant
+mask, a product of constants that its canonicalizer made) as a compiled subgraph of its
+own, about 10 s of every compile of that graph. Each row gives the count (0 is the goal) and
+the seconds to the emitted Mojo.
 
 MAX compiles a graph's kernels (after fusing its ops) one by one and keeps each in a
 kernel cache under ``~/.cache/modular``; with ``MODULAR_ENABLE_CACHE_LOGGING=1`` it logs,
@@ -49,13 +61,23 @@ from bench.common import machine_info
 
 OUT = Path(__file__).with_name("results") / "compile_cost.json"
 UNITS_OUT = OUT.with_name("compile_units.json")
-GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
+GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d", "floor_div_signed", "floor_div_nonnegative")
 MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_decode_after_prefill",
                 "srm_plain_decode")
 # compiled one after the other in one HOME (the rest each in an empty one)
 SHARED_HOME = ("srm_plain_prefill", "srm_plain_decode_after_prefill")
 UNIT_ENGINES = ("srm_mojo_ops", "pha_plain_ops")
 UNIT_GRAPHS = tuple(f"{engine}_{way}" for engine in UNIT_ENGINES for way in ("units_apart", "units_together"))
+CONSTANT_SUBGRAPHS_OUT = OUT.with_name("constant_subgraphs.json")
+# (architecture, kind, weight dtype, Mojo ops) of the graphs ``--constant-subgraphs`` checks:
+# every kind of the test SRM (tests/support/tiny.py) and the test PHA (tests/support/pha.py)
+SUITE_GRAPHS = tuple(
+    [("srm", kind, "float32", kernels) for kind in ("prefill", "decode", "sample") for kernels in (False, True)]
+    + [("srm", "decode_steps", "float32", True), ("srm", "regroup", "float32", True),
+       ("srm", "prefill", "bfloat16", True), ("srm", "decode_steps", "bfloat16", True)]
+    + [("pha", kind, "float32", kernels) for kind in ("prefill", "decode") for kernels in (False, True)]
+    + [("pha", "decode_steps", "float32", True), ("pha", "prefill", "bfloat16", True),
+       ("pha", "decode", "bfloat16", False), ("pha", "decode_steps", "bfloat16", True)])
 
 
 def engine_jobs(engine: str) -> list:
@@ -70,12 +92,32 @@ def engine_jobs(engine: str) -> list:
     return [registry.of(PHA).graph_job(kind, PHA, "float32", "cpu", False) for kind in ("prefill", "decode")]
 
 
+def suite_graph(spec: tuple):
+    """The graph of one ``SUITE_GRAPHS`` entry."""
+    from srm_max.models import registry
+    from tests.support.pha import CONFIG as PHA
+    from tests.support.tiny import TINY
+
+    arch, kind, dtype, kernels = spec
+    config = TINY if arch == "srm" else PHA
+    return registry.of(config).graph_job(kind, config, dtype, "cpu", kernels).graph()
+
+
 def build(name: str):
     """The named graph (see the module docs)."""
     from max.dtype import DType
     from max.graph import DeviceRef, Graph, TensorType, ops
 
     cpu, f32 = DeviceRef.CPU(), DType.float32
+    if name.startswith("floor_div_"):
+        from graphs.ops import floor_div_nonnegative
+
+        with Graph(name, input_types=[TensorType(DType.int64, ["B"], cpu)]) as g:
+            x = g.inputs[0].tensor
+            q = (ops.floor_div(x, ops.constant(64, DType.int64, device=cpu)) if name == "floor_div_signed"
+                 else floor_div_nonnegative(x, 64))
+            g.output(q + x)
+        return g
 
     def t(*shape):
         return TensorType(f32, list(shape), cpu)
@@ -130,6 +172,52 @@ def compile_once(name: str) -> None:
             _compile(unit, sessions)
         return
     InferenceSession(devices=[CPU()]).compile(build(name))
+
+
+def emit_mojo(graph, ir_dir: str) -> None:
+    """In the child: compile ``graph`` up to its emitted Mojo, written to ``ir_dir`` with
+    the constant subgraphs MAX compiled on the way (``--constant-subgraphs``)."""
+    from max.driver import CPU
+    from max.engine import CompilationStopped, InferenceSession
+
+    session = InferenceSession(devices=[CPU()])
+    session.debug.ir_output_dir = ir_dir
+    session.debug.pre_jit = True
+    try:
+        session.compile(graph)
+    except CompilationStopped:
+        pass
+
+
+def constant_subgraph_files(ir_dir: Path) -> list[str]:
+    """The constant subgraphs MAX compiled for a graph: one Mojo file each in its IR dump."""
+    return sorted(p.name for p in ir_dir.glob("*_constant_subgraphs*.mojo"))
+
+
+def measure_constant_subgraphs() -> list[dict]:
+    """The ``--constant-subgraphs`` rows, each graph in a child with an empty ``HOME``."""
+    import time
+
+    rows = []
+    os.environ["SRM_MAX_CACHE"] = cache = tempfile.mkdtemp(prefix="srm-compile-cost-")
+    try:
+        for spec in SUITE_GRAPHS:
+            with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory() as ir_dir:
+                t = time.perf_counter()
+                done = subprocess.run([sys.executable, "-m", "bench.compile_cost", "--emit-mojo", json.dumps(spec),
+                                       ir_dir], capture_output=True, text=True, env=os.environ | {"HOME": home},
+                                      cwd=Path(__file__).parents[1])
+                if done.returncode != 0:
+                    raise SystemExit(f"compile_cost: emitting {spec} failed:\n{done.stderr[-2000:]}")
+                files = constant_subgraph_files(Path(ir_dir))
+                rows.append({"graph": " ".join(map(str, spec)), "constant_subgraphs": len(files), "files": files,
+                             "seconds_to_mojo": round(time.perf_counter() - t, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+    return rows
 
 
 # MAX's kernel cache log: "checkCache summary: 66 kernels, MOGG hit=8 miss=58, ..."
@@ -211,16 +299,27 @@ def main(argv=None) -> None:
                              "and decode (the decode after the prefill in one HOME, and alone)")
     parser.add_argument("--units", action="store_true",
                         help="instead: two test engines' graphs compiled each alone and as compile units")
-    parser.add_argument("--out", type=Path, help=f"default {OUT} ({UNITS_OUT} with --units)")
+    parser.add_argument("--constant-subgraphs", action="store_true",
+                        help="instead: count the constant subgraphs MAX compiles for each test engine graph")
+    parser.add_argument("--out", type=Path,
+                        help=f"default {OUT} ({UNITS_OUT} with --units, {CONSTANT_SUBGRAPHS_OUT} with "
+                             "--constant-subgraphs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--emit-mojo", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        compile_once(args.child)
+    if args.child or args.emit_mojo:
+        if args.child:
+            compile_once(args.child)
+        else:
+            emit_mojo(suite_graph(tuple(json.loads(args.emit_mojo[0]))), args.emit_mojo[1])
         # MAX's worker threads can abort the interpreter's teardown after a finished
         # compile ("terminate called without an active exception"): leave at once
         os._exit(0)
-    out = args.out or (UNITS_OUT if args.units else OUT)
-    rows = measure_units() if args.units else measure_graphs(args.models)
+    if args.constant_subgraphs:
+        out, rows = args.out or CONSTANT_SUBGRAPHS_OUT, measure_constant_subgraphs()
+    else:
+        out = args.out or (UNITS_OUT if args.units else OUT)
+        rows = measure_units() if args.units else measure_graphs(args.models)
     result = {"machine": machine_info(), "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")

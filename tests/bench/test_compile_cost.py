@@ -5,13 +5,33 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compile_cost import GRAPHS, MODEL_GRAPHS, build, kernel_counts
+from bench.compile_cost import (GRAPHS, MODEL_GRAPHS, SUITE_GRAPHS, build, constant_subgraph_files, kernel_counts,
+                                suite_graph)
+
+# a test of a scalar int64 against another: in floor_div_signed, of the constant divisor's sign
+SCALAR_TEST = "(!mo.tensor<[], si64>, !mo.tensor<[], si64>) -> !mo.tensor<[], bool>"
 
 
 @pytest.mark.parametrize("name", [*GRAPHS, *MODEL_GRAPHS])
 def test_every_graph_builds(name):
     graph = str(build(name))
-    assert "matmul" in graph or name == "add"
+    assert "matmul" in graph or name == "add" or "rmo.div" in graph
+
+
+def test_only_the_signed_floor_division_tests_its_constant_divisor():
+    """The pair that shows what a compiled constant subgraph costs: ``ops.floor_div``
+    tests the divisor's sign (an op on constants alone), ``floor_div_nonnegative`` does not."""
+    assert SCALAR_TEST in str(build("floor_div_signed"))
+    assert SCALAR_TEST not in str(build("floor_div_nonnegative"))
+
+
+def test_the_constant_subgraph_check_covers_both_architectures_and_reads_the_dump(tmp_path):
+    assert {spec[0] for spec in SUITE_GRAPHS} == {"srm", "pha"}
+    assert {spec[1] for spec in SUITE_GRAPHS} >= {"prefill", "decode", "decode_steps", "sample"}
+    assert suite_graph(("pha", "decode", "float32", False)).name.startswith("pha_decode")
+    for name in ("g.mojo", "g_constant_subgraphs.mojo", "g_constant_subgraphs_1.mojo", "g.mo.mlir"):
+        (tmp_path / name).write_text("")
+    assert constant_subgraph_files(tmp_path) == ["g_constant_subgraphs.mojo", "g_constant_subgraphs_1.mojo"]
 
 
 def test_the_srm_decode_graphs_are_one_graph_whatever_home_they_compile_in():
