@@ -13,9 +13,6 @@ they inflate wall-clock time. The graphs:
 - ``add``: one elementwise op, the cost of any graph;
 - ``matmul``: one 2-D matmul; ``matmul_twice``: two of the same signature;
 - ``matmul_2d_and_3d``: a 2-D and a batched 3-D matmul (two signatures);
-- ``floor_div_signed`` and ``floor_div_nonnegative``: an int64 vector divided by a
-  constant with ``ops.floor_div`` and with ``graphs.ops.floor_div_nonnegative``, to show
-  what arithmetic on constants alone costs (see ``--constant-subgraphs``);
 - ``add_again_warm``: ``add`` once more in the first child's ``HOME``, to show which part
   MAX's caches keep between processes (a graph identical to one compiled before);
 - with ``--models``: the test PHA's plain-op prefill graph (tests/support/pha.py's shape,
@@ -31,8 +28,10 @@ they inflate wall-clock time. The graphs:
   suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
   PHA with plain ops (prefill, decode).
 
-With ``--constant-subgraphs`` (alone): each graph of the test engines (``SUITE_GRAPHS``)
-compiled in a child up to its emitted Mojo (MAX's ``pre_jit``), counting the constant
+With ``--constant-subgraphs`` (alone): first ``floor_div_signed`` and
+``floor_div_nonnegative`` (an int64 vector divided by a constant with ``ops.floor_div`` and
+with ``graphs.ops.floor_div_nonnegative``, plus the vector), then each graph of the test
+engines (``SUITE_GRAPHS``), compiled in a child up to its emitted Mojo (MAX's ``pre_jit``), counting the constant
 subgraphs MAX wrote beside it: before its kernels, MAX compiles and runs each op whose
 operands are all constants (a constant's sign test inside ``ops.floor_div``, 1 - a constant
 mask, a product of constants that its canonicalizer made) as a compiled subgraph of its
@@ -61,7 +60,7 @@ from bench.common import machine_info
 
 OUT = Path(__file__).with_name("results") / "compile_cost.json"
 UNITS_OUT = OUT.with_name("compile_units.json")
-GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d", "floor_div_signed", "floor_div_nonnegative")
+GRAPHS = ("add", "matmul", "matmul_twice", "matmul_2d_and_3d")
 MODEL_GRAPHS = ("pha_plain_prefill_2", "pha_plain_prefill_1", "srm_plain_prefill", "srm_plain_decode_after_prefill",
                 "srm_plain_decode")
 # compiled one after the other in one HOME (the rest each in an empty one)
@@ -71,6 +70,7 @@ UNIT_GRAPHS = tuple(f"{engine}_{way}" for engine in UNIT_ENGINES for way in ("un
 CONSTANT_SUBGRAPHS_OUT = OUT.with_name("constant_subgraphs.json")
 # (architecture, kind, weight dtype, Mojo ops) of the graphs ``--constant-subgraphs`` checks:
 # every kind of the test SRM (tests/support/tiny.py) and the test PHA (tests/support/pha.py)
+FLOOR_DIV_GRAPHS = ("floor_div_signed", "floor_div_nonnegative")
 SUITE_GRAPHS = tuple(
     [("srm", kind, "float32", kernels) for kind in ("prefill", "decode", "sample") for kernels in (False, True)]
     + [("srm", "decode_steps", "float32", True), ("srm", "regroup", "float32", True),
@@ -93,7 +93,9 @@ def engine_jobs(engine: str) -> list:
 
 
 def suite_graph(spec: tuple):
-    """The graph of one ``SUITE_GRAPHS`` entry."""
+    """The graph of one ``SUITE_GRAPHS`` entry, or ``(name,)`` of one ``FLOOR_DIV_GRAPHS``."""
+    if len(spec) == 1:
+        return build(spec[0])
     from srm_max.models import registry
     from tests.support.pha import CONFIG as PHA
     from tests.support.tiny import TINY
@@ -201,7 +203,7 @@ def measure_constant_subgraphs() -> list[dict]:
     rows = []
     os.environ["SRM_MAX_CACHE"] = cache = tempfile.mkdtemp(prefix="srm-compile-cost-")
     try:
-        for spec in SUITE_GRAPHS:
+        for spec in [(name,) for name in FLOOR_DIV_GRAPHS] + list(SUITE_GRAPHS):
             with tempfile.TemporaryDirectory() as home, tempfile.TemporaryDirectory() as ir_dir:
                 t = time.perf_counter()
                 done = subprocess.run([sys.executable, "-m", "bench.compile_cost", "--emit-mojo", json.dumps(spec),
