@@ -14,8 +14,7 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..ops import F32, I64, U64, cpu_ops_run, floor_div_nonnegative, linear
-from ..sampler import drawn_logprobs, sample
+from ..ops import I64, cpu_ops_run, floor_div_nonnegative, linear
 from ..scoring import rows_logprobs, score_input_types
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
@@ -77,15 +76,10 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
-             lengths [B] int64 (also the random counter of the first new token),
-             temperature [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-             mode [] int64 on the host (``sampler.MODE_*``), scored [] int64 on the host,
-             score_at [B, R] int64 positions to score (0 .. T-1; R symbolic: 1 in a
-             prefill) and targets [B, R] int64 the token to score at each.
-    Outputs: logits [B, V] at each prompt's last token, next_ids [B], states [L, B, X],
-             and with ``scored`` 1 next_ids' raw log-probabilities [B] and the K likeliest
-             tokens' values [B, K] and ids [B, K] (``sampler.drawn_logprobs``; on a CPU
-             with the Mojo ops through the row op), else zeros at no cost; then at each
+             lengths [B] int64, score_at [B, R] int64 positions to score (0 .. T-1; R
+             symbolic: 1 in a prefill) and targets [B, R] int64 the token to score at each.
+    Outputs: logits [B, V] at each prompt's last token (the engine draws the first new
+             token from them with the sample graph), states [L, B, X], then at each
              scored position log_softmax(logits)[target] [B, R] and the K likeliest
              tokens' values [B, R, K] and ids [B, R, K] (``graphs/scoring.py``).
     """
@@ -93,26 +87,16 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     c, C = config, CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     tiled = cpu_ops_run(kernel_library is not None, device)  # the op is CPU code
-    input_types = prefix_input_types(device) + [
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode, on the host
-        TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
-    ] + score_input_types(device)
+    input_types = prefix_input_types(device) + score_input_types(device)
     with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
                custom_extensions=[kernel_library] if tiled else []) as g:
-        ids, pos, pos_cols, lengths, temperature, top_k, top_p, seed, mode, scored, score_at, targets = (
-            v.tensor for v in g.inputs)
+        ids, pos, pos_cols, lengths, score_at, targets = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
         last = lengths - 1
         m = floor_div_nonnegative(last, C)
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
-        nxt = sample(logits, temperature, top_k, top_p, seed, lengths, mode, device)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
-        g.output(logits, nxt, ops.stack(states, axis=0), *drawn_logprobs(logits, nxt, scored, device, row_op),
-                 *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

@@ -6,20 +6,12 @@ Inputs (B = batch, N = number of chunks, C = ``CHUNK``; B and N symbolic):
     last         [B, 2]    int64   (chunk, offset) of each prompt's last real token
     start        [B]       int64   tokens each sample has already read (0: a fresh prompt)
     init         [L, B, H, hd] f32 the state after those tokens (zeros for a fresh prompt)
-    temperature  [B] f32, top_k [B] int64, top_p [B] f32, seed [B] uint64,
-    mode         [] int64 on the host (``sampler.MODE_*``),
-    counter      [B] int64 (the position of the token to draw = start + prompt length)
-    scored       [] int64 on the host: 1 for the first new token's log-probabilities below
     score_at     [B, R] int64      positions to score (0 .. N*C-1; R symbolic: 1 in a prefill)
     targets      [B, R] int64      the token whose log-probability is wanted at each
 Outputs:
-    logits       [B, V] f32        at each prompt's last real token
-    next_ids     [B]    int64      the first new token, drawn in the graph
+    logits       [B, V] f32        at each prompt's last real token (the engine draws the
+                                   first new token from them with the sample graph)
     states       [L, B, H, hd] f32 recurrent state after the last real token
-    logprobs     [B] f32, top values [B, K] f32, top ids [B, K] int64: with ``scored`` 1,
-                 next_ids' raw log-probabilities and the K likeliest tokens'
-                 (``sampler.drawn_logprobs``; on a CPU with the Mojo ops through the row
-                 op), else zeros at no cost
     target_logprobs [B, R] f32, target_top_values [B, R, K] f32, target_top_ids [B, R, K]
                  int64: at each scored position, log_softmax(logits)[target] and the K
                  likeliest tokens (``graphs/scoring.py``): a score call reads these
@@ -46,8 +38,7 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as gops
 from ..op_names import OP_SCAN
-from ..ops import F32, I64, U64
-from ..sampler import drawn_logprobs, sample
+from ..ops import F32, I64
 from ..scoring import rows_logprobs, score_input_types
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
 
@@ -178,25 +169,13 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")
-    input_types = prefix_input_types(c, device) + [
-        TensorType(F32, ["batch"], device),  # temperature
-        TensorType(I64, ["batch"], device),  # top_k
-        TensorType(F32, ["batch"], device),  # top_p
-        TensorType(U64, ["batch"], device),  # seed
-        TensorType(I64, [], DeviceRef.CPU()),  # sampling mode (sampler.MODE_*), on the host
-        TensorType(I64, ["batch"], device),  # counter
-        TensorType(I64, [], DeviceRef.CPU()),  # scored, on the host
-    ] + score_input_types(device)
+    input_types = prefix_input_types(c, device) + score_input_types(device)
     extensions = [kernel_library] if kernels else []
     with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
-        ids, pos, last, start, init, temperature, top_k, top_p, seed, mode, counter, scored, score_at, targets = (
-            v.tensor for v in g.inputs)
+        ids, pos, last, start, init, score_at, targets = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
-        logits = logits_of(W, xl)
-        nxt = sample(logits, temperature, top_k, top_p, seed, counter, mode, device)
         row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
-        g.output(logits, nxt, states, *drawn_logprobs(logits, nxt, scored, device, row_op),
-                 *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        g.output(logits_of(W, xl), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

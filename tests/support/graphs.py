@@ -18,7 +18,10 @@ ENGINE_KINDS = graph_kinds(steps_in_one_op=True)
 
 def graphs(config, kinds=ENGINE_KINDS, dtype: str = "float32", kernels: bool = True):
     """A marker naming compiled graphs that the marked tests need (CPU). The session
-    compiles every graph the selected tests declare up front, side by side."""
+    compiles every graph the selected tests declare up front, side by side. A prefill
+    draws its first tokens with the engine's sample graph, which comes with it."""
+    if "prefill" in kinds and "sample" not in kinds:
+        kinds = (*kinds, "sample")
     return pytest.mark.graphs(*[(kind, config, dtype, kernels) for kind in kinds])
 
 

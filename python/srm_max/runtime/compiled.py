@@ -283,19 +283,23 @@ class CompiledGraphs:
         continue each sample from the state it reached after that many tokens (default:
         fresh); the prompt's tokens then sit at start .. start + len - 1, and the first new
         token is drawn at start + len. ``logprobs`` (0 .. 20): the result's ``scores`` hold
-        the first new tokens' raw log-probabilities and that many alternatives, from the
-        same graph call."""
+        the first new tokens' raw log-probabilities and that many alternatives.
+
+        The first new tokens are drawn from the prefill graph's logits by the sample graph
+        (``draw``), which every engine loads anyway: a prefill graph without the sampler
+        compiles a third fewer kernels, once per model shape, weight dtype and device."""
         B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int64)
         start = self.check_start(lengths, start_states, start_positions)
-        scored, no_rows = scored_input(logprobs), self.to_device(np.zeros((B, 1), np.int64))
+        scored_input(logprobs)  # checks ``logprobs``
+        no_rows = self.to_device(np.zeros((B, 1), np.int64))
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:
-            out = self._run_prefill(prompts, lengths, start, start_states, sampling, scored, [no_rows] * 2)
-        logits, nxt, states, *lp = out[:6]
-        nxt = self.host(nxt)
-        first = None if logprobs is None else DecodeResult(
-            nxt[:, None], None, None, None, *one_step_scores(*(self.host(t) for t in lp), logprobs))
-        return PrefillResult(logits, nxt, states, first)
+            logits, states = self._run_prefill(prompts, lengths, start, start_states, [no_rows] * 2)[:2]
+        rows, counters = np.arange(B), start + lengths
+        if logprobs is None:
+            return PrefillResult(logits, self.draw(logits, rows, sampling, counters), states, None)
+        first = self.draw_scored(logits, rows, sampling, counters, logprobs)
+        return PrefillResult(logits, first.tokens[:, 0], states, first)
 
     def score(self, inputs: list, targets: list, top_n: int = 0, start_states: Buffer | None = None,
               start_positions=None) -> ScoreResult:
@@ -328,9 +332,7 @@ class CompiledGraphs:
         scoring = [self.to_device(np.tile(np.arange(R, dtype=np.int64), (B, 1))),
                    self.to_device(right_padded(targets, R))]
         with self._lock:
-            out = self._run_prefill(inputs, lengths, start, start_states, SamplingArrays.greedy(B), scored_input(None),
-                                    scoring)
-        states, (lp, values, ids) = out[2], out[6:]
+            states, lp, values, ids = self._run_prefill(inputs, lengths, start, start_states, scoring)[1:]
         lp = self.host(lp).reshape(B, -1)
         values = self.host(values).reshape(B, -1, values.shape[-1])
         ids = self.host(ids).reshape(values.shape)
@@ -344,10 +346,10 @@ class CompiledGraphs:
         return result
 
     def _run_prefill(self, rows: list, lengths: np.ndarray, start: np.ndarray, start_states: Buffer | None,
-                     sampling: SamplingArrays, scored: Buffer, scoring: list[Buffer]) -> list[Buffer]:
+                     scoring: list[Buffer]) -> list[Buffer]:
         """The architecture's prefill graph on checked rows -> its outputs on the device
-        (logits, next ids, states, the drawn tokens' log-probabilities, then the scored
-        positions'); ``scoring`` its score_at and targets inputs (``graphs/scoring.py``)."""
+        (logits, states, then the scored positions' log-probabilities, top values and top
+        ids); ``scoring`` its score_at and targets inputs (``graphs/scoring.py``)."""
         raise NotImplementedError
 
     # -- the decode call (every engine's decode graph has the same inputs and outputs)

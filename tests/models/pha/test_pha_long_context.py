@@ -9,19 +9,20 @@ is tests/models/pha/test_pha_engine.py's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from srm_max.graphs.pha import CHUNK, matrix_names
-from srm_max.models.pha.config import PHAConfig
 from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
-from tests.support.pha import assert_states_close, bf16_rounded, prompts_of, random_pha, ref_greedy
+from tests.support.pha import CONFIG, assert_states_close, bf16_rounded, prompts_of, random_pha, ref_greedy
 from tests.support.prompts import reference_prefill
 
-ABLATION = PHAConfig(vocab_size=40, d_model=16, n_layers=2, context_length=160, n_q_heads=4, n_kv_heads=2,
-                     dss_state_size=8, branches=("gss", "ffn"), mode="sequential", tie_embeddings=False)
+# tests/support/pha.py's CONFIG with the switches (its vocabulary too: one sample graph)
+ABLATION = dataclasses.replace(CONFIG, branches=("gss", "ffn"), mode="sequential", tie_embeddings=False)
 pytestmark = graphs(ABLATION, ("prefill", "decode"), "bfloat16", kernels=False)
 
 

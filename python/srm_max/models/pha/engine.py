@@ -134,10 +134,10 @@ class PHAEngine(CompiledGraphs):
         ids = right_padded(rows, M * C).reshape(len(rows), M, C)
         return ids, np.arange(M * C, dtype=np.int64).reshape(M, C), lengths
 
-    def _run_prefill(self, rows, lengths, start, start_states, sampling, scored, scoring) -> list[Buffer]:
+    def _run_prefill(self, rows, lengths, start, start_states, scoring) -> list[Buffer]:
         ids, pos, lengths = self._chunked(rows)
         return self.prefill_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
-                                          self.to_device(lengths), *self.sampling_buffers(sampling), scored, *scoring)
+                                          self.to_device(lengths), *scoring)
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:

@@ -74,10 +74,8 @@ class Engine(CompiledGraphs):
         init = self.empty_states(B) if start_states is None else start_states
         return [self.to_device(ids), self.to_device(pos), self.to_device(last), self.to_device(start), init]
 
-    def _run_prefill(self, rows, lengths, start, start_states, sampling, scored, scoring) -> list[Buffer]:
-        return self.prefill_model.execute(*self._prefix_inputs(rows, lengths, start, start_states),
-                                          *self.sampling_buffers(sampling), self.to_device(start + lengths), scored,
-                                          *scoring)
+    def _run_prefill(self, rows, lengths, start, start_states, scoring) -> list[Buffer]:
+        return self.prefill_model.execute(*self._prefix_inputs(rows, lengths, start, start_states), *scoring)
 
 
 __all__ = ["Engine", "weights_registry"]
