@@ -172,16 +172,16 @@ SAMPLE_GRAPH_SALT = b"sample-graph-v1"  # bumped when a compiled sample graph mu
 
 
 def build_sample_graph(vocab_size: int, device: DeviceRef, kernel_library: Path | None = None) -> Graph:
-    """Draw tokens for samples that share logits: the samples of one prompt forked from
-    a single prefill; and, asked for, their log-probabilities (with ``kernel_library`` on a
-    CPU through the Mojo row op, as the prefill graphs' own draw: the same numbers).
+    """Draw tokens from prefill logits: each prompt's first token after its prefill, and the
+    samples of one prompt forked from a single prefill; and, asked for, their
+    log-probabilities (with ``kernel_library`` on a CPU through the Mojo row op).
 
     Inputs: logits [P, V] f32 (one row per prefilled prompt), rows [N] int64 (each
     sample's row), temperature / top_k / top_p / seed [N], mode [] (host), counter [N]
     int64 (the position of the token to draw), scored [] int64 (host: 1 for the
     log-probabilities below, 0 for zeros at no cost). Outputs: ids [N] int64: for every
-    sample the token the prefill graph's ``sample`` draws from its row with its
-    parameters; its raw log-probability [N] f32 (log_softmax of the logits, no
+    sample the token ``sample`` draws from its row with its parameters (what the decode
+    graphs draw at a step); its raw log-probability [N] f32 (log_softmax of the logits, no
     temperature or filters) and the K most likely tokens' [N, K] f32 with their ids [N,
     K] int64 (``scoring.token_logprobs``, K = ``scoring.top_width(V)``).
     """

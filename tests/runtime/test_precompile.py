@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -100,11 +101,14 @@ def test_precompile_compiles_an_engines_graphs_as_one_unit_the_longest_first(tmp
         (("prefill", "bfloat16", True),), (("regroup", "float32", True), ("sample", "float32", True))], key=str)
     sizes = [sum(j.size() for j in unit) for unit in handed]
     assert sizes == sorted(sizes, reverse=True) and [j.kind for j in handed[0]] == ["decode", "prefill"]
-    # MAX loads a unit's graphs by name: the plain-op sampler, also named "sample", goes apart
+    # MAX loads a unit's graphs by name: the plain-op sampler has a name of its own and joins
+    # the unit; the sampler of another vocabulary, also named "sample", goes apart
     plain_sample = arch.graph_job("sample", TINY, "float32", "cpu", False)
-    units = pc.compile_units([jobs[0], jobs[1], plain_sample])
-    assert [[(j.kind, j.kernels) for j in unit] for unit in units] == [
-        [("regroup", True), ("sample", True)], [("sample", False)]]
+    other_vocabulary = dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 8)
+    other_sample = registry.of(other_vocabulary).graph_job("sample", other_vocabulary, "float32", "cpu", True)
+    units = pc.compile_units([jobs[0], jobs[1], plain_sample, other_sample])
+    assert [[(j.kind, j.kernels, j.config.vocab_size) for j in unit] for unit in units] == [
+        [("regroup", True, 64), ("sample", True, 64), ("sample", False, 64)], [("sample", True, 72)]]
 
 
 def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, monkeypatch):

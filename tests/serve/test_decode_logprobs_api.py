@@ -165,26 +165,32 @@ def test_samples_asking_for_different_top_n_share_a_batch(generator, ref):
 
 
 def test_first_tokens_log_probabilities_come_from_the_prefills_draw(no_score_pass, ref, monkeypatch):
-    """Prompts of their own: the prefill graph draws each first token and scores it (no
-    sample-graph call); the tokens are those drawn without log-probabilities, the first
-    one's log-probability the reference's. A prompt's samples forked from one prefill
-    still draw through the sample graph, with the same numbers."""
+    """Prompts of their own: each prefill call draws its first tokens and scores them in
+    one sample-graph call, and nothing draws them again; the tokens are those drawn without
+    log-probabilities, the first one's log-probability the reference's. A prompt's samples
+    forked from one prefill draw through the sample graph too, with the same numbers."""
     gen = no_score_pass
     prompts = random_prompts([2, 30, 9], TINY.vocab_size, seed=24)
     options = dict(max_new_tokens=5, temperature=0.9, top_p=0.9, seed=13, steps_per_call=2)
     plain = gen.generate(prompts, **options)
-    draw_scored = gen.engine.draw_scored
+    calls = {"scored prefill": 0, "prefill": 0, "draw": 0, "draw_scored": 0}
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the first tokens were drawn again")
+    def counted(name):
+        method = getattr(gen.engine, name)
 
-    monkeypatch.setattr(gen.engine, "draw_scored", refuse)
-    monkeypatch.setattr(gen.engine, "draw", refuse)
+        def call(*args, **kwargs):
+            calls["scored prefill" if kwargs.get("logprobs") is not None else name] += 1
+            return method(*args, **kwargs)
+        monkeypatch.setattr(gen.engine, name, call)
+
+    for name in ("prefill", "draw", "draw_scored"):
+        counted(name)
     outs = gen.generate(prompts, logprobs=4, **options)
+    # one draw per prefill call (the prefix cache's pieces prefill unscored), none besides
+    assert calls["scored prefill"] == calls["draw_scored"] == 1 and calls["draw"] == calls["prefill"], calls
     for p, a, c in zip(prompts, plain, outs):
         assert c.ids == a.ids
         check_completion(gen, ref, p, c, 4)
-    monkeypatch.setattr(gen.engine, "draw_scored", draw_scored)
     forked = list(gen.sample_many(prompts[1:2], n=2, logprobs=4, **(options | {"seed": 3})))
     for s in forked:
         alone = gen.generate(prompts[1], logprobs=4, **(options | {"seed": s.seed}))

@@ -214,9 +214,9 @@ class CompiledGraphs:
 
     def draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters) -> np.ndarray:
         """Tokens for samples that share prefill logits (``logits`` [P, V] on the device,
-        ``rows`` [N] the row of each sample): each sample draws what the prefill graph would
-        have drawn for it alone, from its own parameters and seed (``counters``: the
-        position of the token, i.e. its prompt's length)."""
+        ``rows`` [N] the row of each sample): each sample draws what a prefill of its prompt
+        alone draws, from its own parameters and seed (``counters``: the position of the
+        token, i.e. its prompt's length)."""
         return self._draw(logits, rows, sampling, counters, False)[0]
 
     def draw_scored(self, logits: Buffer, rows, sampling: SamplingArrays, counters, top_n: int) -> DecodeResult:

@@ -262,4 +262,4 @@ def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
                   item.name.startswith(("test_greedy_tokens_and_states_equal", "test_sampled_tokens_equal"))]
     if uses_plain:
         assert set(declared_graph_jobs(uses_plain)) == {op.graph_job("decode_steps"), plain.graph_job("prefill"),
-                                                         plain.graph_job("decode")}
+                                                         plain.graph_job("decode"), plain.graph_job("sample")}

@@ -69,4 +69,5 @@ def test_ablation_with_bfloat16_weights_matches_the_reference_across_chunks(engi
 def test_the_suite_compiles_every_graph_these_tests_load(request, engine):
     from tests.support.graphs import declared_graph_jobs
 
-    assert {engine.graph_job(kind) for kind in ("prefill", "decode")} == set(declared_graph_jobs([request.node]))
+    assert {engine.graph_job(kind) for kind in ("prefill", "decode", "sample")} == set(
+        declared_graph_jobs([request.node]))
