@@ -286,8 +286,8 @@ class CompiledGraphs:
         the first new tokens' raw log-probabilities and that many alternatives.
 
         The first new tokens are drawn from the prefill graph's logits by the sample graph
-        (``draw``), which every engine loads anyway: a prefill graph without the sampler
-        compiles a third fewer kernels, once per model shape, weight dtype and device."""
+        (``draw``), which every engine loads anyway, so that no prefill graph compiles the
+        sampler's kernels (once per model shape, weight dtype and device)."""
         B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int64)
         start = self.check_start(lengths, start_states, start_positions)
         scored_input(logprobs)  # checks ``logprobs``
