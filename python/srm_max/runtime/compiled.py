@@ -33,7 +33,7 @@ from ..graphs.slots import slots_taken
 from ..weight_shapes import shape_problem
 from .call_types import DecodeResult, PrefillResult, SamplingArrays, ScoreResult
 from .compile_cache import graph_name, load_unit
-from .drawn import one_step_scores, scored_input, steps_scores
+from .drawn import check_logprobs, one_step_scores, scored_input, steps_scores
 from .device import cache_aligned, resolve_device, resolve_dtype
 from .precompile import GraphJob, precompile
 
@@ -217,20 +217,23 @@ class CompiledGraphs:
         ``rows`` [N] the row of each sample): each sample draws what a prefill of its prompt
         alone draws, from its own parameters and seed (``counters``: the position of the
         token, i.e. its prompt's length)."""
-        return self._draw(logits, rows, sampling, counters, False)[0]
+        return self._draw(logits, rows, sampling, counters, None)[0]
 
     def draw_scored(self, logits: Buffer, rows, sampling: SamplingArrays, counters, top_n: int) -> DecodeResult:
         """``draw``, with each token's raw log-probability and the ``top_n`` (0 .. TOP_N)
         likeliest tokens (graphs/sampler.py): a one-step ``DecodeResult`` without states."""
-        ids, *scores = self._draw(logits, rows, sampling, counters, True)
+        ids, *scores = self._draw(logits, rows, sampling, counters, top_n)
         return DecodeResult(ids[:, None], None, None, None, *one_step_scores(*scores, top_n))
 
-    def _draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters, scored: bool) -> list[np.ndarray]:
+    def _draw(self, logits: Buffer, rows, sampling: SamplingArrays, counters, logprobs: int | None) -> list[np.ndarray]:
+        """The sample graph's outputs on the host: the ids, then with ``logprobs`` (not
+        None) the drawn tokens' log-probabilities and the likeliest tokens'."""
+        scored = scored_input(logprobs)
         with self._lock:
             out = self.model("sample").execute(
                 logits, self.to_device(np.asarray(rows, np.int64)), *self.sampling_buffers(sampling),
-                self.to_device(np.asarray(counters, np.int64)), Buffer.from_numpy(np.array(int(scored), np.int64)))
-        return [self.host(t) for t in out] if scored else [self.host(out[0])]
+                self.to_device(np.asarray(counters, np.int64)), scored)
+        return [self.host(t) for t in out] if logprobs is not None else [self.host(out[0])]
 
     def regroup(self, pool: Buffer | None, fresh: Buffer | None, index, donate_pool: bool = False) -> Buffer:
         """States made on the device (``graphs/slots.py``): row b is row ``index[b]`` of ``pool``
@@ -290,7 +293,7 @@ class CompiledGraphs:
         sampler's kernels (once per model shape, weight dtype and device)."""
         B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int64)
         start = self.check_start(lengths, start_states, start_positions)
-        scored_input(logprobs)  # checks ``logprobs``
+        check_logprobs(logprobs)  # before the prefill's work
         no_rows = self.to_device(np.zeros((B, 1), np.int64))
         sampling = sampling or SamplingArrays.greedy(B)
         with self._lock:

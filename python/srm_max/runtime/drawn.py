@@ -15,11 +15,16 @@ from ..graphs.scoring import TOP_N
 from ..scalars import is_int
 
 
+def check_logprobs(logprobs: int | None) -> None:
+    """Refuse a ``logprobs`` that is neither None nor 0 .. TOP_N (alternatives per token)."""
+    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
+        raise GenerationError(f"logprobs must be None or an integer from 0 to {TOP_N}, got logprobs={logprobs!r}")
+
+
 def scored_input(logprobs: int | None) -> Buffer:
     """The ``scored`` input [] int64 (host): 1 with ``logprobs`` (0 .. TOP_N alternatives,
     checked), 0 without (None)."""
-    if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_N):
-        raise GenerationError(f"logprobs must be None or an integer from 0 to {TOP_N}, got logprobs={logprobs!r}")
+    check_logprobs(logprobs)
     return Buffer.from_numpy(np.array(int(logprobs is not None), np.int64))
 
 
@@ -38,4 +43,4 @@ def steps_scores(lp: np.ndarray, values: np.ndarray, top: np.ndarray, top_n: int
     return lp, np.take_along_axis(top, order, -1), np.take_along_axis(values, order, -1)
 
 
-__all__ = ["one_step_scores", "scored_input", "steps_scores"]
+__all__ = ["check_logprobs", "one_step_scores", "scored_input", "steps_scores"]
