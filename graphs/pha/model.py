@@ -215,19 +215,18 @@ class _Consts:
         f = np.tile(np.concatenate([self.inv_freq, self.inv_freq]), heads).reshape(1, -1)
         return self._once(("freq", heads), lambda: gops.const(f, F32, self.device))
 
-    def rope_rotate(self, heads: int) -> TensorValue:
-        """[D, D]: x @ R = (-x2, x1) within every head (x1, x2 its two halves)."""
+    def rotate_half(self, x: TensorValue, heads: int) -> TensorValue:
+        """x [..., heads*dh] -> (-x2, x1) within every head (x1, x2 its two halves): each
+        channel's partner gathered, times a sign; exact, and no matmul kernel to compile."""
         def make():
             dh, half = self.dh, self.half
-            D = heads * dh
-            R = np.zeros((D, D), np.float32)
-            for h in range(heads):
-                for i in range(half):
-                    lo, hi = h * dh + i, h * dh + half + i
-                    R[hi, lo] = -1.0  # out[lo] = -x[hi]
-                    R[lo, hi] = 1.0  # out[hi] = x[lo]
-            return gops.const(R, F32, self.device)
-        return self._once(("rot", heads), make)
+            within = np.arange(dh)
+            partner = np.where(within < half, within + half, within - half)
+            index = (np.arange(heads)[:, None] * dh + partner[None, :]).reshape(-1)
+            sign = np.tile(np.where(within < half, -1.0, 1.0), heads).astype(np.float32)
+            return gops.const(index, I64, self.device), gops.const(sign, F32, self.device)
+        index, sign = self._once(("rotate_half", heads), make)
+        return ops.gather(x, index, axis=x.rank - 1) * sign
 
     @property
     def logit_bound(self) -> float:
@@ -250,7 +249,7 @@ def _l2_normalize(x: TensorValue, heads: int, K: _Consts) -> TensorValue:
 
 def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorValue:
     """Rotate x [..., heads*dh] by angle (per channel): (x1 cos - x2 sin, x1 sin + x2 cos) per head."""
-    return x * ops.cos(angle) + ops.matmul(x, K.rope_rotate(heads)) * ops.sin(angle)
+    return x * ops.cos(angle) + K.rotate_half(x, heads) * ops.sin(angle)
 
 
 def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts):
