@@ -231,8 +231,9 @@ def test_query_heads_read_in_groups_equal_the_reference(name, lengths):
 def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
     """On by default on a CPU, for float32 and bfloat16 weights alike
     (tests/models/pha/test_pha_decode_op_bf16.py); ``kernels=False`` gives the plain
-    graph; the sequential block keeps the plain graph by default and is refused by
-    ``kernels=True``, naming why (no graph is compiled here)."""
+    graph; the sequential block decodes on the plain graph by default (its prefill takes
+    the prefill's Mojo ops) and is refused by ``kernels=True``, naming why (no graph is
+    compiled here)."""
     from srm_max.models.pha.engine import PHAEngine
 
     assert PHAEngine(CONFIG, weights).steps_in_one_op
@@ -240,7 +241,9 @@ def test_the_op_is_the_cpu_default_and_refused_where_it_cannot_run(weights):
     assert PHAEngine(CONFIG, weights, dtype="bfloat16").steps_in_one_op
     sequential = dataclasses.replace(CONFIG, mode="sequential")
     weights = {k: v.detach().numpy() for k, v in random_pha(sequential).state_dict().items()}
-    assert not PHAEngine(sequential, weights).steps_in_one_op
+    default = PHAEngine(sequential, weights)
+    assert default.kernels and not default.steps_in_one_op
+    assert default.graph_job("prefill").kernels and "decode" in default.graph_kinds()
     with pytest.raises(GenerationError, match="parallel block only"):
         PHAEngine(sequential, weights, kernels=True)
 

@@ -3,8 +3,10 @@ context that crosses several GSS prefill chunks (``CHUNK`` = 64).
 
 One config holds every switch at once, since each distinct graph is a cold compile of
 minutes: sequential mode, the attention branch off (the state is the GSS state alone),
-an output head of its own, bfloat16 weights. The float32 config with every branch on
-is tests/models/pha/test_pha_engine.py's.
+an output head of its own, bfloat16 weights. The engine is a CPU's default for it: the
+prefill's GSS scan op (mojo/pha_gss_scan.mojo) and the one-step decode graph (the decode
+op runs the parallel block only). The float32 config with every branch on is
+tests/models/pha/test_pha_engine.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tests.support.prompts import reference_prefill
 
 # tests/support/pha.py's CONFIG with the switches (its vocabulary too: one sample graph)
 ABLATION = dataclasses.replace(CONFIG, branches=("gss", "ffn"), mode="sequential", tie_embeddings=False)
-pytestmark = graphs(ABLATION, ("prefill", "decode"), "bfloat16", kernels=False)
+pytestmark = graphs(ABLATION, ("prefill", "decode"), "bfloat16", kernels=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def engine():
 
 def test_ablation_layout_has_no_kv_cache(engine):
     assert engine.dtype == "bfloat16" and engine.layout.kv == 0
+    assert engine.kernels and not engine.steps_in_one_op  # the prefill's ops, the one-step decode graph
     split = engine.split_states(engine.empty_states(2))
     assert split["keys"] is None and split["values"] is None
     assert split["gss_state"].shape == (2, 2, ABLATION.gss_hidden_dim, ABLATION.dss_state_size)

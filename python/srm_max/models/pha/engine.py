@@ -75,13 +75,15 @@ class PHAEngine(CompiledGraphs):
 
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):
-        """``kernels``: decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo,
-        on copies of the matrices packed at load: they take as much memory again) instead
-        of one decode-graph call per step, and run the prefill's and score's attention as
-        the tiled Mojo op (mojo/pha_prefill_attention.mojo) instead of plain ops. Default (None): on wherever the op can run the
-        model (a CPU, ``op_refusal``), as bench/pha_long_context.py measured it several
-        times faster; False: the plain graph, the GPU path and the op's reference; True
-        where the op cannot run raises ``GenerationError`` naming why."""
+        """``kernels``: run the prefill's and score's attention and GSS scan as the tiled Mojo
+        ops (mojo/pha_prefill_attention.mojo, mojo/pha_gss_scan.mojo) instead of plain ops,
+        and decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo, on
+        copies of the matrices packed at load: they take as much memory again) instead of
+        one decode-graph call per step. Default (None): on a CPU, as bench/pha_long_context.py
+        measured them several times faster; the decode op where it can run the model
+        (``op_refusal``: the parallel block), the decode graph elsewhere. False: the plain
+        graphs, the GPU path and the ops' reference; True where the decode op cannot run
+        raises ``GenerationError`` naming why."""
         if not isinstance(config, PHAConfig):
             raise GenerationError(f"PHAEngine needs a PHAConfig, got {type(config).__name__}")
         self.config = config
@@ -91,8 +93,15 @@ class PHAEngine(CompiledGraphs):
         refusal = op_refusal(config, self.dtype, self.device)
         if kernels and refusal:
             raise GenerationError(f"PHAEngine(kernels=True): {refusal}; pass kernels=None or False for the plain graph")
-        self.kernels = refusal is None and kernels is not False
-        self._open(weights_registry(config, weights, self.dtype, packed=self.kernels))
+        # the prefill's ops run any block; the decode op only the models it can (op_refusal)
+        self.kernels = kernels is not False and isinstance(self.device, CPU)
+        self.decode_op = self.kernels and refusal is None
+        self._open(weights_registry(config, weights, self.dtype, packed=self.decode_op))
+
+    @property
+    def steps_in_one_op(self) -> bool:
+        """As ``CompiledGraphs.steps_in_one_op``, where the decode op can run the model."""
+        return self.decode_op and super().steps_in_one_op
 
     def empty_states(self, batch: int) -> Buffer:
         return self.to_device(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))
