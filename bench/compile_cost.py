@@ -4,6 +4,7 @@ measurements behind the test suite's compile budget (docs/testing.md).
     python -m bench.compile_cost [--models] [--out bench/results/compile_cost.json]
     python -m bench.compile_cost --units [--out bench/results/compile_units.json]
     python -m bench.compile_cost --constant-subgraphs [--out bench/results/constant_subgraphs.json]
+    python -m bench.compile_cost --families [--out bench/results/compile_families.json]
 
 Each graph compiles in a child process with a fresh, empty ``HOME`` (so MAX's own caches
 under ``~/.cache/modular`` start empty, as on a clean CI machine) and its CPU seconds are
@@ -27,6 +28,13 @@ they inflate wall-clock time. The graphs:
   as another). The engines: the
   suite's SRM config with the Mojo ops (prefill, decode_steps, sample, regroup) and the test
   PHA with plain ops (prefill, decode).
+
+With ``--families`` (alone): one small graph per kind of op the engines' graphs use (an
+elementwise op; a 2-D matmul, a batched one, both, four of other shapes; the norms,
+gathers, top-k, concatenation, cumulative sum, argmax), each in a child with an empty
+``HOME``, and two single-matmul graphs of other shapes compiled one after the other in one
+child (``family_two_matmul_graphs_in_one_process``): what each kind of op adds to a
+compile beside the fixed cost every compile pays, and whether a process pays it once.
 
 With ``--constant-subgraphs`` (alone): first ``floor_div_signed`` and
 ``floor_div_nonnegative`` (an int64 vector divided by a constant with ``ops.floor_div`` and
@@ -68,6 +76,10 @@ SHARED_HOME = ("srm_plain_prefill", "srm_plain_decode_after_prefill")
 UNIT_ENGINES = ("srm_mojo_ops", "pha_plain_ops")
 UNIT_GRAPHS = tuple(f"{engine}_{way}" for engine in UNIT_ENGINES for way in ("units_apart", "units_together"))
 CONSTANT_SUBGRAPHS_OUT = OUT.with_name("constant_subgraphs.json")
+FAMILIES_OUT = OUT.with_name("compile_families.json")
+FAMILY_GRAPHS = tuple(f"family_{k}" for k in (
+    "elementwise", "matmul", "batch_matmul", "matmul_and_batch_matmul", "four_matmuls", "layer_norm", "rms_norm",
+    "gather", "gather_nd", "top_k", "concat", "cumsum", "argmax", "two_matmul_graphs_in_one_process"))
 # (architecture, kind, weight dtype, Mojo ops) of the graphs ``--constant-subgraphs`` checks:
 # every kind of the test SRM (tests/support/tiny.py) and the test PHA (tests/support/pha.py)
 FLOOR_DIV_GRAPHS = ("floor_div_signed", "floor_div_nonnegative")
@@ -124,6 +136,9 @@ def build(name: str):
     def t(*shape):
         return TensorType(f32, list(shape), cpu)
 
+    if name.startswith("family_"):
+        return _family_graph(name.removeprefix("family_"), t)
+
     if name.startswith("srm_plain_"):
         from srm_max.models import registry
         from tests.support.tiny import TINY
@@ -156,6 +171,57 @@ def build(name: str):
     return g
 
 
+def _family_graph(kind: str, t):
+    """The ``FAMILY_GRAPHS`` graph of one kind of op (``t(*shape)``: a float32 CPU tensor type)."""
+    import numpy as np
+    from max.dtype import DType
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    cpu = DeviceRef.CPU()
+    ids = TensorType(DType.int64, ["B"], cpu)
+    inputs = {"elementwise": [t("B", 16)], "matmul": [t("B", 16), t(16, 40)],
+              "batch_matmul": [t("B", 4, 16), t("B", 16, 8)],
+              "matmul_and_batch_matmul": [t("B", 16), t(16, 40), t("B", 4, 16), t("B", 16, 8)],
+              "four_matmuls": [t("B", 16), t(16, 40), t(40, 24), t(24, 56), t(56, 16)],
+              "layer_norm": [t("B", 16)], "rms_norm": [t("B", 16)], "gather": [t(64, 16), ids],
+              "gather_nd": [t("B", 8, 16), TensorType(DType.int64, ["B", 1], cpu)], "top_k": [t("B", 64)],
+              "concat": [t("B", 16), t("B", 8)], "cumsum": [t("B", 64)], "argmax": [t("B", 64)],
+              "second_matmul": [t("B", 24), t(24, 56)]}[kind]
+    ones = np.ones(16, np.float32)
+    with Graph(f"family_{kind}", input_types=inputs) as g:
+        x = [v.tensor for v in g.inputs]
+        if kind == "elementwise":
+            out = [ops.exp(x[0]) * 2.0]
+        elif kind in ("matmul", "batch_matmul", "second_matmul"):
+            out = [ops.matmul(x[0], x[1])]
+        elif kind == "matmul_and_batch_matmul":
+            out = [ops.matmul(x[0], x[1]), ops.matmul(x[2], x[3])]
+        elif kind == "four_matmuls":
+            h = x[0]
+            for w in x[1:]:
+                h = ops.matmul(h, w)
+            out = [h]
+        elif kind == "layer_norm":
+            out = [ops.layer_norm(x[0], ops.constant(ones, DType.float32, device=cpu),
+                                  ops.constant(0 * ones, DType.float32, device=cpu), epsilon=1e-5)]
+        elif kind == "rms_norm":
+            out = [ops.rms_norm(x[0], ops.constant(ones, DType.float32, device=cpu), epsilon=1e-5)]
+        elif kind == "gather":
+            out = [ops.gather(x[0], x[1], axis=0)]
+        elif kind == "gather_nd":
+            out = [ops.gather_nd(x[0], x[1], batch_dims=1)]
+        elif kind == "top_k":
+            out = [ops.top_k(x[0], 5, axis=-1)[0]]
+        elif kind == "concat":
+            out = [ops.concat([x[0], x[1]], axis=1)]
+        elif kind == "cumsum":
+            out = [ops.cumsum(x[0], axis=-1)]
+        else:
+            out = [ops.argmax(x[0], axis=-1)]
+        g.output(*out)
+    return g
+
+
 def compile_once(name: str) -> None:
     """In the child: build and compile the graph (MAX's ``InferenceSession.compile``, as
     the engines' compile workers do; weights are bound later, at load), or for a name of
@@ -163,6 +229,11 @@ def compile_once(name: str) -> None:
     from max.driver import CPU
     from max.engine import InferenceSession
 
+    if name == "family_two_matmul_graphs_in_one_process":
+        session = InferenceSession(devices=[CPU()])
+        for kind in ("family_matmul", "family_second_matmul"):
+            session.compile(build(kind))
+        return
     if name in UNIT_GRAPHS:
         from srm_max.runtime.precompile import _compile, compile_units
 
@@ -272,6 +343,16 @@ def measure_units() -> list[dict]:
     return rows
 
 
+def measure_families() -> list[dict]:
+    """The ``FAMILY_GRAPHS`` rows, each in an empty ``HOME``."""
+    rows = []
+    for name in FAMILY_GRAPHS:
+        with tempfile.TemporaryDirectory() as home:
+            rows.append(measure(name, home))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def measure_graphs(models: bool) -> list[dict]:
     """The ``GRAPHS`` rows (and ``MODEL_GRAPHS``'), then ``add_again_warm``."""
     rows = []
@@ -301,11 +382,13 @@ def main(argv=None) -> None:
                              "and decode (the decode after the prefill in one HOME, and alone)")
     parser.add_argument("--units", action="store_true",
                         help="instead: two test engines' graphs compiled each alone and as compile units")
+    parser.add_argument("--families", action="store_true",
+                        help="instead: one small graph per kind of op, each compiled alone")
     parser.add_argument("--constant-subgraphs", action="store_true",
                         help="instead: count the constant subgraphs MAX compiles for each test engine graph")
     parser.add_argument("--out", type=Path,
-                        help=f"default {OUT} ({UNITS_OUT} with --units, {CONSTANT_SUBGRAPHS_OUT} with "
-                             "--constant-subgraphs)")
+                        help=f"default {OUT} ({UNITS_OUT} with --units, {FAMILIES_OUT} with --families, "
+                             f"{CONSTANT_SUBGRAPHS_OUT} with --constant-subgraphs)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--emit-mojo", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -319,6 +402,8 @@ def main(argv=None) -> None:
         os._exit(0)
     if args.constant_subgraphs:
         out, rows = args.out or CONSTANT_SUBGRAPHS_OUT, measure_constant_subgraphs()
+    elif args.families:
+        out, rows = args.out or FAMILIES_OUT, measure_families()
     else:
         out = args.out or (UNITS_OUT if args.units else OUT)
         rows = measure_units() if args.units else measure_graphs(args.models)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compile_cost import (FLOOR_DIV_GRAPHS, GRAPHS, MODEL_GRAPHS, SUITE_GRAPHS, build, constant_subgraph_files,
-                                kernel_counts, suite_graph)
+from bench.compile_cost import (FAMILY_GRAPHS, FLOOR_DIV_GRAPHS, GRAPHS, MODEL_GRAPHS, SUITE_GRAPHS, build,
+                                constant_subgraph_files, kernel_counts, suite_graph)
 
 # a test of a scalar int64 against another: in floor_div_signed, of the constant divisor's sign
 SCALAR_TEST = "(!mo.tensor<[], si64>, !mo.tensor<[], si64>) -> !mo.tensor<[], bool>"
@@ -65,3 +65,27 @@ def test_the_engines_of_units_compile_as_these_units(tmp_path, monkeypatch):
              for engine in ("srm_mojo_ops", "pha_plain_ops")}
     assert kinds == {"srm_mojo_ops": [["prefill", "decode_steps"], ["sample", "regroup"]],
                      "pha_plain_ops": [["prefill", "decode"]]}
+
+
+# each family graph's op as MAX's graph text names it, and how many matmuls it holds
+FAMILY_OPS = {"elementwise": ("rmo.mo.exp", 0), "matmul": ("rmo.matmul", 1), "batch_matmul": ("rmo.matmul", 1),
+              "matmul_and_batch_matmul": ("rmo.matmul", 2), "four_matmuls": ("rmo.matmul", 4),
+              "layer_norm": ("mo.reduce.layer_norm", 0), "rms_norm": ("mo.reduce.rms_norm", 0),
+              "gather": ("rmo.mo.gather", 0), "gather_nd": ("rmo.mo.gather_nd", 0), "top_k": ("rmo.top_k", 0),
+              "concat": ("rmo.concat", 0), "cumsum": ("rmo.mo.cumsum", 0), "argmax": ("rmo.mo.reduce.arg_max", 0),
+              "second_matmul": ("rmo.matmul", 1)}
+
+
+@pytest.mark.parametrize("kind", FAMILY_OPS)
+def test_each_family_graph_holds_its_kind_of_op(kind):
+    """``--families``: one kind of op per graph, so a row's cost beyond the elementwise
+    graph's is that kind's; only the matmul rows hold matmuls."""
+    op, matmuls = FAMILY_OPS[kind]
+    text = str(build(f"family_{kind}"))
+    assert op in text and text.count("rmo.matmul") == matmuls
+
+
+def test_the_family_rows_are_the_kinds_and_one_process_compiling_two_graphs():
+    kinds = {name.removeprefix("family_") for name in FAMILY_GRAPHS}
+    assert kinds == set(FAMILY_OPS) - {"second_matmul"} | {"two_matmul_graphs_in_one_process"}
+    assert str(build("family_second_matmul")) != str(build("family_matmul"))
