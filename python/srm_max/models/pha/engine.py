@@ -100,8 +100,9 @@ class PHAEngine(CompiledGraphs):
 
     @property
     def steps_in_one_op(self) -> bool:
-        """As ``CompiledGraphs.steps_in_one_op``, where the decode op can run the model."""
-        return self.decode_op and super().steps_in_one_op
+        """Whether a decode runs the op's ``decode_steps`` graph: the Mojo ops on a CPU, for
+        a model the op can run (``decode_op``)."""
+        return self.decode_op
 
     def empty_states(self, batch: int) -> Buffer:
         return self.to_device(np.zeros((self.config.n_layers, batch, self.layout.width), np.float32))
