@@ -45,23 +45,27 @@ class NamedWeights:
 
 
 
-def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None) -> TensorValue:
-    """x [..., in] @ w[out, in]^T + b, computed in w's dtype, returned as float32."""
-    h = x if x.dtype == w.dtype else ops.cast(x, w.dtype)
-    y = ops.matmul(h, ops.transpose(w, 0, 1))
-    if y.dtype != F32:
-        y = ops.cast(y, F32)
-    return y if b is None else y + b
+def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None,
+           op_device: DeviceRef | None = None) -> TensorValue:
+    """x [..., in] @ w[out, in]^T + b as float32.
 
-
-def dense(x: TensorValue, w: TensorValue, b: TensorValue, op_device: DeviceRef | None) -> TensorValue:
-    """``linear(x, w, b)``; with ``op_device`` (a CPU device, the graph loading the kernel
-    library) and float32 weights through the Mojo op srm_linear (mojo/linear.mojo), whose
-    register-tiled product does more of the FMA peak than ``ops.matmul`` at the SRM's
-    layer shapes. bfloat16 weights and other devices keep ``ops.matmul``."""
-    if op_device is None or w.dtype != F32:
-        return linear(x, w, b)
+    ``ops.matmul`` in w's dtype: the input cast to it, the result back to float32 (with
+    bfloat16 weights both round to bfloat16). With ``op_device`` (a CPU device whose graph
+    loads the kernel library), through the Mojo op srm_linear (mojo/linear.mojo) instead,
+    which rounds where the matmul does: its register-tiled product does more of the FMA
+    peak than ``ops.matmul`` at these models' shapes, and a graph whose products all take
+    it compiles no matmul kernel, the dearest kind to compile (docs/testing.md)."""
+    if op_device is None:
+        h = x if x.dtype == w.dtype else ops.cast(x, w.dtype)
+        y = ops.matmul(h, ops.transpose(w, 0, 1))
+        if y.dtype != F32:
+            y = ops.cast(y, F32)
+        return y if b is None else y + b
     n_out = int(w.shape[0])
+    if b is None:
+        b = const(np.zeros(n_out, np.float32), F32, op_device)
+    if w.dtype != F32:  # the op reads x as float32: round it as the matmul's cast would
+        x = ops.cast(ops.cast(x, w.dtype), F32)
     rows = ops.reshape(x, [-1, x.shape[-1]])
     y = ops.custom(OP_LINEAR, device=op_device, values=[rows, w, b],
                    out_types=[TensorType(F32, [rows.shape[0], n_out], op_device)])[0].tensor

@@ -11,8 +11,8 @@ one compiled graph serves a prefill (one dummy row per sample) and a score call 
 position). Three ways to the same numbers: on a CPU with the kernel library and float32 weights, one Mojo op
 ``srm_score_head`` (mojo/score_head.mojo) computes the output layer for a block of
 positions into a cache-resident tile and reduces it there, so the [.., V] logits never
-go to memory; with bfloat16 weights, MAX's matmul and then the Mojo op
-``srm_score_rows`` (mojo/score_rows.mojo), which reduces each row of logits in two
+go to memory; with bfloat16 weights, the dense-layer op ``srm_linear`` (mojo/linear.mojo)
+and then the Mojo op ``srm_score_rows`` (mojo/score_rows.mojo), which reduces each row of logits in two
 passes (the K largest by a lane-wise bound, then the sum of exponentials), rows split
 between the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
 ``ops.top_k``. The row op exists because ``ops.top_k`` sorts each row: at V = 4,096
@@ -42,9 +42,10 @@ def head_logprobs(x: TensorValue, head: TensorValue, targets: TensorValue,
     """``token_logprobs`` of the logits ``linear(x, head)``: x [..., d] f32 the last layer's
     output, head [V, d] the output layer. With ``row_op_device`` (a CPU device; the graph
     loads the kernel library) and a float32 head, the fused Mojo op computes and reduces
-    the logits block by block; otherwise the graph computes all [..., V] logits first."""
+    the logits block by block; otherwise the graph computes all [..., V] logits first (on
+    such a CPU through the dense-layer op, ``linear``)."""
     if row_op_device is None or head.dtype != DType.float32:
-        return token_logprobs(linear(x, head), targets, row_op_device)
+        return token_logprobs(linear(x, head, op_device=row_op_device), targets, row_op_device)
     V, d = int(head.shape[0]), int(head.shape[1])
     rows = ops.reshape(x, [-1, d])
     return _reduced(OP_SCORE_HEAD, [rows, head], rows.shape[0], V, targets, row_op_device)

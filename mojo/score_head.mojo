@@ -81,7 +81,7 @@ struct SrmScoreHead:
         var head_in = F32P(unsafe_from_address=Int(head.unsafe_ptr()))
 
         def pack(panel: Int) {var packed, var head_in, var V, var d}:
-            pack_panel(packed, head_in, panel, V, d)
+            pack_panel[F32](packed, head_in, panel, V, d)
 
         sync_parallelize(pack, panels)
 

@@ -1,7 +1,7 @@
 """The register-tiled matrix product the CPU ops share (no op here: score_head.mojo and
 linear.mojo call it).
 
-    pack_panel(packed, m, panel, N, K)      one panel of a row-major m [N, K], transposed
+    pack_panel(packed, m, panel, N, K)      one panel of a row-major m [N, K], transposed (float32)
     tile_product(t, ldt, x, ldx, p, K)      MR rows of x times one packed panel
 
 The matrix on the right, m [N, K] (one row per output column, as a checkpoint stores a
@@ -59,15 +59,16 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int):
             t.unsafe_store(r * ldt + v * W, acc.unsafe_load[width=W]((r * NV + v) * W))
 
 
-def pack_panel(packed: F32P, m: F32P, panel: Int, N: Int, K: Int):
-    """Panel ``panel`` of m [N, K]: packed[panel][k, j] = m[panel * NB + j, k], 0 past N."""
+def pack_panel[MD: DType](packed: F32P, m: Pointer[Scalar[MD], MutUntrackedOrigin], panel: Int, N: Int, K: Int):
+    """Panel ``panel`` of m [N, K]: packed[panel][k, j] = m[panel * NB + j, k], 0 past N
+    (m's entries widened to float32 if they are bfloat16)."""
     var out = packed.unsafe_offset(panel * K * NB)
     for j in range(NB):
         var n = panel * NB + j
         if n < N:
             var src = m.unsafe_offset(n * K)
             for k in range(K):
-                out[unsafe_offset=k * NB + j] = src[unsafe_offset=k]
+                out[unsafe_offset=k * NB + j] = src[unsafe_offset=k].cast[F32]()
         else:
             for k in range(K):
                 out[unsafe_offset=k * NB + j] = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 
-from ..ops import F32, NamedWeights, dense, linear
+from ..ops import F32, NamedWeights, linear
 
 
 class SRMWeights(NamedWeights):
@@ -33,11 +33,11 @@ def embed(weights: SRMWeights, ids: TensorValue) -> TensorValue:
 
 def channel_mlp(x: TensorValue, p: dict, eps: float, op_device: DeviceRef | None = None) -> TensorValue:
     """x + W2 silu(W1 LN_c(x) + b1) + b2; with ``op_device`` the products run through the
-    Mojo op where ``dense`` allows it."""
+    Mojo op where ``linear`` allows it."""
     h = ops.layer_norm(x, p["cn_w"], p["cn_b"], epsilon=eps)
-    h = ops.silu(dense(h, p["fc1_w"], p["fc1_b"], op_device))
-    return x + dense(h, p["fc2_w"], p["fc2_b"], op_device)
+    h = ops.silu(linear(h, p["fc1_w"], p["fc1_b"], op_device))
+    return x + linear(h, p["fc2_w"], p["fc2_b"], op_device)
 
 
-def logits_of(weights: SRMWeights, x: TensorValue) -> TensorValue:
-    return linear(x, weights.output())
+def logits_of(weights: SRMWeights, x: TensorValue, op_device: DeviceRef | None = None) -> TensorValue:
+    return linear(x, weights.output(), op_device=op_device)

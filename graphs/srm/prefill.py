@@ -126,7 +126,7 @@ def srm_layers(W: SRMWeights, ids: TensorValue, pos: TensorValue, last: TensorVa
     """Every layer over right-padded prompts (the inputs of the module docs) ->
     (x [B, N, C, d] after the last layer, states [L, B, H, hd] after each prompt's last
     token). With ``kernels`` the mixer runs as the Mojo scan op, else as the chunked scan;
-    with ``kernels`` on a CPU the dense layers run as the Mojo op (``gops.dense``)."""
+    with ``kernels`` on a CPU the dense layers run as the Mojo op (``gops.linear``)."""
     c = W.config
     dense_op = device if gops.cpu_ops_run(kernels, device) else None
     apos = None if kernels else absolute_positions(pos, start, c)
@@ -136,13 +136,13 @@ def srm_layers(W: SRMWeights, ids: TensorValue, pos: TensorValue, last: TensorVa
         p = W.layer(l)
         x = channel_mlp(x, p, c.layer_norm_eps, dense_op)
         z = ops.layer_norm(x, p["tn_w"], p["tn_b"], epsilon=c.layer_norm_eps)
-        u = gops.dense(z, p["proj_w"], p["proj_b"], dense_op)
+        u = gops.linear(z, p["proj_w"], p["proj_b"], dense_op)
         if kernels:  # st: the state after each prompt's last token [B, H, hd]
             y, st = _mixer_scan_kernel(u, last, start, init[l], p, c, device)
         else:  # st: the state after every position, of which the last token's is kept
             y, st = _mixer_parallel(u, pos, apos, init[l], p, c, device)
             st = ops.gather_nd(st, last, batch_dims=1)
-        x = x + gops.dense(y, p["out_w"], p["out_b"], dense_op)
+        x = x + gops.linear(y, p["out_w"], p["out_b"], dense_op)
         states.append(st)
     return x, ops.stack(states, axis=0)
 
@@ -176,6 +176,6 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
         W = SRMWeights(c, schema, wdtype, device)
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
-        row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo row op is CPU code
-        g.output(logits_of(W, xl), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo ops are CPU code
+        g.output(logits_of(W, xl, row_op), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

@@ -209,6 +209,11 @@ def _linear_body(values, dev):
 # dimensions, so that a mismatch reaches the op's checks
 LINEAR = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["N", "Kw"], dev),
                               TensorType(F32, ["Nb"], dev)], _linear_body, 1)
+# the same op on bfloat16 weights (a piece of its own: the op is compiled per weight dtype)
+LINEAR_BF16 = "srm_linear_bf16_weights"
+LINEAR_BF16_WEIGHTS = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev),
+                                           TensorType(DType.bfloat16, ["N", "Kw"], dev),
+                                           TensorType(F32, ["Nb"], dev)], _linear_body, 1)
 
 
 def sample_rows_graph(dev, vocab: int):

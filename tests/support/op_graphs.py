@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from max.driver import CPU, Buffer
+from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, StaticDim
 
@@ -42,6 +43,7 @@ PIECES = {
     OP_SCORE_HEAD: build.SCORE_HEAD,
     OP_SCORE_ROWS: build.SCORE_ROWS,
     OP_LINEAR: build.LINEAR,
+    build.LINEAR_BF16: build.LINEAR_BF16_WEIGHTS,
     OP_PHA_PREFILL_ATTENTION: build.PHA_ATTENTION,
     OP_PHA_GSS_SCAN: build.PHA_GSS_SCAN,
 }
@@ -128,7 +130,10 @@ def _idle_inputs(piece) -> list[Buffer]:
     arrays = []
     for t in piece.types(DeviceRef.CPU()):
         shape = [int(d) if isinstance(d, StaticDim) else piece.idle.get(d.name, 0) for d in t.shape]
-        arrays.append(Buffer.from_numpy(np.zeros(shape, t.dtype.to_numpy())))
+        if t.dtype == DType.bfloat16:  # numpy has none: zeros as its bit patterns
+            arrays.append(Buffer.from_numpy(np.zeros(shape, np.uint16)).view(DType.bfloat16))
+        else:
+            arrays.append(Buffer.from_numpy(np.zeros(shape, t.dtype.to_numpy())))
     return arrays
 
 
