@@ -95,13 +95,13 @@ def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue,
     return linear(x, W.output()), (gss, keys, values)
 
 
-def _step_inputs(c, lay, device: DeviceRef) -> list:
-    """The inputs both decode graphs share: ids, positions, the states (written in place)
-    and the sampling parameters."""
+def _step_inputs(layers, width, device: DeviceRef) -> list:
+    """The inputs both decode graphs share: ids, positions, the states [layers, batch,
+    width] (written in place; sizes or symbolic names) and the sampling parameters."""
     return [
         TensorType(I64, ["batch"], device),  # ids
         TensorType(I64, ["batch"], device),  # positions
-        BufferType(F32, [c.n_layers, "batch", lay.width], device),  # states, written in place
+        BufferType(F32, [layers, "batch", width], device),  # states, written in place
         TensorType(F32, ["batch"], device),  # temperature
         TensorType(I64, ["batch"], device),  # top_k
         TensorType(F32, ["batch"], device),  # top_p
@@ -128,7 +128,7 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     device = device or DeviceRef.CPU()
     c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = _step_inputs(c, lay, device) + [TensorType(I64, [], DeviceRef.CPU())]  # scored
+    input_types = _step_inputs(c.n_layers, lay.width, device) + [TensorType(I64, [], DeviceRef.CPU())]  # scored
     with Graph(name or f"pha_decode_{dt}", input_types=input_types, custom_extensions=[kernel_library]) as g:
         ids, pos, states_buf, temperature, top_k, top_p, seed, mode, scored = g.inputs
         ids, pos = ids.tensor, pos.tensor
@@ -144,8 +144,7 @@ def build_pha_decode_graph(config, wdtype: DType = DType.float32, device: Device
     return g
 
 
-def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: DType = DType.float32,
-                                 name: str | None = None) -> Graph:
+def build_pha_decode_steps_graph(kernel_library, wdtype: DType = DType.float32, name: str | None = None) -> Graph:
     """S steps as ONE op (mojo/pha_decode_step.mojo ``pha_decode_steps``), CPU, the
     states written in place: each token the first argmax in ``sampler.MODE_GREEDY``,
     else drawn in the op as ``sampler.sample`` draws it (the random counter of a token
@@ -158,29 +157,36 @@ def build_pha_decode_steps_graph(config, packed: dict, kernel_library, wdtype: D
     logits, no temperature or filters) and the N most likely tokens' [B, S, N] with their
     ids [B, S, N] (descending, ties by lower id). The same tokens and
     states as S calls of ``build_pha_decode_graph`` (tests/models/pha/test_pha_decode_op.py).
-    ``packed`` (``srm_max.models.pha.packing.op_inputs``): the op's packed weights
-    (name, shape, matrix?) and its constant layout, dims and scalars; the embedding
-    is the graphs' own.
+
+    The graph holds nothing of a model: every size is symbolic and the model comes as the
+    last inputs (``srm_max.models.pha.packing.op_arrays``): the embedding [V, E] and the
+    packed matrices [m] in ``wdtype``, the packed vectors [v], the layout [L, slots] and
+    dims [D] int64 and the scalars [K] float32. So one compiled graph per weight dtype
+    serves every PHA the op runs: a config costs no compile of its own.
     """
     device = DeviceRef.CPU()
-    c, lay = config, StateLayout.of(config)
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
-    input_types = _step_inputs(c, lay, device) + [
+    input_types = _step_inputs("layers", "width", device) + [
         TensorType(I64, ["steps"], device),  # steps: only its length is read
         TensorType(I64, [], DeviceRef.CPU()),  # scored
         TensorType(I64, ["top"], device),  # top: only its length is read
+        TensorType(wdtype, ["vocab", "embed"], device),  # embedding
+        TensorType(wdtype, ["mats"], device),  # packed matrices
+        TensorType(F32, ["vecs"], device),  # packed vectors
+        TensorType(I64, ["blocks", "slots"], device),  # layout
+        TensorType(I64, ["dims"], device),  # dims
+        TensorType(F32, ["scalars"], device),  # scalars
     ]
     with Graph(name or f"pha_decode_steps_{dt}_kernels", input_types=input_types,
                custom_extensions=[kernel_library]) as g:
-        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, steps, scored, top = g.inputs
+        ids, pos, states_buf, temperature, top_k, top_p, seed, mode, steps, scored, top, *model = g.inputs
         ids, pos, steps = ids.tensor, pos.tensor, steps.tensor
-        W = PHAWeights(c, wdtype, device)
-        weights = [W.matrix(n, shape) if matrix else W.get(n, shape) for n, shape, matrix in packed["weights"]]
+        embedding, mats, vecs, layout, dims, scalars = (v.tensor for v in model)
         B, S, N = ids.shape[0], steps.shape[0], top.tensor.shape[0]
         tokens, last, next_pos, logprobs, top_values, top_ids = ops.inplace_custom(
             OP_PHA_DECODE_STEPS, device=device,
-            values=[states_buf.buffer, ids, W.embedding(), pos, *weights, const(packed["layout"], I64, device),
-                    const(packed["dims"], I64, device), const(packed["scalars"], F32, device), steps, temperature.tensor, top_k.tensor, top_p.tensor,
+            values=[states_buf.buffer, ids, embedding, pos, mats, vecs, layout, dims, scalars, steps,
+                    temperature.tensor, top_k.tensor, top_p.tensor,
                     seed.tensor, ops.reshape(mode.tensor, [1]), ops.reshape(scored.tensor, [1])],
             out_types=[TensorType(I64, [B, S], device), TensorType(I64, [B], device), TensorType(I64, [B], device),
                        TensorType(F32, [B, S], device), TensorType(F32, [B, S, N], device),

@@ -30,7 +30,7 @@ from tests.support.prompts import reference_prefill
 # for the tests that compare the two
 pytestmark = graphs(CONFIG, ("decode_steps",), kernels=True)
 plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
-# the ablations, each through the op (one small graph each)
+# the ablations, each through the op (its one graph: the graph holds no config)
 ABLATIONS = {"gss_alone": GSS_ALONE, "attention_alone": ATTENTION_ALONE}
 # Head widths that are a multiple of the vector width, where the op's attention reads each
 # cached row once for the query heads of a group together (``_attn_group_blocks``, sums
@@ -266,3 +266,17 @@ def test_the_suite_compiles_every_graph_these_tests_load(request, op, plain):
     if uses_plain:
         assert set(declared_graph_jobs(uses_plain)) == {op.graph_job("decode_steps"), plain.graph_job("prefill"),
                                                          plain.graph_job("decode"), plain.graph_job("sample")}
+
+
+def test_one_compiled_graph_of_the_op_serves_every_config():
+    """The op's graph holds no model, so the configs here (every branch, each ablation,
+    both grouped head widths) share one graph and its one cache file per weight dtype,
+    and it binds no weight: it compiles with the graphs any engine loads (the sampler's),
+    not with one engine's (no graph is compiled here)."""
+    from srm_max.models import registry
+
+    configs = [CONFIG, *ABLATIONS.values(), *GROUPED_HEADS.values()]
+    for dtype in ("float32", "bfloat16"):
+        jobs = [registry.of(c).graph_job("decode_steps", c, dtype, "cpu", True) for c in configs]
+        assert len({job.mef_path() for job in jobs}) == 1
+        assert jobs[0].unit_key() == (jobs[0].device, jobs[0].cpu_target)  # the key of a graph binding no weight

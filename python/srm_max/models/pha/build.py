@@ -34,7 +34,7 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
     if kind == "decode_steps" and kernels and device.is_cpu() and packing.supported(config) is None:
-        return build_pha_decode_steps_graph(config, packing.op_inputs(config), kernel_library(), wdtype)
+        return build_pha_decode_steps_graph(kernel_library(), wdtype)
     raise ValueError(f"unknown PHA graph kind {kind!r} (kernels={kernels}, device {device})")
 
 

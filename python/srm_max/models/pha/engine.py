@@ -97,6 +97,10 @@ class PHAEngine(CompiledGraphs):
         self.kernels = kernels is not False and isinstance(self.device, CPU)
         self.decode_op = self.kernels and refusal is None
         self._open(weights_registry(config, weights, self.dtype, packed=self.decode_op))
+        # the decode op's graph holds no model (one graph serves every config): it takes
+        # the model's arrays as inputs, these buffers over the registry's arrays
+        self._op_arrays = [a if isinstance(a, Buffer) else self.to_device(np.asarray(a))
+                           for a in packing.op_arrays(config, self.weights)] if self.decode_op else []
 
     @property
     def steps_in_one_op(self) -> bool:
@@ -166,7 +170,8 @@ class PHAEngine(CompiledGraphs):
             if self.steps_in_one_op:
                 # one op: every step's writes into the copy, the tokens chosen inside
                 toks, ids, positions, *lp = self.decode_steps_model.execute(
-                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), scored, top)
+                    ids, positions, states, *sampling, self.to_device(np.arange(steps, dtype=np.int64)), scored, top,
+                    *self._op_arrays)
                 self.device.synchronize()
                 return DecodeResult(self.host(toks), states, ids, positions, *self.logprob_results(logprobs, lp))
             tokens, scores = [], []

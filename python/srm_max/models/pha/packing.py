@@ -188,14 +188,13 @@ def matrix_names() -> set[str]:
     return {MATS}
 
 
-def op_inputs(config) -> dict:
-    """What graphs/pha/decode.py's ``build_pha_decode_steps_graph`` hands the op besides
-    the activations: "weights", the (name, shape, matrix?) of its packed arrays in
-    argument order; "layout", "dims", "scalars": its constants."""
-    offsets, dims, m, v = layout(config)
-    return {"weights": [(MATS, [m], True), (VECS, [v], False)], "layout": offsets, "dims": dims,
-            "scalars": scalars(config)}
+def op_arrays(config, registry: dict) -> list:
+    """The model inputs of graphs/pha/decode.py's ``build_pha_decode_steps_graph``, in its
+    order: from ``registry`` (``PHAEngine``'s weights, each in its dtype there) the
+    embedding and the packed matrices and vectors; then the layout, dims and scalars."""
+    offsets, dims, _, _ = layout(config)
+    return [registry["embed.weight"], registry[MATS], registry[VECS], offsets, dims, scalars(config)]
 
 
-__all__ = ["DIMS", "MATS", "SLOTS", "VECS", "decode_step_weights", "layout", "matrix_names", "op_inputs",
+__all__ = ["DIMS", "MATS", "SLOTS", "VECS", "decode_step_weights", "layout", "matrix_names", "op_arrays",
            "rope_frequencies", "scalars", "supported"]
