@@ -205,15 +205,17 @@ def _linear_body(values, dev):
                       out_types=[TensorType(F32, [rows.shape[0], weight.shape[0]], dev)])
 
 
-# (x [R, K], w [N, Kw], b [Nb]) -> x @ w^T + b [R, N]; w's width and b's length their own
-# dimensions, so that a mismatch reaches the op's checks
-LINEAR = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["N", "Kw"], dev),
-                              TensorType(F32, ["Nb"], dev)], _linear_body, 1)
+def _linear_piece(wdtype: DType) -> OpPiece:
+    """(x [R, K], w [N, Kw] in ``wdtype``, b [Nb]) -> x @ w^T + b [R, N]; w's width and b's
+    length their own dimensions, so that a mismatch reaches the op's checks."""
+    return OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(wdtype, ["N", "Kw"], dev),
+                                TensorType(F32, ["Nb"], dev)], _linear_body, 1)
+
+
+LINEAR = _linear_piece(F32)
 # the same op on bfloat16 weights (a piece of its own: the op is compiled per weight dtype)
 LINEAR_BF16 = "srm_linear_bf16_weights"
-LINEAR_BF16_WEIGHTS = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev),
-                                           TensorType(DType.bfloat16, ["N", "Kw"], dev),
-                                           TensorType(F32, ["Nb"], dev)], _linear_body, 1)
+LINEAR_BF16_WEIGHTS = _linear_piece(DType.bfloat16)
 
 
 def sample_rows_graph(dev, vocab: int):

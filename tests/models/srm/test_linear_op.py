@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.graphs.op_names import OP_LINEAR
 from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
+from srm_max.graphs.op_names import OP_LINEAR
 from tests.support.graphs import op_graphs
 from tests.support.op_graph_builders import LINEAR_BF16
 from tests.support.op_graphs import model
@@ -114,4 +114,3 @@ def test_the_srm_layers_use_the_op_on_a_cpu_with_the_mojo_ops():
         assert with_op.count(OP_LINEAR) >= 4 * TINY.n_layers + 1  # and the output layer
         assert "matmul" not in with_op  # no matmul kernel to compile (docs/testing.md)
     assert OP_LINEAR not in str(build_graph("prefill", TINY, DType.float32, DeviceRef.CPU(), kernels=False))
-
