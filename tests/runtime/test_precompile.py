@@ -111,6 +111,32 @@ def test_precompile_compiles_an_engines_graphs_as_one_unit_the_longest_first(tmp
         [("regroup", True, 64), ("sample", True, 64), ("sample", False, 64)], [("sample", True, 72)]]
 
 
+def test_a_models_graphs_with_and_without_the_mojo_ops_share_a_unit_unless_they_bind_op_weights(tmp_path,
+                                                                                               monkeypatch):
+    """Where one model's graphs with and without the Mojo ops compile together (a test
+    suite's), the unit with the ops joins the plain one when every weight it binds is one
+    the plain engine registers too: the PHA's prefill with the ops joins its plain prefill
+    and decode. The SRM's op unit binds the packed copies only an engine running its decode
+    op registers (named under ``OP_WEIGHTS``), so it stays apart."""
+    from srm_max.models import registry
+    from srm_max.runtime.precompile import OP_WEIGHTS, compile_units
+
+    monkeypatch.setenv("SRM_MAX_CACHE", str(tmp_path))
+
+    def jobs(config, kernels, *kinds):
+        return [registry.of(config).graph_job(kind, config, "float32", "cpu", kernels) for kind in kinds]
+
+    def kinds(units):
+        return [[(job.kind, job.kernels) for job in unit] for unit in units]
+
+    assert kinds(compile_units(jobs(PHA, True, "prefill") + jobs(PHA, False, "prefill", "decode"))) == [
+        [("prefill", False), ("decode", False), ("prefill", True)]]
+    srm_op = jobs(TINY, True, "prefill", "decode_steps")
+    assert any(name.startswith(OP_WEIGHTS) for name in srm_op[1].weights())
+    assert kinds(compile_units(srm_op + jobs(TINY, False, "prefill", "decode"))) == [
+        [("prefill", True), ("decode_steps", True)], [("prefill", False), ("decode", False)]]
+
+
 def test_a_job_for_another_cpu_target_is_cached_and_compiled_for_it(tmp_path, monkeypatch):
     """A job naming a CPU target has that target's cache key, and its compile worker runs
     with ``SRM_MAX_CPU_TARGET`` set to it (the worker refuses a job whose target its

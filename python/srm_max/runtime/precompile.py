@@ -14,10 +14,12 @@ job that names a CPU target of its own goes to a child started with that target
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import pickle
+import re
 import select
 import subprocess
 import sys
@@ -37,6 +39,11 @@ from .compile_cache import cache_dir, compile_to_cache, graph_name, mef_path
 from .device import DTYPES, resolve_device
 
 log = logging.getLogger(__name__)
+
+# The names of the weights that only an engine running a Mojo op registers (the copies
+# its op reads, packed at load): an engine with the Mojo ops registers every weight an
+# engine of the same model without them does, and these besides.
+OP_WEIGHTS = "op."
 
 # how often the elapsed time of a running compile is logged
 REPORT_EVERY_S = 15.0
@@ -74,12 +81,16 @@ class GraphJob:
     def mef_path(self) -> Path:
         """Where the compiled graph is cached (the graph is built once per process and
         cache directory for this)."""
-        return _built(self, str(cache_dir()))[0]
+        return _built(self, str(cache_dir())).mef_path
 
     def size(self) -> int:
         """The graph's length in lines of MLIR: what its compile grows with (its ops,
         hence its kernels), to start the longest compiles first."""
-        return _built(self, str(cache_dir()))[1]
+        return _built(self, str(cache_dir())).lines
+
+    def weights(self) -> frozenset[str]:
+        """The names of the weights the graph binds."""
+        return _built(self, str(cache_dir())).weights
 
     def cached(self) -> bool:
         return self.mef_path().exists()
@@ -90,22 +101,34 @@ class GraphJob:
         architecture, CPU target), since a unit is loaded with one engine's weights; for one
         that binds none (the sampler's, the regrouping, which engines of other weight dtypes
         or architectures share), only the device and CPU target: any engine can load it."""
-        if not _built(self, str(cache_dir()))[2]:
+        if not self.weights():
             return self.device, self.cpu_target
-        return self.config, self.dtype, self.device, self.kernels, self.build, self.graph_salt, self.cpu_target
+        return self.engine_key(self.kernels)
+
+    def engine_key(self, kernels: bool) -> tuple:
+        """The engine of this graph's model, with or without the Mojo ops."""
+        return self.config, self.dtype, self.device, kernels, self.build, self.graph_salt, self.cpu_target
 
 
 # Graphs compiled together (``compile_cache.compile_to_cache``, ``compile_units``).
 Unit = tuple[GraphJob, ...]
 
 
+@dataclass(frozen=True)
+class _Built:
+    mef_path: Path
+    lines: int  # the graph's length in lines of MLIR
+    weights: frozenset[str]  # the names of the weights it binds
+
+
 @functools.lru_cache(maxsize=None)
-def _built(job: GraphJob, directory: str) -> tuple[Path, int, bool]:  # directory: part of the memo key only
+def _built(job: GraphJob, directory: str) -> _Built:  # directory: part of the memo key only
     graph = job.graph()
     text = str(graph)
     # a weight is an external constant in MAX's IR (also inside a loop's body, which
     # ``Graph``'s own list of weights leaves out)
-    return mef_path(graph, job.salt, job.cpu_target or None), text.count("\n"), "mo.constant.external" in text
+    return _Built(mef_path(graph, job.salt, job.cpu_target or None), text.count("\n"),
+                  frozenset(re.findall(r'mo\.constant\.external \[name = "([^"]+)"', text)))
 
 
 def compile_units(jobs: list[GraphJob]) -> list[Unit]:
@@ -123,7 +146,30 @@ def compile_units(jobs: list[GraphJob]) -> list[Unit]:
             same_key.append(unit := [])
         unit.append(job)
     ordered = sorted((unit for same_key in units.values() for unit in same_key), key=lambda u: jobs.index(u[0]))
-    return [tuple(unit) for unit in ordered]
+    return [tuple(unit) for unit in _op_units_joined_to_plain_units(ordered)]
+
+
+def _op_units_joined_to_plain_units(units: list[list[GraphJob]]) -> list[list[GraphJob]]:
+    """Each unit of graphs with the Mojo ops that binds no op weights (``OP_WEIGHTS``)
+    joined to the unit of the same model's plain graphs, where both are among the jobs (a
+    test suite compiles both engines' graphs): either engine registers every weight the
+    other's graphs there bind, so either loads the unit, and one compile of the two costs
+    less than two (they share most of their kernels, and a compile's fixed cost is paid
+    once). A unit that binds op weights stays apart: the plain engine lacks them."""
+    plain = {unit[0].unit_key(): unit for unit in units if unit[0].weights() and not unit[0].kernels}
+    kept = []
+    for unit in units:
+        first = unit[0]
+        target = None
+        if first.kernels and first.weights() and not any(
+                name.startswith(OP_WEIGHTS) for job in unit for name in job.weights()):
+            target = plain.get(first.engine_key(False))
+        names = {graph_name(job.mef_path()) for job in unit}
+        if target is not None and not names & {graph_name(job.mef_path()) for job in target}:
+            target.extend(unit)  # the plain unit's list, in ``kept`` already or soon
+        else:
+            kept.append(unit)
+    return kept
 
 
 def _compile(unit: Unit, sessions: dict[str, InferenceSession]) -> float:
@@ -138,11 +184,18 @@ def _compile(unit: Unit, sessions: dict[str, InferenceSession]) -> float:
     return time.perf_counter() - t
 
 
+def unit_kinds(unit: Unit) -> str:
+    """``prefill + decode``; in a unit of plain graphs joined by graphs with the Mojo ops,
+    those marked: ``prefill + decode + prefill with the Mojo ops``."""
+    mixed = len({job.kernels for job in unit}) > 1 and bool(unit[0].weights())  # (Mojo ops are moot in the rest)
+    return " + ".join(job.kind + (" with the Mojo ops" if mixed and job.kernels else "") for job in unit)
+
+
 def describe(unit: Unit) -> str:
     """``prefill + decode (pha, float32, cpu)``: the unit's kinds and what they are for."""
     job = unit[0]
     facts = ", ".join(filter(None, (job.architecture, job.dtype, job.device, job.cpu_target)))
-    return f"{' + '.join(j.kind for j in unit)} ({facts})"
+    return f"{unit_kinds(unit)} ({facts})"
 
 
 class _Worker:
@@ -297,7 +350,8 @@ def _worker_main() -> int:
     os._exit(0)
 
 
-__all__ = ["GraphJob", "Unit", "compile_in_workers", "compile_units", "describe", "precompile"]
+__all__ = ["OP_WEIGHTS", "GraphJob", "Unit", "compile_in_workers", "compile_units", "describe", "precompile",
+           "unit_kinds"]
 
 
 if __name__ == "__main__":

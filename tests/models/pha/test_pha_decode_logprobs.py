@@ -107,3 +107,25 @@ def test_pha_generate_takes_the_decodes_logprobs(engine, reference, monkeypatch)
     for p, c in zip(prompts, outs):
         want = ref_log_softmax(reference, (p + c.ids)[:-1])[len(p) - 1:]
         np.testing.assert_allclose(c.logprobs.logprobs, want[np.arange(len(c.ids)), c.ids], rtol=0, atol=TOL)
+
+
+@plain_graphs
+def test_the_plain_and_the_op_engines_load_their_graphs_without_compiling_again(weights, caplog):
+    """A clean run compiles the op engine's prefill with the plain engine's prefill and
+    decode as one unit (``precompile`` joins graphs with the Mojo ops that bind no op
+    weights to their model's plain unit, tests/runtime/test_precompile.py): each engine
+    initializes that file with its own weights and compiles nothing again."""
+    import logging
+    import os
+
+    engines = {"op": cpu_engine(weights), "plain": cpu_engine(weights, plain=True)}
+    loads = [("op", "prefill"), ("plain", "prefill"), ("plain", "decode")]
+    def written():
+        return [os.stat(engines[name].graph_job(kind).mef_path()).st_mtime_ns for name, kind in loads]
+
+    before = written()
+    with caplog.at_level(logging.INFO, logger="srm_max"):
+        for name, kind in loads:
+            engines[name].model(kind)
+    assert "compil" not in caplog.text
+    assert written() == before

@@ -17,9 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...graphs.pha.model import derived_name
+from ...runtime.precompile import OP_WEIGHTS
 from ..srm.packing import pack_matrix, padded
 
-PREFIX = "pha_step."
+PREFIX = OP_WEIGHTS + "pha_step."
 MATS = PREFIX + "mats"
 VECS = PREFIX + "vecs"
 MAX_FFN = 4

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...runtime.precompile import OP_WEIGHTS
 from . import schema
 
 PANEL = 64
 PAD = 16
-PREFIX = "decode_step."
+PREFIX = OP_WEIGHTS + "decode_step."
 # the packed (big) matrices: stored in the engine's weight dtype
 MATRICES = ("fc1", "fc2", "proj", "out", "head")
 
