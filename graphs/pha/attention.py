@@ -6,7 +6,7 @@ Query head h reads KV head h // G (G = Hq / Hkv). q and k are L2-normalised and 
 
 from __future__ import annotations
 
-from max.graph import TensorType, TensorValue, ops
+from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_PREFILL_ATTENTION
 from ..ops import F32, linear
@@ -14,7 +14,7 @@ from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 
 def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
-                 K: _Consts, tiled: bool = False):
+                 K: _Consts, tiled: bool = False, dense_op: DeviceRef | None = None):
     """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, T, Hkv*dh]),
     the keys and values at the T positions (``model.PrefillStates`` places them in the
     state's caches).
@@ -22,14 +22,14 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     ``tiled``: the attention is the Mojo op (mojo/pha_prefill_attention.mojo, CPU code:
     tiles with an online softmax, O(T) memory, rows past each prompt's length zero); else
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
-    path and the op's reference.
+    path and the op's reference. ``dense_op``: the projections through the linear op.
     """
-    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K)
+    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
     if tiled:
         att = tiled_attention(q, k, v, lengths, c, K.device)
     else:
         att = full_attention(q, k, v, pos, pos_cols, c, K)
-    return linear(att, a["o"]), (k, v)
+    return linear(att, a["o"], op_device=dense_op), (k, v)
 
 
 def full_attention(q: TensorValue, k: TensorValue, v: TensorValue, pos: TensorValue, pos_cols: TensorValue, c,

@@ -25,7 +25,7 @@ state in float64 from the table's A**C.
 from __future__ import annotations
 
 import numpy as np
-from max.graph import TensorType, TensorValue, ops
+from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_GSS_SCAN
 from ..ops import F32, I64, const, floor_div_nonnegative, linear
@@ -84,16 +84,17 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
             "p_out": [C, 2 * N], "p_chunk": [n_chunks(c) + 1, 2 * N], "p_step": [C + 2, 2 * N]}
 
 
-def _projections(x: TensorValue, g: dict, c):
-    """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v)))."""
-    u = ops.gelu(linear(x, g["to_u"]))
-    xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"])), g["norm_w"], g["norm_b"],
+def _projections(x: TensorValue, g: dict, c, dense_op: DeviceRef | None = None):
+    """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v))); ``dense_op``: the
+    products through the linear op (``graphs.ops.linear``)."""
+    u = ops.gelu(linear(x, g["to_u"], op_device=dense_op))
+    xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"], dense_op)), g["norm_w"], g["norm_b"],
                         epsilon=c.norm_eps)
     return u, xn
 
 
-def _out(y: TensorValue, u: TensorValue, g: dict) -> TensorValue:
-    return linear(linear(y, g["to_gate"]) * u, g["to_out"], g["to_out_b"])
+def _out(y: TensorValue, u: TensorValue, g: dict, dense_op: DeviceRef | None = None) -> TensorValue:
+    return linear(linear(y, g["to_gate"], op_device=dense_op) * u, g["to_out"], g["to_out_b"], dense_op)
 
 
 def _cmul(ar, ai, br, bi):
@@ -102,18 +103,19 @@ def _cmul(ar, ai, br, bi):
 
 
 def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, lengths: TensorValue,
-                g: dict, c, device, scan_op: bool = False):
+                g: dict, c, device, scan_op: bool = False, dense_op: DeviceRef | None = None):
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
     ``scan_op``: the state is carried across the chunks and through the last chunk's tokens
     by the Mojo op (``carried_by_op``, CPU code, O(M H N)); else by [M, M] decay matmuls per
     mode (``carried_by_matmuls``, O(M**2 H N)) and the last chunk's powers of A
-    (``_state_after_last``), the GPU path and the op's reference.
+    (``_state_after_last``), the GPU path and the op's reference. ``dense_op``: the layers'
+    products through the linear op.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]
-    u, xs = _projections(x, g, c)  # xs [B, M, C, H]
+    u, xs = _projections(x, g, c, dense_op)  # xs [B, M, C, H]
 
     # inside each chunk: [H, C, C] @ [H, C, B*M]
     xh = ops.reshape(ops.permute(xs, [3, 2, 0, 1]), [H, C, -1])
@@ -125,12 +127,12 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
 
     if scan_op:
         y_carry, state = carried_by_op(ends, xs, lengths, g, c, device)
-        return _out(y_in + y_carry + xs * g["D"], u, g), state
+        return _out(y_in + y_carry + xs * g["D"], u, g, dense_op), state
     last = lengths - 1
     m = floor_div_nonnegative(last, C)  # each sample's last chunk
     j = last - m * C
     y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
-    out = _out(y_in + y_carry + xs * g["D"], u, g)
+    out = _out(y_in + y_carry + xs * g["D"], u, g, dense_op)
     return out, _state_after_last(entering, xs, m, j, g, c, device)
 
 

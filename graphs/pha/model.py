@@ -252,21 +252,23 @@ def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorV
     return x * ops.cos(angle) + K.rotate_half(x, heads) * ops.sin(angle)
 
 
-def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts):
+def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: DeviceRef | None = None):
     """Normalised, rotated q (times the logit scale) and k, and v; flat channels.
 
-    pos_f [..., 1] float32 broadcasts against the rows of x [..., E].
+    pos_f [..., 1] float32 broadcasts against the rows of x [..., E]; ``dense_op``: the
+    products through the linear op (``graphs.ops.linear``).
     """
     def rotated(w, heads):
-        h = _l2_normalize(linear(x, w), heads, K)
+        h = _l2_normalize(linear(x, w, op_device=dense_op), heads, K)
         return _rope(h, pos_f * K.rope_freq(heads), heads, K)
 
     # logits = scale_h * q.k: the scale rides on q's channels.
-    return rotated(a["q"], c.n_q_heads) * a["scale"], rotated(a["k"], c.n_kv_heads), linear(x, a["v"])
+    return (rotated(a["q"], c.n_q_heads) * a["scale"], rotated(a["k"], c.n_kv_heads),
+            linear(x, a["v"], op_device=dense_op))
 
 
-def _ffn(x: TensorValue, f: dict) -> TensorValue:
-    return linear(ops.gelu(linear(x, f["fc"], f["fc_b"])), f["proj"], f["proj_b"])
+def _ffn(x: TensorValue, f: dict, dense_op: DeviceRef | None = None) -> TensorValue:
+    return linear(ops.gelu(linear(x, f["fc"], f["fc_b"], dense_op)), f["proj"], f["proj_b"], dense_op)
 
 
 def _masked_softmax(logits: TensorValue, keep: TensorValue, bound: float) -> TensorValue:

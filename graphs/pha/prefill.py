@@ -32,13 +32,24 @@ def prefix_input_types(device: DeviceRef) -> list[TensorType]:
     ]
 
 
+def dense_op_device(wdtype: DType, tiled: bool, device: DeviceRef) -> DeviceRef | None:
+    """Where a prefill's dense layers run through the linear op (``graphs.ops.linear``;
+    None: MAX's matmul): with bfloat16 weights in a graph with the Mojo ops, where MAX's
+    bfloat16 matmul on a CPU is far slower than the op's float32 product over the widened
+    weights. With float32 weights the matmul stays: the op packs each weight on every
+    call, which costs the PHA's prefill more than its product saves (docs/pha_engine.md)."""
+    return device if tiled and wdtype == DType.bfloat16 else None
+
+
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
                device: DeviceRef, tiled: bool = False) -> tuple[TensorValue, list[TensorValue]]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
     each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
     and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
-    ``gss.gss_prefill``; the graph needs the kernel library)."""
+    ``gss.gss_prefill``; the graph needs the kernel library), and the dense layers where
+    ``dense_op_device`` says."""
     c, C = W.config, CHUNK
+    dense_op = dense_op_device(W.wdtype, tiled, device)
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
     chunk_rows, chunk_cols = floor_div_nonnegative(pos[:, 0], C), floor_div_nonnegative(pos_cols[:, 0], C)
@@ -52,13 +63,14 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
 
         def run(name, h, l=l, found=found):
             if name == "gss":
-                out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device, tiled)
+                out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device, tiled,
+                                                dense_op)
             elif name == "attn":
                 out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols, lengths,
-                                                  W.attn(l), c, K, tiled)
+                                                  W.attn(l), c, K, tiled, dense_op)
                 out = ops.reshape(out, [B, M, C, E])
             else:
-                out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))))
+                out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))), dense_op)
             return out
 
         x = _block(x, l, W, run)
@@ -71,8 +83,9 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
     With ``kernel_library`` on a CPU the attention is the tiled Mojo op
     (mojo/pha_prefill_attention.mojo), the GSS state crosses the chunks by the scan op
-    (mojo/pha_gss_scan.mojo) and the Mojo ops compute and reduce the scored positions'
-    logits; else plain ops with a [T, T] score matrix and an [M, M]
+    (mojo/pha_gss_scan.mojo), the Mojo ops compute and reduce the scored positions'
+    logits, and with bfloat16 weights the dense layers are the linear op
+    (``dense_op_device``); else plain ops with a [T, T] score matrix and an [M, M]
     decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
@@ -96,7 +109,8 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         last = lengths - 1
         m = floor_div_nonnegative(last, C)
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
-        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output())
+        head_op = dense_op_device(wdtype, tiled, device)
+        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=head_op)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
         g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

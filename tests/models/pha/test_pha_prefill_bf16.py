@@ -1,6 +1,7 @@
 """The PHA's bfloat16 prefill on a CPU with the Mojo ops (the ``PHAEngine`` default for
-bfloat16 weights: the tiled attention op, mojo/pha_prefill_attention.mojo, and the GSS scan
-op, mojo/pha_gss_scan.mojo, around MAX's bfloat16 products) against the float32 PyTorch
+bfloat16 weights: the tiled attention op, mojo/pha_prefill_attention.mojo, the GSS scan
+op, mojo/pha_gss_scan.mojo, and the dense layers through the linear op, mojo/linear.mojo,
+which rounds each product as MAX's bfloat16 matmul does) against the float32 PyTorch
 reference, and against the bfloat16 decode op (mojo/pha_decode_step.mojo) one token on.
 
 tests/support/pha.py CONFIG and its weights; context 160: the prompts end inside, on and
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.graphs.op_names import OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION
+from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION
 from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
@@ -51,10 +52,14 @@ def engine(weights):
     return cpu_engine(weights, "bfloat16")
 
 
-def test_the_bfloat16_prefill_graph_takes_both_ops(engine):
-    """Built, not compiled: with bfloat16 weights the CPU prefill still runs the ops."""
+def test_the_bfloat16_prefill_graph_takes_the_ops_and_its_dense_layers_the_linear_op(engine):
+    """Built, not compiled: with bfloat16 weights the CPU prefill runs the ops, and every
+    dense layer (the GSS's four, the attention's four, each FFN's two, the output layer)
+    through the linear op rather than MAX's bfloat16 matmul."""
     graph = str(engine.graph_job("prefill").graph())
     assert OP_PHA_PREFILL_ATTENTION in graph and OP_PHA_GSS_SCAN in graph
+    per_block = 4 * ("gss" in CONFIG.branches) + 4 * ("attn" in CONFIG.branches) + 2 * len(CONFIG.ffn_dims)
+    assert graph.count(OP_LINEAR) >= CONFIG.n_layers * per_block + 1
 
 
 def test_prefill_matches_the_reference_with_rounded_matrices(engine):
