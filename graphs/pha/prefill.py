@@ -42,14 +42,14 @@ def dense_op_device(wdtype: DType, tiled: bool, device: DeviceRef) -> DeviceRef 
 
 
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
-               device: DeviceRef, tiled: bool = False) -> tuple[TensorValue, list[TensorValue]]:
+               device: DeviceRef, tiled: bool = False,
+               dense_op: DeviceRef | None = None) -> tuple[TensorValue, list[TensorValue]]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
     each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
     and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
-    ``gss.gss_prefill``; the graph needs the kernel library), and the dense layers where
-    ``dense_op_device`` says."""
+    ``gss.gss_prefill``; the graph needs the kernel library); ``dense_op``: the dense
+    layers through the linear op (``dense_op_device``)."""
     c, C = W.config, CHUNK
-    dense_op = dense_op_device(W.wdtype, tiled, device)
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
     chunk_rows, chunk_cols = floor_div_nonnegative(pos[:, 0], C), floor_div_nonnegative(pos_cols[:, 0], C)
@@ -105,12 +105,12 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
                custom_extensions=[kernel_library] if tiled else []) as g:
         ids, pos, pos_cols, lengths, score_at, targets = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
-        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled)
+        dense_op = dense_op_device(wdtype, tiled, device)
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled, dense_op)
         last = lengths - 1
         m = floor_div_nonnegative(last, C)
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
-        head_op = dense_op_device(wdtype, tiled, device)
-        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=head_op)
+        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=dense_op)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
         g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

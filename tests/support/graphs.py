@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from srm_max.runtime.compiled import graph_kinds
-from srm_max.runtime.precompile import unit_kinds
+from srm_max.runtime.precompile import joins_plain_and_op_graphs, unit_kinds
 
 # the graphs a CPU engine with the Mojo ops loads (``Engine.graph_kinds``: its decodes take
 # decode_steps)
@@ -64,8 +64,7 @@ def compile_report(seconds: dict, items) -> list[str]:
              "(side by side, so more than the wall-clock time):"]
     for unit, s in sorted(seconds.items(), key=lambda us: -us[1]):
         job = unit[0]
-        ops = "plain and Mojo ops" if " with the Mojo ops" in unit_kinds(unit) else (
-            "Mojo ops" if job.kernels else "plain ops")
+        ops = "plain and Mojo ops" if joins_plain_and_op_graphs(unit) else ("Mojo ops" if job.kernels else "plain ops")
         target = f", for {job.cpu_target}" if job.cpu_target else ""
         where = first_file.get(dataclasses.replace(job, cpu_target="").mef_path(), "?")
         kinds = unit_kinds(unit)

@@ -184,10 +184,16 @@ def _compile(unit: Unit, sessions: dict[str, InferenceSession]) -> float:
     return time.perf_counter() - t
 
 
+def joins_plain_and_op_graphs(unit: Unit) -> bool:
+    """Whether the unit is a model's plain graphs joined by its graphs with the Mojo ops
+    (``compile_units``; in a unit binding no weights the Mojo ops are moot)."""
+    return len({job.kernels for job in unit}) > 1 and bool(unit[0].weights())
+
+
 def unit_kinds(unit: Unit) -> str:
     """``prefill + decode``; in a unit of plain graphs joined by graphs with the Mojo ops,
     those marked: ``prefill + decode + prefill with the Mojo ops``."""
-    mixed = len({job.kernels for job in unit}) > 1 and bool(unit[0].weights())  # (Mojo ops are moot in the rest)
+    mixed = joins_plain_and_op_graphs(unit)
     return " + ".join(job.kind + (" with the Mojo ops" if mixed and job.kernels else "") for job in unit)
 
 
@@ -351,7 +357,7 @@ def _worker_main() -> int:
 
 
 __all__ = ["OP_WEIGHTS", "GraphJob", "Unit", "compile_in_workers", "compile_units", "describe", "precompile",
-           "unit_kinds"]
+           "joins_plain_and_op_graphs", "unit_kinds"]
 
 
 if __name__ == "__main__":
