@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -34,67 +33,64 @@ def visible(directory):
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
-# Runs `convert --force` with the replace step held: the child says when it reaches the
-# swap, then waits on stdin, so the test kills it exactly there (no timing guesswork).
-HELD_AT_SWAP = """
+# Runs `convert --force` held at one stage (argv[1]): the child says when it gets there,
+# then waits on stdin, so the test kills it exactly there, at every stage in turn (no
+# timing guesswork): before the new files are written, once the weights are written and
+# before the parity check, right before and right after the swap into place.
+HELD_AT_STAGE = """
 import sys
+import srm_max.checkpoints.convert as convert
 import srm_max.files as files
-swap = files._swap_into_place
-def held(tmp, destination):
-    if sys.argv[1] == "before":
-        print("at-swap", flush=True)
+
+def hold(stage):
+    if sys.argv[1] == stage:
+        print("held", flush=True)
         sys.stdin.readline()
-    swap(tmp, destination)
-    if sys.argv[1] == "after":
-        print("at-swap", flush=True)
-        sys.stdin.readline()
-files._swap_into_place = held
+
+def held(module, name, before, after=None):
+    real = getattr(module, name)
+    def wrapped(*args, **kwargs):
+        hold(before)
+        result = real(*args, **kwargs)
+        hold(after)
+        return result
+    setattr(module, name, wrapped)
+
+held(convert, "write_checkpoint_files", "writing")
+held(convert, "compute_parity", "certifying")
+held(files, "_swap_into_place", "swapping", "swapped")
 from srm_max.cli import main
 main(["convert", sys.argv[2], sys.argv[3], "--force", "--parity-tokens", "16"])
 """
+STAGES = ["writing", "certifying", "swapping", "swapped"]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_a_kill_at_the_replace_leaves_the_complete_old_or_new_model(source, tmp_path, when):
-    """The destination holds the complete old or new model at every instant: killed
-    right before or right after the swap, never missing, never hidden away."""
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_kill_at_any_stage_leaves_the_complete_old_or_new_model(source, tmp_path, stage):
+    """The destination holds the complete old or new model at every instant: killed at
+    any stage of a convert that replaces it, never missing, never half written, never
+    hidden away; the old one until the swap, the new one from it on."""
     from srm_max.files import exchange_paths
 
     probe = tmp_path / "probe"
     (probe / "a").mkdir(parents=True)
     (probe / "b").mkdir()
-    if not exchange_paths(probe / "a", probe / "b"):
+    if stage.startswith("swap") and not exchange_paths(probe / "a", probe / "b"):
         pytest.skip("this file system has no atomic directory exchange (documented fallback)")
     out = tmp_path / "models" / "out"
     convert(source, out, dtype="bfloat16", parity_tokens=16)  # the old output
-    process = subprocess.Popen([sys.executable, "-c", HELD_AT_SWAP, when, str(source), str(out)],
+    old_size = (out / "model.safetensors").stat().st_size
+    process = subprocess.Popen([sys.executable, "-c", HELD_AT_STAGE, stage, str(source), str(out)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert process.stdout.readline().strip() == "at-swap"
+    assert process.stdout.readline().strip() == "held"
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert visible(out.parent) == ["out"]
-    now = load_checkpoint(out)
-    assert now.dtype == ("bfloat16" if when == "before" else "float32")
-    assert (out / "parity.json").exists()
-
-
-@pytest.mark.parametrize("delay", [0.5, 1.5, 3.0, 5.0])
-def test_killed_convert_leaves_old_output_or_nothing(source, tmp_path, delay):
-    out = tmp_path / "out"
-    convert(source, out, dtype="bfloat16", parity_tokens=16)  # the old output
-    old = load_checkpoint(out)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "srm_max.cli", "convert", str(source), str(out), "--force", "--parity-tokens", "64"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(delay)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert visible(tmp_path) == ["out"]  # never missing, whenever the kill came
     now = load_checkpoint(out)  # complete: old (bfloat16) or new (float32), never a mix
-    assert now.dtype in ("bfloat16", "float32")
+    assert now.dtype == ("float32" if stage == "swapped" else "bfloat16")
     assert (out / "parity.json").exists()
-    if now.dtype == old.dtype:
-        assert (out / "model.safetensors").stat().st_size == os.path.getsize(old.path / "model.safetensors")
+    if now.dtype == "bfloat16":
+        assert (out / "model.safetensors").stat().st_size == old_size
 
 
 def test_full_disk_is_a_clear_error_and_keeps_the_old_output(source, tmp_path, monkeypatch):
