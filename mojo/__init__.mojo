@@ -12,6 +12,7 @@
     srm_score_head             (score_head.mojo)   the output layer and srm_score_rows' reduction in one op, CPU
     pha_gss_scan               (pha_gss_scan.mojo) the PHA prefill's GSS state carried across chunks, linear in T, CPU
     srm_linear                 (linear.mojo)       a dense layer x @ w^T + b, register-tiled, CPU
+    pha_qk_rope                (pha_qk_rope.mojo)  the PHA prefill's queries and keys normalised and rotated, CPU
 
 row_sampler.mojo registers no op: it is the per-row token choice srm_decode_steps uses;
 tiled_product.mojo registers none either: it is the register-tiled product srm_score_head

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
-from ..op_names import OP_PHA_PREFILL_ATTENTION
+from ..op_names import OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE
 from ..ops import F32, linear
 from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
@@ -19,15 +19,19 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     the keys and values at the T positions (``model.PrefillStates`` places them in the
     state's caches).
 
-    ``tiled``: the attention is the Mojo op (mojo/pha_prefill_attention.mojo, CPU code:
-    tiles with an online softmax, O(T) memory, rows past each prompt's length zero); else
+    ``tiled``: q and k are made ready by one Mojo op (``qk_rope_op``) and the attention is
+    another (mojo/pha_prefill_attention.mojo, CPU code: tiles with an online softmax, O(T)
+    memory, rows past each prompt's length zero); else
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
     path and the op's reference. ``dense_op``: the projections through the linear op.
     """
-    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
     if tiled:
+        q, k = qk_rope_op(linear(x, a["q"], op_device=dense_op), linear(x, a["k"], op_device=dense_op), pos,
+                          a["scale"], K)
+        v = linear(x, a["v"], op_device=dense_op)
         att = tiled_attention(q, k, v, lengths, c, K.device)
     else:
+        q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
         att = full_attention(q, k, v, pos, pos_cols, c, K)
     return linear(att, a["o"], op_device=dense_op), (k, v)
 
@@ -45,6 +49,16 @@ def full_attention(q: TensorValue, k: TensorValue, v: TensorValue, pos: TensorVa
         logits = ops.matmul(q[:, :, h * dh : (h + 1) * dh], ops.transpose(k[:, :, kv], 1, 2))  # [B, T, T]
         heads.append(ops.matmul(_masked_softmax(logits, causal, K.logit_bound), v[:, :, kv]))
     return ops.concat(heads, axis=2)
+
+
+def qk_rope_op(q: TensorValue, k: TensorValue, pos: TensorValue, scale: TensorValue, K: _Consts):
+    """The projections q [B, T, Hq*dh] and k [B, T, Hkv*dh] at positions pos [T] made ready
+    for attention by the Mojo op (mojo/pha_qk_rope.mojo): each head normalised and rotated,
+    q times ``scale``, what ``_qkv`` does with plain ops, in one pass -> (q, k)."""
+    device = K.device
+    q_out, k_out = ops.custom(OP_PHA_QK_ROPE, device=device, values=[q, k, pos, K.inv_freq_const(), scale],
+                              out_types=[TensorType(F32, q.shape, device), TensorType(F32, k.shape, device)])
+    return q_out.tensor, k_out.tensor
 
 
 def tiled_attention(q: TensorValue, k: TensorValue, v: TensorValue, lengths: TensorValue, c, device) -> TensorValue:

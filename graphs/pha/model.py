@@ -210,6 +210,10 @@ class _Consts:
         lead = list(x.shape[:-1])
         return ops.reshape(ops.sum(ops.reshape(x, lead + [groups, width]), axis=-1), lead + [groups])
 
+    def inv_freq_const(self) -> TensorValue:
+        """[dh/2]: the RoPE inverse frequencies (the Mojo op's table, ``attention.qk_rope_op``)."""
+        return self._once("inv_freq", lambda: gops.const(self.inv_freq, F32, self.device))
+
     def rope_freq(self, heads: int) -> TensorValue:
         """[1, heads*dh]: the rotation frequency of every channel (pairs (i, i + dh/2))."""
         f = np.tile(np.concatenate([self.inv_freq, self.inv_freq]), heads).reshape(1, -1)
@@ -253,7 +257,8 @@ def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorV
 
 
 def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: DeviceRef | None = None):
-    """Normalised, rotated q (times the logit scale) and k, and v; flat channels.
+    """Normalised, rotated q (times the logit scale) and k, and v; flat channels; with
+    plain ops (the prefill with the Mojo ops: ``attention.qk_rope_op``).
 
     pos_f [..., 1] float32 broadcasts against the rows of x [..., E]; ``dense_op``: the
     products through the linear op (``graphs.ops.linear``).

@@ -18,7 +18,7 @@ from max.graph import Dim, Graph, SymbolicDim, TensorType, ops
 from srm_max.graphs import sampler
 from srm_max.graphs.pha.model import PrefillStates, StateLayout
 from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
-                                     OP_PHA_PREFILL_ATTENTION, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
+                                     OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.models.pha.config import PHAConfig
 from srm_max.models.srm.packing import INPUTS, MATRICES
@@ -244,6 +244,18 @@ PHA_ATTENTION = OpPiece(lambda dev: [TensorType(F32, ["B", "T", "Hq", "dh"], dev
                                      TensorType(F32, ["B", "T", "Hkv", "dh"], dev),
                                      TensorType(F32, ["B", "T", "Hkv", "dh"], dev), TensorType(I64, ["B"], dev)],
                         _attention_body, 1, {"Hq": 1, "Hkv": 1})
+
+
+def _qk_rope_body(values, dev):
+    q, k, pos, freq, scale = values
+    return ops.custom(OP_PHA_QK_ROPE, device=dev, values=[q, k, pos, freq, scale],
+                      out_types=[TensorType(F32, q.shape, dev), TensorType(F32, k.shape, dev)])
+
+
+# (q [B, T, QW], k [B, T, KW], pos [T], freq [F], scale [QW]) -> (q', k'): heads of 2F channels
+PHA_QK_ROPE = OpPiece(lambda dev: [TensorType(F32, ["B", "T", "QW"], dev), TensorType(F32, ["B", "T", "KW"], dev),
+                                   TensorType(I64, ["T"], dev), TensorType(F32, ["F"], dev),
+                                   TensorType(F32, ["QW"], dev)], _qk_rope_body, 2, {"F": 1})
 
 
 def _gss_scan_body(values, dev):

@@ -22,7 +22,7 @@ from max.engine import InferenceSession
 from max.graph import DeviceRef, StaticDim
 
 from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
-                                     OP_PHA_PREFILL_ATTENTION, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
+                                     OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.runtime.compile_cache import load_compiled
 from srm_max.runtime.device import DTYPES
@@ -46,6 +46,7 @@ PIECES = {
     build.LINEAR_BF16: build.LINEAR_BF16_WEIGHTS,
     OP_PHA_PREFILL_ATTENTION: build.PHA_ATTENTION,
     OP_PHA_GSS_SCAN: build.PHA_GSS_SCAN,
+    OP_PHA_QK_ROPE: build.PHA_QK_ROPE,
 }
 # graphs of their own: the row sampler beside graphs/sampler.py's sampler (a static row
 # width), and the PHA prefill's state placement (plain ops)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_PREFILL_ATTENTION
+from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE
 from tests.support.checks import assert_close_rel, assert_prefill_matches_reference
 from tests.support.graphs import graphs, op_graphs
 from tests.support.op_graphs import model as op_graph_model
@@ -106,14 +106,16 @@ def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths,
 
 
 def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
-    """Built, not compiled: the default CPU engine's prefill graph (which also scores) calls the op,
-    ``kernels=False`` (the GPU path's graph) has the [T, T] softmax instead. With float32
+    """Built, not compiled: the default CPU engine's prefill graph (which also scores) calls the op
+    (and the op that prepares q and k), ``kernels=False`` (the GPU path's graph) has the [T, T]
+    softmax instead. With float32
     weights the dense layers keep MAX's matmul (``graphs.pha.prefill.dense_op_device``)."""
     from srm_max.models.pha.engine import PHAEngine
 
     cpu_graph = str(PHAEngine(CONFIG, weights).graph_job("prefill").graph())
-    assert OP_PHA_PREFILL_ATTENTION in cpu_graph and OP_LINEAR not in cpu_graph
-    assert OP_PHA_PREFILL_ATTENTION not in str(PHAEngine(CONFIG, weights, kernels=False).graph_job("prefill").graph())
+    assert OP_PHA_PREFILL_ATTENTION in cpu_graph and OP_PHA_QK_ROPE in cpu_graph and OP_LINEAR not in cpu_graph
+    plain_graph = str(PHAEngine(CONFIG, weights, kernels=False).graph_job("prefill").graph())
+    assert OP_PHA_PREFILL_ATTENTION not in plain_graph and OP_PHA_QK_ROPE not in plain_graph
 
 
 @pytest.fixture(scope="module")

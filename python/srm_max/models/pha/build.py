@@ -22,7 +22,7 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     always uses one Mojo op (its in-place state write). With the Mojo ops (``kernels``) on a
     CPU there is "decode_steps" too: every step of a decode call in one op
     (mojo/pha_decode_step.mojo), and the prefill graph's attention and GSS scan are Mojo ops
-    (mojo/pha_prefill_attention.mojo, mojo/pha_gss_scan.mojo), as is the reduction of its
+    (mojo/pha_prefill_attention.mojo with mojo/pha_qk_rope.mojo, mojo/pha_gss_scan.mojo), as is the reduction of its
     scored logits (mojo/score_head.mojo, mojo/score_rows.mojo); ``kernels`` changes no other graph."""
     cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "sample":

@@ -76,7 +76,8 @@ class PHAEngine(CompiledGraphs):
     def __init__(self, config: PHAConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):
         """``kernels``: run the prefill's and score's attention and GSS scan as the tiled Mojo
-        ops (mojo/pha_prefill_attention.mojo, mojo/pha_gss_scan.mojo) instead of plain ops,
+        ops (mojo/pha_prefill_attention.mojo, its queries and keys prepared by
+        mojo/pha_qk_rope.mojo; mojo/pha_gss_scan.mojo) instead of plain ops,
         and decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo, on
         copies of the matrices packed at load: they take as much memory again) instead of
         one decode-graph call per step. Default (None): on a CPU, as bench/pha_long_context.py
