@@ -32,6 +32,33 @@ def test_the_batched_bench_table_is_parsed_row_by_row():
     assert pha_llama_cpp.parse_batched_bench("no table here\n| a | b |\n") == []
 
 
+def fake_batched_bench(folder, tables: list[str]):
+    """An executable printing ``tables[i]`` on its i-th run (the last one thereafter)."""
+    for i, table in enumerate(tables):
+        (folder / f"out{i}").write_text(table)
+    script = folder / "llama-batched-bench"
+    script.write_text(f"""#!/bin/sh
+n=$(cat {folder}/count 2>/dev/null || echo 0)
+echo $((n + 1)) > {folder}/count
+cat {folder}/out$(( n < {len(tables) - 1} ? n : {len(tables) - 1} ))
+""")
+    script.chmod(0o755)
+    return script
+
+
+def test_a_run_that_prints_no_table_is_run_again_and_a_third_fails(tmp_path, capsys):
+    header_only = BATCHED_BENCH.split("|    32")[0]
+    binary = fake_batched_bench(tmp_path, [header_only, BATCHED_BENCH])
+    rows = pha_llama_cpp.run(tmp_path / "model.gguf", 36, 4, [1, 2], binary=binary)
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert "attempt 1 of 3 gave no table" in capsys.readouterr().out
+    (tmp_path / "count").unlink()
+    binary = fake_batched_bench(tmp_path, [header_only])
+    with pytest.raises(RuntimeError, match="llama-batched-bench .* failed"):
+        pha_llama_cpp.run(tmp_path / "model.gguf", 36, 4, [1, 2], binary=binary)
+    assert (tmp_path / "count").read_text().strip() == str(pha_llama_cpp.ATTEMPTS)
+
+
 def test_the_llama_has_the_attention_branchs_shape():
     config = pha_llama_cpp.llama_config(bench.configs("pha", 512, quick=False))
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
