@@ -9,7 +9,7 @@ Query head h reads KV head h // (Hq / Hkv). For t < lengths[b]:
 
     attended[b, t, h] = sum_{j <= t} softmax_j(q[b, t, h] . k[b, j, g]) v[b, j, g]
 
-q already carries the logit scale (graphs/pha/model.py ``_qkv``), so the logits are
+q already carries the logit scale (mojo/pha_qk_rope.mojo prepares it), so the logits are
 plain dot products. Rows t >= lengths[b] (a right-padded prompt's padding) are zeros:
 causal attention never lets them reach a row before them. The tensors must be
 contiguous and row-major (the graph's reshapes of its products are).

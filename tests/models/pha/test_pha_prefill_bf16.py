@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION
+from srm_max.graphs.op_names import OP_LINEAR, OP_PHA_GSS_SCAN, OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE
 from srm_max.runtime.call_types import SamplingArrays
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs
@@ -57,7 +57,7 @@ def test_the_bfloat16_prefill_graph_takes_the_ops_and_its_dense_layers_the_linea
     dense layer (the GSS's four, the attention's four, each FFN's two, the output layer)
     through the linear op rather than MAX's bfloat16 matmul."""
     graph = str(engine.graph_job("prefill").graph())
-    assert OP_PHA_PREFILL_ATTENTION in graph and OP_PHA_GSS_SCAN in graph
+    assert OP_PHA_PREFILL_ATTENTION in graph and OP_PHA_QK_ROPE in graph and OP_PHA_GSS_SCAN in graph
     per_block = 4 * ("gss" in CONFIG.branches) + 4 * ("attn" in CONFIG.branches) + 2 * len(CONFIG.ffn_dims)
     assert graph.count(OP_LINEAR) >= CONFIG.n_layers * per_block + 1
 
