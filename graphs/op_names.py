@@ -13,7 +13,7 @@ OP_PHA_DECODE_STEPS = "pha_decode_steps"  # S PHA decode steps in one op
 OP_SCORE_ROWS = "srm_score_rows"  # a score graph's log-probabilities and top-K per row of logits
 OP_PHA_PREFILL_ATTENTION = "pha_prefill_attention"  # the PHA prefill's causal GQA attention, tiled
 OP_SCORE_HEAD = "srm_score_head"  # the output layer and srm_score_rows' reduction in one op (no [R, V] logits)
-OP_PHA_GSS_SCAN = "pha_gss_scan"  # the PHA prefill's GSS state carried across chunks, linear in T
+OP_PHA_GSS_SCAN = "pha_gss_scan"  # the PHA prefill's GSS scan: outputs and states, linear in T
 OP_LINEAR = "srm_linear"  # a dense layer x @ w^T + b through the register-tiled product, CPU
 OP_PHA_QK_ROPE = "pha_qk_rope"  # the PHA prefill's queries and keys normalised and rotated, CPU
 

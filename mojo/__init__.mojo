@@ -10,7 +10,7 @@
     srm_score_rows             (score_rows.mojo)   a score graph's log-probabilities and top-n per row, CPU
     pha_prefill_attention      (pha_prefill_attention.mojo) the PHA prefill's causal GQA attention, tiled, CPU
     srm_score_head             (score_head.mojo)   the output layer and srm_score_rows' reduction in one op, CPU
-    pha_gss_scan               (pha_gss_scan.mojo) the PHA prefill's GSS state carried across chunks, linear in T, CPU
+    pha_gss_scan               (pha_gss_scan.mojo) the PHA prefill's GSS scan: outputs and states, linear in T, CPU
     srm_linear                 (linear.mojo)       a dense layer x @ w^T + b, register-tiled, CPU
     pha_qk_rope                (pha_qk_rope.mojo)  the PHA prefill's queries and keys normalised and rotated, CPU
 

@@ -16,7 +16,8 @@ entering chunk m and j the offset in it:
 
 O(T C H + T H N) work and O(T H + M H N) memory per sample, plus O(M**2 H N) work on
 the plain path (the GPU path and the op's reference) or O(M H N) through the op
-(mojo/pha_gss_scan.mojo, CPU code), against the O(H N T**2) time and O(N T**2) memory
+(mojo/pha_gss_scan.mojo, CPU code, which also does the in-chunk sums and the products
+by the tables), against the O(H N T**2) time and O(N T**2) memory
 of a dense Toeplitz kernel. Every power of A is a table computed in float64 at load
 time (``gss_tables``), so long-range phases keep float64 accuracy; the op carries the
 state in float64 from the table's A**C.
@@ -107,15 +108,19 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
-    ``scan_op``: the state is carried across the chunks and through the last chunk's tokens
-    by the Mojo op (``carried_by_op``, CPU code, O(M H N)); else by [M, M] decay matmuls per
-    mode (``carried_by_matmuls``, O(M**2 H N)) and the last chunk's powers of A
-    (``_state_after_last``), the GPU path and the op's reference. ``dense_op``: the layers'
-    products through the linear op.
+    ``scan_op``: the DSS outputs and states by the Mojo op (``scanned_by_op``, CPU code,
+    O(M H N) across the chunks); else the in-chunk Toeplitz product and each chunk's own
+    final state as matmuls, the state carried across the chunks by [M, M] decay matmuls per
+    mode (``carried_by_matmuls``, O(M**2 H N)) and through the last chunk's tokens by its
+    powers of A (``_state_after_last``): the GPU path and the op's reference.
+    ``dense_op``: the layers' products through the linear op.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]
     u, xs = _projections(x, g, c, dense_op)  # xs [B, M, C, H]
+    if scan_op:
+        y, state = scanned_by_op(xs, lengths, g, c, device)
+        return _out(y, u, g, dense_op), state
 
     # inside each chunk: [H, C, C] @ [H, C, B*M]
     xh = ops.reshape(ops.permute(xs, [3, 2, 0, 1]), [H, C, -1])
@@ -125,9 +130,6 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     rows = ops.reshape(ops.permute(xs, [0, 1, 3, 2]), [-1, C])  # [B*M*H, C]
     ends = ops.reshape(ops.matmul(rows, g["p_end"]), [B, M, H, 2 * N])
 
-    if scan_op:
-        y_carry, state = carried_by_op(ends, xs, lengths, g, c, device)
-        return _out(y_in + y_carry + xs * g["D"], u, g, dense_op), state
     last = lengths - 1
     m = floor_div_nonnegative(last, C)  # each sample's last chunk
     j = last - m * C
@@ -193,23 +195,20 @@ def carried_by_matmuls(ends: TensorValue, chunk_rows: TensorValue, chunk_cols: T
     return y_carry, ops.concat([entering(p_re), entering(p_im)], axis=2)
 
 
-def carried_by_op(ends: TensorValue, xs: TensorValue, lengths: TensorValue, g: dict, c, device):
-    """As ``carried_by_matmuls`` and ``_state_after_last``, by the Mojo op
-    (mojo/pha_gss_scan.mojo: P_{m+1} = A**C P_m + S_m per sample, channel and mode, in
-    float64, the chunks past each prompt skipped; then the state through the last chunk's
-    tokens, s = A s + x) -> (each chunk's carried-in share of y [B, M, C, H], the state
-    after each prompt's last token [B, 2 H N]); the [C, 2N] product that turns Ct P_m into
-    y stays a matmul."""
-    H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
-    B, M = ends.shape[0], ends.shape[1]
-    a_chunk, a_step = g["p_step"][C], g["p_step"][1]  # A**C and A [2N], from the float64 table
-    ct = ops.concat([ops.transpose(g["ct_t_re"], 0, 1), ops.transpose(g["ct_t_im"], 0, 1)], axis=1)  # [H, 2N]
-    carried, state = ops.custom(
-        OP_PHA_GSS_SCAN, device=device, values=[ends, xs, a_chunk, a_step, ct, lengths],
-        out_types=[TensorType(F32, ends.shape, device), TensorType(F32, [B, 2, H, N], device)])
-    # Re(sum_n A**(j+1) (Ct P)_n) = [Re; Im](Ct P) @ p_out^T, per (sample, chunk, channel)
-    y = ops.matmul(ops.reshape(carried.tensor, [-1, 2 * N]), ops.transpose(g["p_out"], 0, 1))  # [B*M*H, C]
-    return ops.permute(ops.reshape(y, [B, M, H, C]), [0, 1, 3, 2]), ops.reshape(state.tensor, [B, 2 * H * N])
+def scanned_by_op(xs: TensorValue, lengths: TensorValue, g: dict, c, device):
+    """The DSS inputs xs [B, M, C, H] -> (the DSS outputs y [B, M, C, H], the state after
+    each prompt's last token [B, 2 H N]) by the Mojo op (mojo/pha_gss_scan.mojo: per
+    sample and channel, each chunk's own final state and the in-chunk Toeplitz sum from
+    the tables, the state entering each chunk by P_{m+1} = A**C P_m + S_m in float64, the
+    chunks past each prompt skipped, then the state through the last chunk's tokens): what
+    the matmuls, ``carried_by_matmuls`` and ``_state_after_last`` compute on the plain path."""
+    H, N = c.gss_hidden_dim, c.dss_state_size
+    B = xs.shape[0]
+    y, state = ops.custom(
+        OP_PHA_GSS_SCAN, device=device,
+        values=[xs, g["kin"], g["D"], g["p_end"], g["p_out"], g["p_step"], g["ct_t_re"], g["ct_t_im"], lengths],
+        out_types=[TensorType(F32, xs.shape, device), TensorType(F32, [B, 2, H, N], device)])
+    return y.tensor, ops.reshape(state.tensor, [B, 2 * H * N])
 
 
 def gss_step(x: TensorValue, re: TensorValue, im: TensorValue, g: dict, c, K):
