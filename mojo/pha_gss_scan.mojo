@@ -1,16 +1,15 @@
 """The PHA prefill's GSS scan on the CPU: the DSS output of every token of right-padded
 prompts in chunks, and each sample's state after its last token, in one op.
 
-    pha_gss_scan(xs [B, M, C, H] f32, kin [H, C, C] f32, d [H] f32, p_end [C, 2N] f32,
-                 p_out [C, 2N] f32, p_step [S, 2N] f32, ct_t_re [N, H] f32,
-                 ct_t_im [N, H] f32, lengths [B] int64)
+    pha_gss_scan(xs [B, M, C, H] f32, taps [H, C] f32, d [H] f32, p_end [C, 2N] f32,
+                 p_out_t [2N, C] f32, p_step [S, 2N] f32, ct [H, 2N] f32, lengths [B] int64)
         -> y [B, M, C, H] f32, state [B, 2, H, N] f32
 
 The tables are the graph's load-time GSS tables (graphs/pha/gss.py ``gss_tables``, float64
-rounded once): kin[h, k, 0] = K[k, h], the in-chunk kernel Re(sum_n Ct A**k); p_end[i] =
-A**(C-1-i) and p_out[j] = (Re, -Im) of A**(j+1) per mode (real parts, then imaginary
-parts); p_step[k] = A**k (S > C); ct_t_re, ct_t_im = Ct transposed. xs[b, m, i, h] is
-the DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0:
+rounded once): taps[h, k] = K[k, h], the in-chunk kernel Re(sum_n Ct A**k); p_end[i] =
+A**(C-1-i) and p_out_t[:, j] = (Re, -Im) of A**(j+1) per mode (real parts, then imaginary
+parts); p_step[k] = A**k (S > C); ct[h] = Ct's row of channel h. xs[b, m, i, h] is the
+DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0:
 
     S_m      = sum_i A**(C-1-i) x[mC + i]         chunk m's own final state (p_end)
     P_{m+1}  = A**C P_m + S_m                     the state entering each chunk (float64)
@@ -20,20 +19,26 @@ the DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0
 
 for the chunks holding the prompt (k = ceil(lengths[b] / C) of them); past them the
 carried share is zero (padding: no caller reads those rows). state[b, :, h] is the state
-after the prompt's last token, P_{k-1} stepped through the last chunk's tokens by
-s = A s + x (real parts, then imaginary parts: [B, 2 H N] is the engine's layout), zero
-for an empty prompt. O(T C H + T H N) work and O(M H N) for the scan, where the plain
-graph spends O(M**2 H N) on an [M, M] decay matrix per mode (graphs/pha/gss.py
-``carried_by_matmuls``, the op's reference). The state is carried in float64, so the
-only rounding that compounds is that of A**C and A to float32.
+after the prompt's last token, at offset j of chunk k - 1:
+
+    A**(j+1) P_{k-1} + sum_{i <= j} A**(j-i) x[(k-1)C + i]   (p_step's row j + 1; p_end's
+                                                             last j + 1 rows)
+
+(real parts, then imaginary parts: [B, 2 H N] is the engine's layout), zero for an empty
+prompt. O(T C H + T H N) work and O(M H N) for the scan, where the plain graph spends
+O(M**2 H N) on an [M, M] decay matrix per mode (graphs/pha/gss.py ``carried_by_matmuls``,
+the op's reference). The state is carried in float64, so the only rounding that compounds
+is that of A**C to float32.
 
 Work: a unit is (sample, MR channels), walking its chunks in order; the workers (one per
 core) claim units from an atomic counter. Per chunk a unit copies its channels' inputs
 into rows of its own ([MR, C]), multiplies them by p_end (the register-tiled product of
-mojo/tiled_product.mojo; p_end is packed into panels once per call), carries its
-channels' float64 states, multiplies Ct P by p_out (packed likewise) and adds the
-Toeplitz sum along each row, a vector of tokens at a time. The tensors must be
-contiguous and row-major.
+mojo/tiled_product.mojo), carries its channels' float64 states, multiplies Ct P by p_out_t
+(skipped in chunk 0, where P is zero) and adds the Toeplitz sum along each row, a vector
+of tokens at a time; in the prompt's last chunk the same product by p_end's last rows
+gives the state after its last token. p_end is copied into panels of NB columns once per
+call; p_out_t's panels are read where they lie (C floats a row), only a last one narrower
+than NB copied, zero padded. The tensors must be contiguous and row-major.
 """
 from std.atomic import Atomic
 from std.sys import num_physical_cores, simd_width_of
@@ -42,14 +47,11 @@ from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
-from .tiled_product import MR, NB, W, pack_panel, tile_product
+from .tiled_product import MR, NB, W, tile_product
 
 comptime F32 = DType.float32
 comptime F64 = DType.float64
 comptime V = simd_width_of[F64]()  # modes per vector, carried in float64
-# modes stepped together through the last chunk: 4 vectors where there are 32 vector
-# registers (AVX-512), 2 where there are 16 (AVX2), so the chains' state stays in registers
-comptime LANES = 4 * V if V >= 8 else 2 * V
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime F64P = Pointer[Float64, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
@@ -58,8 +60,9 @@ comptime MAX_WORKERS = 8
 
 @fieldwise_init
 struct Scan(ImplicitlyCopyable, Movable):
-    """Sizes and addresses of one call; ``end_panels``, ``out_panels``, ``ct`` [H, 2N] and
-    ``taps`` [H, C] (K[k, h] per channel) are prepared once per call."""
+    """Sizes and addresses of one call; ``end_panels``: p_end in panels of NB columns,
+    zero padded; ``out_tail``: the last panel of p_out_t zero padded to NB columns,
+    where it is narrower."""
 
     var B: Int
     var M: Int
@@ -69,10 +72,11 @@ struct Scan(ImplicitlyCopyable, Movable):
     var xs: F32P
     var d: F32P
     var a_chunk: F32P
-    var a_step: F32P
+    var steps: F32P  # p_step: A**k in row k
     var lengths: I64P
-    var end_panels: F32P  # [PE, C, NB]: p_end's columns, NB a panel, zero past 2N
-    var out_panels: F32P  # [PO, 2N, NB]: p_out's rows as columns, NB a panel, zero past C
+    var end_panels: F32P  # [PE, C, NB]
+    var p_out_t: F32P
+    var out_tail: F32P  # [2N, NB]
     var ct: F32P
     var taps: F32P
     var y: F32P
@@ -106,20 +110,15 @@ def _modes[width: Int](p: F64P, n: Int, N: Int, s: F32P, a: F32P, ct: F32P, q: F
 
 
 @always_inline
-def _last_tokens[width: Int](q: F64P, n: Int, N: Int, a: F32P, x: F32P, tokens: Int, re_out: F32P, im_out: F32P):
-    """Modes n .. n + width of the state after the prompt's last token: s = A s + x_i
-    over the last chunk's ``tokens`` inputs x_i = x[i] (real), from s = q, in registers."""
-    var s_re = q.unsafe_load[width=width](n)
-    var s_im = q.unsafe_load[width=width](N + n)
+def _modes_after[width: Int](keep: F64P, n: Int, N: Int, a: F32P, local: F32P, re_out: F32P, im_out: F32P):
+    """Modes n .. n + width of the state after the prompt's last token, offset j of its
+    chunk: A**(j+1) P + local (a = A**(j+1), local = sum_{i <= j} A**(j-i) x_i)."""
+    var k_re = keep.unsafe_load[width=width](n)
+    var k_im = keep.unsafe_load[width=width](N + n)
     var a_re = a.unsafe_load[width=width](n).cast[F64]()
     var a_im = a.unsafe_load[width=width](N + n).cast[F64]()
-    for i in range(tokens):
-        var xi = SIMD[F64, width](x[unsafe_offset=i].cast[F64]())
-        var re = a_re * s_re - a_im * s_im + xi
-        s_im = a_re * s_im + a_im * s_re
-        s_re = re
-    re_out.unsafe_store(n, s_re.cast[F32]())
-    im_out.unsafe_store(n, s_im.cast[F32]())
+    re_out.unsafe_store(n, (a_re * k_re - a_im * k_im + local.unsafe_load[width=width](n).cast[F64]()).cast[F32]())
+    im_out.unsafe_store(n, (a_re * k_im + a_im * k_re + local.unsafe_load[width=width](N + n).cast[F64]()).cast[F32]())
 
 
 def _carry(s: Scan, p: F64P, ends: F32P, ct: F32P, q: F32P, keep: F64P, is_last: Bool):
@@ -135,19 +134,16 @@ def _carry(s: Scan, p: F64P, ends: F32P, ct: F32P, q: F32P, keep: F64P, is_last:
         n += 1
 
 
-def _state_after(s: Scan, keep: F64P, x: F32P, tokens: Int, re_out: F32P, im_out: F32P):
-    """One channel's state after its prompt's last token (``_last_tokens``)."""
+def _state_after(s: Scan, keep: F64P, a: F32P, local: F32P, re_out: F32P, im_out: F32P):
+    """One channel's state after its prompt's last token (``_modes_after``)."""
     var N = s.N
     var vector_end = N - N % V
     var n = 0
-    while n + LANES <= N:
-        _last_tokens[LANES](keep, n, N, s.a_step, x, tokens, re_out, im_out)
-        n += LANES
     while n < vector_end:
-        _last_tokens[V](keep, n, N, s.a_step, x, tokens, re_out, im_out)
+        _modes_after[V](keep, n, N, a, local, re_out, im_out)
         n += V
     while n < N:
-        _last_tokens[1](keep, n, N, s.a_step, x, tokens, re_out, im_out)
+        _modes_after[1](keep, n, N, a, local, re_out, im_out)
         n += 1
 
 
@@ -205,9 +201,15 @@ def _unit(s: Scan, u: Int, r: Rows):
     var ow = s.out_width()
     var length = Int(s.lengths[unsafe_offset=b])
     var chunks = (length + C - 1) // C
-    for i in range(MR * two_n):
+    var pe = (two_n + NB - 1) // NB
+    # P_0 = 0 (keep is written in the prompt's last chunk before it is read)
+    var i = 0
+    while i + V <= rows * two_n:
+        r.p.unsafe_store(i, SIMD[F64, V](0))
+        i += V
+    while i < rows * two_n:
         r.p[unsafe_offset=i] = 0
-        r.keep[unsafe_offset=i] = 0
+        i += 1
     for m in range(s.M):
         var chunk = s.xs.unsafe_offset((b * s.M + m) * C * H)
         for i in range(C):
@@ -216,27 +218,34 @@ def _unit(s: Scan, u: Int, r: Rows):
         var live = m < chunks
         var is_last = m == chunks - 1
         if live:
-            var pe = (two_n + NB - 1) // NB
             for panel in range(pe):
                 tile_product(r.ends.unsafe_offset(panel * NB), ew, r.xt, C, s.end_panels.unsafe_offset(panel * C * NB),
                              C)
             for g in range(rows):
                 _carry(s, r.p.unsafe_offset(g * two_n), r.ends.unsafe_offset(g * ew), s.ct.unsafe_offset((h0 + g) * two_n),
                        r.q.unsafe_offset(g * two_n), r.keep.unsafe_offset(g * two_n), is_last)
-            var po = (C + NB - 1) // NB
+            var po = (C + NB - 1) // NB if m > 0 else 0  # nothing is carried into chunk 0
             for panel in range(po):
-                tile_product(r.carried.unsafe_offset(panel * NB), ow, r.q, two_n,
-                             s.out_panels.unsafe_offset(panel * two_n * NB), two_n)
+                var whole = (panel + 1) * NB <= C
+                var src = s.p_out_t.unsafe_offset(panel * NB) if whole else s.out_tail
+                tile_product(r.carried.unsafe_offset(panel * NB), ow, r.q, two_n, src, two_n, C if whole else NB)
+        if is_last:
+            # the state after the last token, offset j: A**(j+1) P_m + the chunk's inputs
+            # up to j times p_end's last j + 1 rows (A**(j-i)), the same product as S_m's
+            var j = length - 1 - m * C
+            for panel in range(pe):
+                tile_product(r.ends.unsafe_offset(panel * NB), ew, r.xt, C,
+                             s.end_panels.unsafe_offset((panel * C + C - 1 - j) * NB), j + 1)
+            for g in range(rows):
+                var re_out = s.state.unsafe_offset((b * 2 * H + h0 + g) * N)
+                _state_after(s, r.keep.unsafe_offset(g * two_n), s.steps.unsafe_offset((j + 1) * two_n),
+                             r.ends.unsafe_offset(g * ew), re_out, re_out.unsafe_offset(H * N))
         for g in range(rows):
             var h = h0 + g
             _toeplitz(r.row, r.xt.unsafe_offset(g * C), s.taps.unsafe_offset(h * C), r.carried.unsafe_offset(g * ow),
-                      s.d[unsafe_offset=h], C, live)
+                      s.d[unsafe_offset=h], C, live and m > 0)
             for j in range(C):
                 s.y[unsafe_offset=((b * s.M + m) * C + j) * H + h] = r.row[unsafe_offset=j]
-            if is_last:
-                var re_out = s.state.unsafe_offset((b * 2 * H + h) * N)
-                _state_after(s, r.keep.unsafe_offset(g * two_n), r.xt.unsafe_offset(g * C), length - m * C, re_out,
-                             re_out.unsafe_offset(H * N))
     if chunks == 0:
         for g in range(rows):
             var re_out = s.state.unsafe_offset((b * 2 * H + h0 + g) * N)
@@ -285,13 +294,12 @@ struct PhaGssScan:
         y: OutputTensor[dtype=DType.float32, rank=4, ...],
         state: OutputTensor[dtype=DType.float32, rank=4, ...],
         xs: InputTensor[dtype=DType.float32, rank=4, ...],
-        kin: InputTensor[dtype=DType.float32, rank=3, ...],
+        taps: InputTensor[dtype=DType.float32, rank=2, ...],
         d: InputTensor[dtype=DType.float32, rank=1, ...],
         p_end: InputTensor[dtype=DType.float32, rank=2, ...],
-        p_out: InputTensor[dtype=DType.float32, rank=2, ...],
+        p_out_t: InputTensor[dtype=DType.float32, rank=2, ...],
         p_step: InputTensor[dtype=DType.float32, rank=2, ...],
-        ct_t_re: InputTensor[dtype=DType.float32, rank=2, ...],
-        ct_t_im: InputTensor[dtype=DType.float32, rank=2, ...],
+        ct: InputTensor[dtype=DType.float32, rank=2, ...],
         lengths: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
@@ -307,16 +315,18 @@ struct PhaGssScan:
             raise Error("pha_gss_scan: xs must be [B, M, C, H] with chunks of C > 0 tokens")
         if row % 2 != 0:
             raise Error("pha_gss_scan: p_end's last axis (", row, ") must be 2N: real parts, then imaginary")
-        if kin.dim_size(0) != H or kin.dim_size(1) != C or kin.dim_size(2) != C:
-            raise Error("pha_gss_scan: kin must be [H, C, C] = [", H, ", ", C, ", ", C, "]")
+        if taps.dim_size(0) != H or taps.dim_size(1) != C:
+            raise Error("pha_gss_scan: taps must be [H, C] = [", H, ", ", C, "]")
         if d.dim_size(0) != H:
             raise Error("pha_gss_scan: d has ", d.dim_size(0), " entries for ", H, " channels")
-        if p_end.dim_size(0) != C or p_out.dim_size(0) != C or p_out.dim_size(1) != row:
-            raise Error("pha_gss_scan: p_end and p_out must be [C, 2N] = [", C, ", ", row, "]")
+        if p_end.dim_size(0) != C:
+            raise Error("pha_gss_scan: p_end must be [C, 2N] = [", C, ", ", row, "]")
+        if p_out_t.dim_size(0) != row or p_out_t.dim_size(1) != C:
+            raise Error("pha_gss_scan: p_out_t must be [2N, C] = [", row, ", ", C, "]")
         if p_step.dim_size(0) <= C or p_step.dim_size(1) != row:
             raise Error("pha_gss_scan: p_step must be [S, 2N] with S > C = ", C, " (A**k for k <= C)")
-        if ct_t_re.dim_size(0) != N or ct_t_re.dim_size(1) != H or ct_t_im.dim_size(0) != N or ct_t_im.dim_size(1) != H:
-            raise Error("pha_gss_scan: ct_t_re and ct_t_im must be [N, H] = [", N, ", ", H, "]")
+        if ct.dim_size(0) != H or ct.dim_size(1) != row:
+            raise Error("pha_gss_scan: ct must be [H, 2N] = [", H, ", ", row, "]")
         if lengths.dim_size(0) != B:
             raise Error("pha_gss_scan: lengths must have one entry per sample")
         for a in range(4):
@@ -332,38 +342,34 @@ struct PhaGssScan:
         if units == 0:
             return
 
-        # once per call: p_end's columns and p_out's rows in panels, Ct as rows, K per channel
+        # p_end in panels (its rows are 2N floats apart: a panel read in place would step
+        # through memory a whole row per k); p_out_t's last panel if narrower than NB
         var pe = (row + NB - 1) // NB
-        var po = (C + NB - 1) // NB
+        var out_cols = C % NB
         var end_store = List[Float32](length=max(1, pe * C * NB), fill=0)
-        var out_store = List[Float32](length=max(1, po * row * NB), fill=0)
-        var ct_store = List[Float32](length=max(1, H * row), fill=0)
-        var tap_store = List[Float32](length=H * C, fill=0)
+        var out_store = List[Float32](length=row * NB if out_cols else 1, fill=0)
         var end_panels = F32P(unsafe_from_address=Int(end_store.unsafe_ptr()))
-        var out_panels = F32P(unsafe_from_address=Int(out_store.unsafe_ptr()))
-        var ct = F32P(unsafe_from_address=Int(ct_store.unsafe_ptr()))
-        var taps = F32P(unsafe_from_address=Int(tap_store.unsafe_ptr()))
+        var out_tail = F32P(unsafe_from_address=Int(out_store.unsafe_ptr()))
         var pe_in = _in(p_end)
+        var po_in = _in(p_out_t)
         for panel in range(pe):
+            var cols = min(NB, row - panel * NB)
             for i in range(C):
-                for j in range(min(NB, row - panel * NB)):
-                    end_panels[unsafe_offset=(panel * C + i) * NB + j] = pe_in[unsafe_offset=i * row + panel * NB + j]
-        for panel in range(po):
-            pack_panel[F32](out_panels, _in(p_out), panel, C, row)
-        var re_in = _in(ct_t_re)
-        var im_in = _in(ct_t_im)
-        for n in range(N):
-            for h in range(H):
-                ct[unsafe_offset=h * row + n] = re_in[unsafe_offset=n * H + h]
-                ct[unsafe_offset=h * row + N + n] = im_in[unsafe_offset=n * H + h]
-        var kin_in = _in(kin)
-        for h in range(H):
-            for k in range(C):
-                taps[unsafe_offset=h * C + k] = kin_in[unsafe_offset=(h * C + k) * C]
+                var src = pe_in.unsafe_offset(i * row + panel * NB)
+                var dst = end_panels.unsafe_offset((panel * C + i) * NB)
+                if cols == NB:
+                    comptime for v in range(NB // W):
+                        dst.unsafe_store(v * W, src.unsafe_load[width=W](v * W))
+                else:
+                    for j in range(cols):
+                        dst[unsafe_offset=j] = src[unsafe_offset=j]
+        for k in range(row if out_cols else 0):
+            for j in range(out_cols):
+                out_tail[unsafe_offset=k * NB + j] = po_in[unsafe_offset=k * C + C - out_cols + j]
         var steps = _in(p_step)
-        var s = Scan(B, M, C, H, N, _in(xs), _in(d), steps.unsafe_offset(C * row), steps.unsafe_offset(row),
-                     I64P(unsafe_from_address=Int(lengths.unsafe_ptr())), end_panels, out_panels, ct, taps, _out(y),
-                     _out(state))
+        var s = Scan(B, M, C, H, N, _in(xs), _in(d), steps.unsafe_offset(C * row), steps,
+                     I64P(unsafe_from_address=Int(lengths.unsafe_ptr())), end_panels, po_in, out_tail, _in(ct),
+                     _in(taps), _out(y), _out(state))
         var counter = List[Int64](length=8, fill=0)  # a cache line of its own
         var cp = I64P(unsafe_from_address=Int(counter.unsafe_ptr()))
         var workers = min(num_physical_cores(), MAX_WORKERS, units)
@@ -375,5 +381,3 @@ struct PhaGssScan:
         _ = counter^
         _ = end_store^
         _ = out_store^
-        _ = ct_store^
-        _ = tap_store^

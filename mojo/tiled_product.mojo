@@ -2,13 +2,15 @@
 linear.mojo call it).
 
     pack_panel(packed, m, panel, N, K)      one panel of a row-major m [N, K], transposed (float32)
-    tile_product(t, ldt, x, ldx, p, K)      MR rows of x times one packed panel
+    tile_product(t, ldt, x, ldx, p, K, ldp) MR rows of x times one packed panel (rows ldp apart)
 
 The matrix on the right, m [N, K] (one row per output column, as a checkpoint stores a
 weight), is packed into panels of NB = NV * W columns, each panel [K, NB] (k-major, zero
 past N), so that a register tile of MR rows x NV vectors streams one panel front to back:
 per k, NV vector loads, MR broadcasts of x, MR * NV FMAs into accumulators that stay in
 registers (MR x NV per SIMD width: 5 x 2 with AVX2's 16 registers, 6 x 4 with AVX-512's 32).
+A panel's rows may also lie ldp floats apart inside a wider row-major matrix [K, ldp] (NB
+of its columns: no packing where the matrix is stored k-major already).
 """
 from std.memory import stack_allocation
 from std.sys import simd_width_of
@@ -26,9 +28,9 @@ comptime KU = 4  # k unrolled
 
 
 @always_inline
-def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int):
+def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int, ldp: Int = NB):
     """t[r, 0 .. NB) = sum_k x[r, k] * p[k, 0 .. NB) for MR rows (x's rows ldx apart, t's
-    ldt apart); p is one packed panel [K, NB]. The accumulators are a fixed-size stack
+    ldt apart, p's ldp apart); p is one panel [K, NB]. The accumulators are a fixed-size stack
     array indexed by constants after unrolling, which the compiler keeps in registers."""
     var acc = stack_allocation[MR * NV * W, Float32]()
     var wv = stack_allocation[NV * W, Float32]()
@@ -37,7 +39,7 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int):
     var k = 0
     while k + KU <= K:
         comptime for kk in range(KU):
-            var wp = p.unsafe_offset((k + kk) * NB)
+            var wp = p.unsafe_offset((k + kk) * ldp)
             comptime for v in range(NV):
                 wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W))
             comptime for r in range(MR):
@@ -47,7 +49,7 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int):
                     acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
         k += KU
     while k < K:
-        var wp = p.unsafe_offset(k * NB)
+        var wp = p.unsafe_offset(k * ldp)
         comptime for r in range(MR):
             var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
             comptime for v in range(NV):

@@ -57,6 +57,10 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
       p_out   [C, 2N]     (Re, -Im) of A**(j+1): the entering state's share of y at offset j
       p_chunk [K+1, 2N]   A**(C k), k < K = ceil(n / C), then a zero row
       p_step  [C+2, 2N]   A**k, k <= C, then a zero row
+    The Mojo op's (mojo/pha_gss_scan.mojo) in the layouts it reads as they are:
+      taps    [H, C]      K[k, h] per channel (kin's first column)
+      p_out_t [2N, C]     p_out transposed
+      ct_rows [H, 2N]     Ct per channel
     """
     C, H = CHUNK, ct.shape[0]
     powers = np.exp(np.outer(np.arange(C + 1), lam))  # [C+1, N]: A**k
@@ -74,6 +78,8 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
         "p_out": np.concatenate([powers[1:].real, -powers[1:].imag], axis=1),
         "p_chunk": np.concatenate([_pairs(chunk_powers), zero]),
         "p_step": np.concatenate([_pairs(powers), zero]),
+        "taps": K.T, "p_out_t": np.concatenate([powers[1:].real, -powers[1:].imag], axis=1).T,
+        "ct_rows": _pairs(ct),
     }
 
 
@@ -82,7 +88,8 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     return {"abar_re": [H * N], "abar_im": [H * N], "ct_re_flat": [H * N], "ct_im_flat": [H * N],
             "ct_t_re": [N, H], "ct_t_im": [N, H], "kin": [H, C, C], "p_end": [C, 2 * N],
-            "p_out": [C, 2 * N], "p_chunk": [n_chunks(c) + 1, 2 * N], "p_step": [C + 2, 2 * N]}
+            "p_out": [C, 2 * N], "p_chunk": [n_chunks(c) + 1, 2 * N], "p_step": [C + 2, 2 * N],
+            "taps": [H, C], "p_out_t": [2 * N, C], "ct_rows": [H, 2 * N]}
 
 
 def _projections(x: TensorValue, g: dict, c, dense_op: DeviceRef | None = None):
@@ -206,7 +213,7 @@ def scanned_by_op(xs: TensorValue, lengths: TensorValue, g: dict, c, device):
     B = xs.shape[0]
     y, state = ops.custom(
         OP_PHA_GSS_SCAN, device=device,
-        values=[xs, g["kin"], g["D"], g["p_end"], g["p_out"], g["p_step"], g["ct_t_re"], g["ct_t_im"], lengths],
+        values=[xs, g["taps"], g["D"], g["p_end"], g["p_out_t"], g["p_step"], g["ct_rows"], lengths],
         out_types=[TensorType(F32, xs.shape, device), TensorType(F32, [B, 2, H, N], device)])
     return y.tensor, ops.reshape(state.tensor, [B, 2 * H * N])
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from srm_max.graphs.op_names import OP_PHA_GSS_SCAN
+from srm_max.graphs.pha import gss
 from srm_max.graphs.pha.gss import CHUNK, gss_tables
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs, op_graphs
@@ -31,14 +32,13 @@ from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference,
 op_alone = op_graphs(OP_PHA_GSS_SCAN)
 op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
-TABLES = ("kin", "D", "p_end", "p_out", "p_step", "ct_t_re", "ct_t_im")
+TABLES = ("taps", "D", "p_end", "p_out_t", "p_step", "ct_rows")
 
 
 @pytest.fixture
 def op_graph():
-    """The op alone: (xs [B, M, C, H], kin [H, C, C], d [H], p_end [C, 2N], p_out [C, 2N],
-    p_step [S, 2N], ct_t_re [N, H], ct_t_im [N, H], lengths [B]) -> (y [B, M, C, H],
-    state [B, 2, H, N])."""
+    """The op alone: (xs [B, M, C, H], taps [H, C], d [H], p_end [C, 2N], p_out_t [2N, C],
+    p_step [S, 2N], ct [H, 2N], lengths [B]) -> (y [B, M, C, H], state [B, 2, H, N])."""
     return op_graph_model(OP_PHA_GSS_SCAN)
 
 
@@ -56,9 +56,9 @@ def state_of(state: np.ndarray) -> np.ndarray:
     return state[:, 0] + 1j * state[:, 1]
 
 
-def float64_scan(x, lengths, lam, ct, d, M):
+def float64_scan(x, lengths, lam, ct, d, C=CHUNK):
     """The token-by-token recurrence s_t = A s_{t-1} + x_t, y_t = Re(sum_n Ct s_t) + D x_t
-    in complex128 over prompts right-padded to M chunks: (y [B, M C, H], where the chunks
+    in complex128 over prompts right-padded to chunks of C: (y [B, T, H], where the chunks
     past each prompt start from a zero state (the op carries nothing into them); the state
     after each prompt's last token [B, H, N])."""
     B, T, H = x.shape
@@ -66,10 +66,10 @@ def float64_scan(x, lengths, lam, ct, d, M):
     y = np.zeros((B, T, H))
     last = np.zeros((B, H, lam.size), complex)
     for b in range(B):
-        chunks = -(-lengths[b] // CHUNK)
+        chunks = -(-lengths[b] // C)
         s = np.zeros((H, lam.size), complex)
         for t in range(T):
-            if t >= chunks * CHUNK and t % CHUNK == 0:
+            if t >= chunks * C and t % C == 0:
                 s = np.zeros_like(s)
             s = A * s + x[b, t][:, None]
             y[b, t] = (ct * s).sum(-1).real + d * x[b, t]
@@ -78,39 +78,43 @@ def float64_scan(x, lengths, lam, ct, d, M):
     return y, last
 
 
-def random_case(B, M, H, N, seed, slow=False):
+def random_case(B, M, H, N, seed, slow=False, C=CHUNK):
     """x [B, M C, H], Lambda [N] (modes decaying from 0.1 to 0.995 per token, or to 0.9999
     with ``slow``; phases up to pi per token), Ct [H, N] and D [H]."""
     rng = np.random.default_rng(seed)
     decay = np.linspace(np.log(0.1), np.log(0.9999 if slow else 0.995), N)
     lam = decay + 1j * rng.uniform(0, np.pi, N)
     ct = (rng.normal(size=(H, N)) + 1j * rng.normal(size=(H, N))) / np.sqrt(N)
-    return rng.normal(size=(B, M * CHUNK, H)), lam, ct, rng.normal(size=H)
+    return rng.normal(size=(B, M * C, H)), lam, ct, rng.normal(size=H)
 
 
-def op_inputs(x, lam, ct, d, M):
+def op_inputs(x, lam, ct, d, C=CHUNK):
     """The op's inputs as the prefill graph gives them: x [B, M C, H] as chunks
-    [B, M, C, H] and the layer's float64 tables (``gss_tables``) rounded to float32."""
+    [B, M, C, H] and the layer's float64 tables (``gss_tables``, whose chunk is C)
+    rounded to float32."""
     B, T, H = x.shape
-    tables = gss_tables(SimpleNamespace(context_length=M * CHUNK), lam, ct) | {"D": d}
-    return (x.reshape(B, M, CHUNK, H), *(tables[k] for k in TABLES))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gss, "CHUNK", C)
+        tables = gss_tables(SimpleNamespace(context_length=T), lam, ct) | {"D": d}
+    return (x.reshape(B, T // C, C, H), *(tables[k] for k in TABLES))
 
 
 @op_alone
-@pytest.mark.parametrize("B, H, N, lengths", [
-    (1, 3, 8, [1]),  # one token
-    (1, 2, 8, [63]),  # inside the first chunk
-    (1, 2, 8, [64]),  # on its edge
-    (1, 2, 8, [65]),  # one token into the second chunk
-    (3, 4, 5, [200, 64, 129]),  # several chunks, padding past two prompts; N not a multiple of the SIMD width
-    (2, 2, 8, [0, 130]),  # an empty prompt
-    (2, 13, 45, [70, 128]),  # channels in two whole register tiles and a remainder; 2N = 90 in several panels
+@pytest.mark.parametrize("B, H, N, lengths, C", [
+    (1, 3, 8, [1], CHUNK),  # one token
+    (1, 2, 8, [63], CHUNK),  # inside the first chunk
+    (1, 2, 8, [64], CHUNK),  # on its edge
+    (1, 2, 8, [65], CHUNK),  # one token into the second chunk
+    (3, 4, 5, [200, 64, 129], CHUNK),  # several chunks, padding past two; N not a multiple of the SIMD width
+    (2, 2, 8, [0, 130], CHUNK),  # an empty prompt
+    (2, 13, 45, [70, 128], CHUNK),  # channels in two whole register tiles and a remainder; 2N = 90: panels and a rest
+    (2, 7, 9, [50, 21], 21),  # chunks of 21 tokens: no whole panel or vector of them
 ])
-def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths):
-    M = max(1, -(-max(lengths) // CHUNK))
-    x, lam, ct, d = random_case(B, M, H, N, seed=sum(lengths) + N)
-    want_y, want_last = float64_scan(x, lengths, lam, ct, d, M)
-    got_y, got_state = run_op(op_graph, *op_inputs(x, lam, ct, d, M), lengths)
+def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths, C):
+    M = max(1, -(-max(lengths) // C))
+    x, lam, ct, d = random_case(B, M, H, N, seed=sum(lengths) + N, C=C)
+    want_y, want_last = float64_scan(x, lengths, lam, ct, d, C)
+    got_y, got_state = run_op(op_graph, *op_inputs(x, lam, ct, d, C), lengths)
     np.testing.assert_allclose(got_y.reshape(want_y.shape), want_y, rtol=0, atol=1e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(state_of(got_state), want_last, rtol=0,
                                atol=2e-6 * (np.abs(want_last).max() + 1e-30))
@@ -127,26 +131,27 @@ def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
     the products by the tables."""
     M, H, N = 128, 2, 16
     x, lam, ct, d = random_case(1, M, H, N, seed=3, slow=True)
-    want_y, want_last = float64_scan(x, [M * CHUNK], lam, ct, d, M)
-    got_y, state = run_op(op_graph, *op_inputs(x, lam, ct, d, M), [M * CHUNK])
+    want_y, want_last = float64_scan(x, [M * CHUNK], lam, ct, d)
+    got_y, state = run_op(op_graph, *op_inputs(x, lam, ct, d), [M * CHUNK])
     np.testing.assert_allclose(got_y.reshape(want_y.shape), want_y, rtol=0, atol=2e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(state_of(state), want_last, rtol=0, atol=2e-5 * np.abs(want_last).max())
 
 
-def _shapes(B=1, M=2, C=4, H=3, N=4, S=None, kin=None, d=None, p_end=None, p_out=None, ct=None):
+def _shapes(B=1, M=2, C=4, H=3, N=4, S=None, taps=None, d=None, p_end=None, p_out_t=None, ct=None):
     """Zero inputs of consistent shapes, one of them replaced to make it wrong."""
-    return [(B, M, C, H), kin or (H, C, C), d or (H,), p_end or (C, 2 * N), p_out or (C, 2 * N),
-            (S or C + 2, 2 * N), ct or (N, H), (N, H)]
+    return [(B, M, C, H), taps or (H, C), d or (H,), p_end or (C, 2 * N), p_out_t or (2 * N, C),
+            (S or C + 2, 2 * N), ct or (H, 2 * N)]
 
 
 @op_alone
 @pytest.mark.parametrize("shapes, lengths, problem", [
-    (_shapes(p_end=(4, 7), p_out=(4, 7)), [1], r"p_end's last axis \(7\) must be 2N"),
-    (_shapes(kin=(3, 4, 5)), [1], r"kin must be \[H, C, C\] = \[3, 4, 4\]"),
+    (_shapes(p_end=(4, 7)), [1], r"p_end's last axis \(7\) must be 2N"),
+    (_shapes(taps=(3, 5)), [1], r"taps must be \[H, C\] = \[3, 4\]"),
     (_shapes(d=(2,)), [1], "d has 2 entries for 3 channels"),
-    (_shapes(p_out=(5, 8)), [1], r"p_end and p_out must be \[C, 2N\] = \[4, 8\]"),
+    (_shapes(p_end=(5, 8)), [1], r"p_end must be \[C, 2N\] = \[4, 8\]"),
+    (_shapes(p_out_t=(8, 5)), [1], r"p_out_t must be \[2N, C\] = \[8, 4\]"),
     (_shapes(S=4), [1], r"p_step must be \[S, 2N\] with S > C = 4"),
-    (_shapes(ct=(4, 2)), [1], r"ct_t_re and ct_t_im must be \[N, H\] = \[4, 3\]"),
+    (_shapes(ct=(2, 8)), [1], r"ct must be \[H, 2N\] = \[3, 8\]"),
     (_shapes(B=2), [1], "lengths must have one entry per sample"),
     (_shapes(), [9], r"lengths\[0\] = 9 outside \[0, 8\]"),
 ])
