@@ -207,8 +207,9 @@ def scanned_by_op(xs: TensorValue, lengths: TensorValue, g: dict, c, device):
     each prompt's last token [B, 2 H N]) by the Mojo op (mojo/pha_gss_scan.mojo: per
     sample and channel, each chunk's own final state and the in-chunk Toeplitz sum from
     the tables, the state entering each chunk by P_{m+1} = A**C P_m + S_m in float64, the
-    chunks past each prompt skipped, then the state through the last chunk's tokens): what
-    the matmuls, ``carried_by_matmuls`` and ``_state_after_last`` compute on the plain path."""
+    chunks past each prompt skipped, and the state after the last token from the state
+    entering its chunk and the chunk's inputs): what the matmuls, ``carried_by_matmuls``
+    and ``_state_after_last`` compute on the plain path."""
     H, N = c.gss_hidden_dim, c.dss_state_size
     B = xs.shape[0]
     y, state = ops.custom(
