@@ -63,14 +63,16 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int, ldp: Int
 
 def pack_panel[MD: DType](packed: F32P, m: Pointer[Scalar[MD], MutUntrackedOrigin], panel: Int, N: Int, K: Int):
     """Panel ``panel`` of m [N, K]: packed[panel][k, j] = m[panel * NB + j, k], 0 past N
-    (m's entries widened to float32 if they are bfloat16)."""
+    (m's entries widened to float32 if they are bfloat16). Written a row of the panel at
+    a time, so the stores run along memory; the reads step through the panel's NB rows of
+    m, whose cache lines stay in the first-level cache for the next k."""
     var out = packed.unsafe_offset(panel * K * NB)
-    for j in range(NB):
-        var n = panel * NB + j
-        if n < N:
-            var src = m.unsafe_offset(n * K)
-            for k in range(K):
-                out[unsafe_offset=k * NB + j] = src[unsafe_offset=k].cast[F32]()
-        else:
-            for k in range(K):
-                out[unsafe_offset=k * NB + j] = 0
+    var first = panel * NB
+    var cols = max(0, min(NB, N - first))
+    var src = m.unsafe_offset(first * K)
+    for k in range(K):
+        var row = out.unsafe_offset(k * NB)
+        for j in range(cols):
+            row[unsafe_offset=j] = src[unsafe_offset=j * K + k].cast[F32]()
+        for j in range(cols, NB):
+            row[unsafe_offset=j] = 0
