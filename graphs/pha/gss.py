@@ -69,16 +69,17 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
     kin = np.where(gap >= 0, K[np.maximum(gap, 0)].transpose(2, 0, 1), 0.0)  # [H, C, C]
     chunk_powers = np.exp(np.outer(np.arange(n_chunks(config)) * C, lam))
     zero = np.zeros((1, 2 * lam.shape[0]))
+    p_out = np.concatenate([powers[1:].real, -powers[1:].imag], axis=1)  # [C, 2N]
     abar = np.exp(lam)
     return {
         "abar_re": np.tile(abar.real, H), "abar_im": np.tile(abar.imag, H),
         "ct_re_flat": ct.real.reshape(-1), "ct_im_flat": ct.imag.reshape(-1),
         "ct_t_re": ct.real.T, "ct_t_im": ct.imag.T,
         "kin": kin, "p_end": _pairs(powers[C - 1 :: -1][:C]),
-        "p_out": np.concatenate([powers[1:].real, -powers[1:].imag], axis=1),
+        "p_out": p_out,
         "p_chunk": np.concatenate([_pairs(chunk_powers), zero]),
         "p_step": np.concatenate([_pairs(powers), zero]),
-        "taps": K.T, "p_out_t": np.concatenate([powers[1:].real, -powers[1:].imag], axis=1).T,
+        "taps": K.T, "p_out_t": p_out.T,
         "ct_rows": _pairs(ct),
     }
 
