@@ -8,15 +8,20 @@ are float32; the big matrices take the weight dtype (float32 or bfloat16), and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, Weight, ops
 
-from .op_names import OP_LINEAR
+from .op_names import OP_LINEAR, OP_LINEAR_PACKED
 
 F32 = DType.float32
 I64 = DType.int64
 U64 = DType.uint64
+# srm_linear_packed's activations (mojo/linear_packed.mojo ACT_*)
+ACT_NONE, ACT_GELU = 0, 1
 
 
 def cpu_ops_run(kernels: bool, device: DeviceRef) -> bool:
@@ -45,16 +50,58 @@ class NamedWeights:
 
 
 
-def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None,
-           op_device: DeviceRef | None = None) -> TensorValue:
-    """x [..., in] @ w[out, in]^T + b as float32.
+@dataclass(frozen=True)
+class PackedWeights:
+    """The float32 matrices an engine packed at load, in one flat array that a graph takes
+    as an input (``mats`` [S]), and where each weight's packed copy starts in it, by the
+    weight's name (srm_max/models/srm/packing.py ``pack_matrix``'s layout)."""
+
+    mats: TensorValue
+    offsets: Mapping[str, int]
+    device: DeviceRef
+
+
+# how ``linear`` runs a product: MAX's matmul (None), the linear op on a CPU device, or
+# the packed-weight linear op on the engine's packed copies
+Dense = DeviceRef | PackedWeights | None
+
+
+def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None,
+           op_device: Dense = None, gelu: bool = False, times: TensorValue | None = None) -> TensorValue:
+    """x [..., in] @ w[out, in]^T + b as float32; with ``gelu``, the exact GELU of that;
+    with ``times`` (shaped as the result), that times ``times``.
 
     ``ops.matmul`` in w's dtype: the input cast to it, the result back to float32 (with
     bfloat16 weights both round to bfloat16). With ``op_device`` (a CPU device whose graph
     loads the kernel library), through the Mojo op srm_linear (mojo/linear.mojo) instead,
     which rounds where the matmul does: its register-tiled product does more of the FMA
     peak than ``ops.matmul`` at these models' shapes, and a graph whose products all take
-    it compiles no matmul kernel, the dearest kind to compile (docs/testing.md)."""
+    it compiles no matmul kernel, the dearest kind to compile (docs/testing.md). That op
+    packs w on every call; with ``PackedWeights`` (float32 weights; w a named weight whose
+    packed copy they hold) the op srm_linear_packed (mojo/linear_packed.mojo) reads the
+    copy packed at load instead, and applies the GELU and the product by ``times`` to its
+    tiles in cache (one pass over the output less each)."""
+    if not isinstance(op_device, PackedWeights):
+        y = _linear(x, w, b, op_device)
+        y = ops.gelu(y) if gelu else y
+        return y if times is None else y * times
+    n_out = int(w.shape[0])
+    name = getattr(w, "name", None)
+    if w.dtype != F32 or name not in op_device.offsets:
+        raise ValueError(f"no packed float32 copy of the weight {name!r}")
+    device = op_device.device
+    if b is None:
+        b = const(np.zeros(n_out, np.float32), F32, device)
+    layer = const(np.array([op_device.offsets[name], ACT_GELU if gelu else ACT_NONE], np.int64), I64, device)
+    rows = ops.reshape(x, [-1, x.shape[-1]])
+    scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])
+    y = ops.custom(OP_LINEAR_PACKED, device=device, values=[rows, op_device.mats, layer, b, scale],
+                   out_types=[TensorType(F32, [rows.shape[0], n_out], device)])[0].tensor
+    return ops.reshape(y, [*x.shape[:-1], n_out])
+
+
+def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_device: DeviceRef | None):
+    """``linear`` by MAX's matmul or by srm_linear on ``op_device``."""
     if op_device is None:
         h = x if x.dtype == w.dtype else ops.cast(x, w.dtype)
         y = ops.matmul(h, ops.transpose(w, 0, 1))
@@ -72,7 +119,6 @@ def linear(x: TensorValue, w: TensorValue, b: TensorValue | None = None,
     return ops.reshape(y, [*x.shape[:-1], n_out])
 
 
-
 _KEEPALIVE: list[np.ndarray] = []
 
 
@@ -82,7 +128,6 @@ def const(array: np.ndarray, dtype: DType, device: DeviceRef) -> TensorValue:
     array = np.ascontiguousarray(array)
     _KEEPALIVE.append(array)
     return ops.constant(array, dtype, device=device)
-
 
 
 def floor_div_nonnegative(x: TensorValue, divisor: int) -> TensorValue:

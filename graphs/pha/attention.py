@@ -6,15 +6,15 @@ Query head h reads KV head h // G (G = Hq / Hkv). q and k are L2-normalised and 
 
 from __future__ import annotations
 
-from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.graph import TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE
-from ..ops import F32, linear
+from ..ops import F32, Dense, linear
 from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 
 def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
-                 K: _Consts, tiled: bool = False, dense_op: DeviceRef | None = None):
+                 K: _Consts, tiled: bool = False, dense_op: Dense = None):
     """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, T, Hkv*dh]),
     the keys and values at the T positions (``model.PrefillStates`` places them in the
     state's caches).

@@ -26,10 +26,10 @@ state in float64 from the table's A**C.
 from __future__ import annotations
 
 import numpy as np
-from max.graph import DeviceRef, TensorType, TensorValue, ops
+from max.graph import TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_GSS_SCAN
-from ..ops import F32, I64, const, floor_div_nonnegative, linear
+from ..ops import F32, I64, Dense, const, floor_div_nonnegative, linear
 
 # Prefill chunk (tokens). The scan costs O(T C H) inside chunks and O((T / C)**2 N H)
 # between them on the plain path; 64 balances the two at T = 8192, N = 512.
@@ -93,17 +93,17 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
             "taps": [H, C], "p_out_t": [2 * N, C], "ct_rows": [H, 2 * N]}
 
 
-def _projections(x: TensorValue, g: dict, c, dense_op: DeviceRef | None = None):
+def _projections(x: TensorValue, g: dict, c, dense_op: Dense = None):
     """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v))); ``dense_op``: the
     products through the linear op (``graphs.ops.linear``)."""
-    u = ops.gelu(linear(x, g["to_u"], op_device=dense_op))
-    xn = ops.layer_norm(ops.gelu(linear(x, g["to_v"], g["to_v_b"], dense_op)), g["norm_w"], g["norm_b"],
+    u = linear(x, g["to_u"], op_device=dense_op, gelu=True)
+    xn = ops.layer_norm(linear(x, g["to_v"], g["to_v_b"], dense_op, gelu=True), g["norm_w"], g["norm_b"],
                         epsilon=c.norm_eps)
     return u, xn
 
 
-def _out(y: TensorValue, u: TensorValue, g: dict, dense_op: DeviceRef | None = None) -> TensorValue:
-    return linear(linear(y, g["to_gate"], op_device=dense_op) * u, g["to_out"], g["to_out_b"], dense_op)
+def _out(y: TensorValue, u: TensorValue, g: dict, dense_op: Dense = None) -> TensorValue:
+    return linear(linear(y, g["to_gate"], op_device=dense_op, times=u), g["to_out"], g["to_out_b"], dense_op)
 
 
 def _cmul(ar, ai, br, bi):
@@ -112,7 +112,7 @@ def _cmul(ar, ai, br, bi):
 
 
 def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, lengths: TensorValue,
-                g: dict, c, device, scan_op: bool = False, dense_op: DeviceRef | None = None):
+                g: dict, c, device, scan_op: bool = False, dense_op: Dense = None):
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).

@@ -9,7 +9,7 @@ import numpy as np
 from max.graph import DeviceRef, TensorValue, Weight, ops
 
 from .. import ops as gops
-from ..ops import F32, I64, linear
+from ..ops import F32, I64, Dense, linear
 from .gss import gss_table_shapes, gss_tables
 
 
@@ -256,7 +256,7 @@ def _rope(x: TensorValue, angle: TensorValue, heads: int, K: _Consts) -> TensorV
     return x * ops.cos(angle) + K.rotate_half(x, heads) * ops.sin(angle)
 
 
-def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: DeviceRef | None = None):
+def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: Dense = None):
     """Normalised, rotated q (times the logit scale) and k, and v; flat channels; with
     plain ops (the prefill with the Mojo ops: ``attention.qk_rope_op``).
 
@@ -272,8 +272,8 @@ def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: D
             linear(x, a["v"], op_device=dense_op))
 
 
-def _ffn(x: TensorValue, f: dict, dense_op: DeviceRef | None = None) -> TensorValue:
-    return linear(ops.gelu(linear(x, f["fc"], f["fc_b"], dense_op)), f["proj"], f["proj_b"], dense_op)
+def _ffn(x: TensorValue, f: dict, dense_op: Dense = None) -> TensorValue:
+    return linear(linear(x, f["fc"], f["fc_b"], dense_op, gelu=True), f["proj"], f["proj_b"], dense_op)
 
 
 def _masked_softmax(logits: TensorValue, keep: TensorValue, bound: float) -> TensorValue:

@@ -9,12 +9,13 @@ both are right (tests/models/pha/test_pha_engine.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..ops import I64, cpu_ops_run, floor_div_nonnegative, linear
+from ..ops import F32, I64, Dense, PackedWeights, cpu_ops_run, floor_div_nonnegative, linear
 from ..scoring import rows_logprobs, score_input_types
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
@@ -34,21 +35,22 @@ def prefix_input_types(device: DeviceRef) -> list[TensorType]:
 
 def dense_op_device(wdtype: DType, tiled: bool, device: DeviceRef) -> DeviceRef | None:
     """Where a prefill's dense layers run through the linear op (``graphs.ops.linear``;
-    None: MAX's matmul): with bfloat16 weights in a graph with the Mojo ops, where MAX's
-    bfloat16 matmul on a CPU is far slower than the op's float32 product over the widened
-    weights. With float32 weights the matmul stays: the op packs each weight on every
-    call, which costs the PHA's prefill more than its product saves (docs/pha_engine.md)."""
+    None: MAX's matmul) when the graph reads no packed copies of them: with bfloat16 weights
+    in a graph with the Mojo ops, where MAX's bfloat16 matmul on a CPU is far slower than
+    the op's float32 product over the widened weights. With float32 weights the matmul
+    stays: the op packs each weight on every call, which costs the PHA's prefill more than
+    its product saves (docs/pha_engine.md); the packed-weight op does not."""
     return device if tiled and wdtype == DType.bfloat16 else None
 
 
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
                device: DeviceRef, tiled: bool = False,
-               dense_op: DeviceRef | None = None) -> tuple[TensorValue, list[TensorValue]]:
+               dense_op: Dense = None) -> tuple[TensorValue, list[TensorValue]]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
     each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
     and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
     ``gss.gss_prefill``; the graph needs the kernel library); ``dense_op``: the dense
-    layers through the linear op (``dense_op_device``)."""
+    layers through the linear op (``dense_op_device``) or the packed-weight one."""
     c, C = W.config, CHUNK
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
@@ -79,18 +81,22 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
 
 
 def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                            name: str | None = None, kernel_library: Path | None = None) -> Graph:
+                            name: str | None = None, kernel_library: Path | None = None,
+                            packed: Mapping[str, int] | None = None) -> Graph:
     """Prefill of right-padded prompts (B and the number of chunks M symbolic; T = M C).
     With ``kernel_library`` on a CPU the attention is the tiled Mojo op
     (mojo/pha_prefill_attention.mojo), the GSS state crosses the chunks by the scan op
     (mojo/pha_gss_scan.mojo), the Mojo ops compute and reduce the scored positions'
-    logits, and with bfloat16 weights the dense layers are the linear op
+    logits, and the dense layers are the linear op on packed copies of the float32 weights
+    with ``packed`` (each weight's offset in them, by name: the graph then takes the
+    copies as its last input), or with bfloat16 weights the linear op on the weights
     (``dense_op_device``); else plain ops with a [T, T] score matrix and an [M, M]
     decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64, score_at [B, R] int64 positions to score (0 .. T-1; R
-             symbolic: 1 in a prefill) and targets [B, R] int64 the token to score at each.
+             symbolic: 1 in a prefill) and targets [B, R] int64 the token to score at each;
+             with ``packed``, the packed copies [S] float32 (graphs/ops.py ``PackedWeights``).
     Outputs: logits [B, V] at each prompt's last token (the engine draws the first new
              token from them with the sample graph), states [L, B, X], then at each
              scored position log_softmax(logits)[target] [B, R] and the K likeliest
@@ -100,12 +106,16 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     c, C = config, CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     tiled = cpu_ops_run(kernel_library is not None, device)  # the op is CPU code
+    if packed is not None and not (tiled and wdtype == F32):
+        raise ValueError("packed weights are for a float32 prefill with the Mojo ops on a CPU")
     input_types = prefix_input_types(device) + score_input_types(device)
+    if packed is not None:
+        input_types.append(TensorType(F32, ["packed"], device))
     with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
                custom_extensions=[kernel_library] if tiled else []) as g:
-        ids, pos, pos_cols, lengths, score_at, targets = (v.tensor for v in g.inputs)
+        ids, pos, pos_cols, lengths, score_at, targets, *mats = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
-        dense_op = dense_op_device(wdtype, tiled, device)
+        dense_op = PackedWeights(mats[0], packed, device) if mats else dense_op_device(wdtype, tiled, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled, dense_op)
         last = lengths - 1
         m = floor_div_nonnegative(last, C)

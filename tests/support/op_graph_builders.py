@@ -17,7 +17,7 @@ from max.graph import Dim, Graph, SymbolicDim, TensorType, ops
 
 from srm_max.graphs import sampler
 from srm_max.graphs.pha.model import PrefillStates, StateLayout
-from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
+from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_LINEAR_PACKED, OP_PHA_GSS_SCAN,
                                      OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.models.pha.config import PHAConfig
@@ -216,6 +216,21 @@ LINEAR = _linear_piece(F32)
 # the same op on bfloat16 weights (a piece of its own: the op is compiled per weight dtype)
 LINEAR_BF16 = "srm_linear_bf16_weights"
 LINEAR_BF16_WEIGHTS = _linear_piece(DType.bfloat16)
+
+
+def _linear_packed_body(values, dev):
+    rows, mats, layer, bias, scale = values
+    return ops.custom(OP_LINEAR_PACKED, device=dev, values=[rows, mats, layer, bias, scale],
+                      out_types=[TensorType(F32, [rows.shape[0], bias.shape[0]], dev)])
+
+
+# (x [R, K], mats [S], layer [A], b [N], scale [SR, SN]) -> act(x @ w^T + b) (* scale)
+# [R, N], w the [N, K] matrix packed at mats[layer[0]:], act the activation layer[1];
+# layer's and scale's sizes their own dimensions, so that a wrong one reaches the op's checks
+LINEAR_PACKED = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["S"], dev),
+                                     TensorType(I64, ["A"], dev), TensorType(F32, ["N"], dev),
+                                     TensorType(F32, ["SR", "SN"], dev)],
+                        _linear_packed_body, 1, {"A": 2})
 
 
 def sample_rows_graph(dev, vocab: int):

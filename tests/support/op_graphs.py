@@ -21,7 +21,7 @@ from max.dtype import DType
 from max.engine import InferenceSession
 from max.graph import DeviceRef, StaticDim
 
-from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_PHA_GSS_SCAN,
+from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_LINEAR_PACKED, OP_PHA_GSS_SCAN,
                                      OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
                                      OP_SCORE_ROWS, OP_STEP_FUNCTIONAL)
 from srm_max.runtime.compile_cache import load_compiled
@@ -44,6 +44,7 @@ PIECES = {
     OP_SCORE_ROWS: build.SCORE_ROWS,
     OP_LINEAR: build.LINEAR,
     build.LINEAR_BF16: build.LINEAR_BF16_WEIGHTS,
+    OP_LINEAR_PACKED: build.LINEAR_PACKED,
     OP_PHA_PREFILL_ATTENTION: build.PHA_ATTENTION,
     OP_PHA_GSS_SCAN: build.PHA_GSS_SCAN,
     OP_PHA_QK_ROPE: build.PHA_QK_ROPE,

@@ -108,12 +108,13 @@ def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths,
 def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
     """Built, not compiled: the default CPU engine's prefill graph (which also scores) calls the op
     (and the op that prepares q and k), ``kernels=False`` (the GPU path's graph) has the [T, T]
-    softmax instead. With float32 weights the dense layers keep MAX's matmul
-    (``graphs.pha.prefill.dense_op_device``)."""
+    softmax instead. With float32 weights the dense layers read the decode op's packed
+    matrices, not the linear op that packs per call (tests/models/pha/test_linear_packed_op.py)."""
     from srm_max.models.pha.engine import PHAEngine
 
     cpu_graph = str(PHAEngine(CONFIG, weights).graph_job("prefill").graph())
-    assert OP_PHA_PREFILL_ATTENTION in cpu_graph and OP_PHA_QK_ROPE in cpu_graph and OP_LINEAR not in cpu_graph
+    assert OP_PHA_PREFILL_ATTENTION in cpu_graph and OP_PHA_QK_ROPE in cpu_graph
+    assert f'"{OP_LINEAR}"' not in cpu_graph
     plain_graph = str(PHAEngine(CONFIG, weights, kernels=False).graph_job("prefill").graph())
     assert OP_PHA_PREFILL_ATTENTION not in plain_graph and OP_PHA_QK_ROPE not in plain_graph
 

@@ -20,6 +20,7 @@ import pytest
 
 from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
 from srm_max.graphs.op_names import OP_LINEAR
+from tests.support.dense_cases import eighths, many_rows
 from tests.support.graphs import op_graphs
 from tests.support.op_graph_builders import LINEAR_BF16
 from tests.support.op_graphs import model
@@ -42,11 +43,6 @@ def srm_linear_bf16(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
     w16 = Buffer.from_numpy(to_bfloat16_bits(w)).view(DType.bfloat16)
     out = model(LINEAR_BF16).execute(np.ascontiguousarray(x, np.float32), w16, np.ascontiguousarray(b, np.float32))
     return out[0].to_numpy()
-
-
-def eighths(rng, shape, spread: int = 3) -> np.ndarray:
-    """Values k / 8 for integers |k| <= spread: products and sums of them are exact in float32."""
-    return (rng.integers(-spread, spread + 1, shape) / 8).astype(np.float32)
 
 
 @pytest.mark.parametrize("R, K, N", [(1, 1, 1), (1, 16, 16), (7, 3, 20), (23, 33, 37), (31, 64, 17),
@@ -73,14 +69,8 @@ def test_bfloat16_weights_round_each_sum_before_the_bias(R, K, N):
 
 
 def test_many_rows_between_the_cores():
-    """Enough blocks of rows that every core takes some, random (inexact) values; every
-    row written, none past its own."""
-    rng = np.random.default_rng(5)
-    R, K, N = 4003, 96, 130
-    x = rng.standard_normal((R, K)).astype(np.float32)
-    w = (rng.standard_normal((N, K)) / 8).astype(np.float32)
-    b = rng.standard_normal(N).astype(np.float32)
-    expected = x.astype(np.float64) @ w.astype(np.float64).T + b
+    """Enough blocks of rows that every core takes some; every row written, none past its own."""
+    x, w, b, expected = many_rows()
     np.testing.assert_allclose(srm_linear(x, w, b), expected, rtol=0, atol=1e-4)
 
 

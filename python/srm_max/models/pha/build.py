@@ -17,20 +17,31 @@ from .config import PHAConfig
 GRAPH_SALT = b"pha-graphs-v2"
 
 
+def prefill_reads_packed(config: PHAConfig, wdtype: DType, cpu_ops: bool) -> bool:
+    """Whether the prefill graph runs its dense layers on the decode op's packed float32
+    copies of the matrices (mojo/linear_packed.mojo, a graph input; ``PHAEngine`` packs
+    them at load wherever the op runs the model): with the Mojo ops on a CPU (``cpu_ops``)
+    for float32 weights and a model the decode op runs."""
+    return cpu_ops and wdtype == DType.float32 and packing.supported(config) is None
+
+
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind`` ("prefill", which also scores, "decode", "sample" or "regroup"). The decode graph
     always uses one Mojo op (its in-place state write). With the Mojo ops (``kernels``) on a
     CPU there is "decode_steps" too: every step of a decode call in one op
     (mojo/pha_decode_step.mojo), and the prefill graph's attention and GSS scan are Mojo ops
     (mojo/pha_prefill_attention.mojo with mojo/pha_qk_rope.mojo, mojo/pha_gss_scan.mojo), as is the reduction of its
-    scored logits (mojo/score_head.mojo, mojo/score_rows.mojo); ``kernels`` changes no other graph."""
+    scored logits (mojo/score_head.mojo, mojo/score_rows.mojo) and the dense layers
+    (``prefill_reads_packed``, else with bfloat16 weights mojo/linear.mojo); ``kernels``
+    changes no other graph."""
     cpu_ops = kernel_library() if kernels and device.is_cpu() else None
     if kind == "sample":
         return build_sample_graph(config.vocab_size, device, kernel_library=cpu_ops)
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
     if kind == "prefill":
-        return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops)
+        packed = packing.matrix_offsets(config) if prefill_reads_packed(config, wdtype, cpu_ops is not None) else None
+        return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops, packed=packed)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())
     if kind == "decode_steps" and kernels and device.is_cpu() and packing.supported(config) is None:
@@ -38,4 +49,4 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     raise ValueError(f"unknown PHA graph kind {kind!r} (kernels={kernels}, device {device})")
 
 
-__all__ = ["GRAPH_SALT", "build_graph"]
+__all__ = ["GRAPH_SALT", "build_graph", "prefill_reads_packed"]

@@ -30,6 +30,7 @@ from ...graphs import pha as pha_graphs
 from ...runtime.call_types import DecodeResult
 from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
 from ...graphs.scoring import top_width
+from ...runtime.device import DTYPES
 from ...runtime.drawn import steps_scores
 from . import build, packing
 from .config import PHAConfig
@@ -77,7 +78,8 @@ class PHAEngine(CompiledGraphs):
                  device: str = "cpu", kernels: bool | None = None):
         """``kernels``: run the prefill's and score's attention and GSS scan as the tiled Mojo
         ops (mojo/pha_prefill_attention.mojo, its queries and keys prepared by
-        mojo/pha_qk_rope.mojo; mojo/pha_gss_scan.mojo) instead of plain ops,
+        mojo/pha_qk_rope.mojo; mojo/pha_gss_scan.mojo) instead of plain ops, with float32
+        weights its dense layers on the decode op's packed matrices (mojo/linear_packed.mojo),
         and decode every step of a call in one Mojo op (mojo/pha_decode_step.mojo, on
         copies of the matrices packed at load: they take as much memory again) instead of
         one decode-graph call per step. Default (None): on a CPU, as bench/pha_long_context.py
@@ -102,6 +104,9 @@ class PHAEngine(CompiledGraphs):
         # the model's arrays as inputs, these buffers over the registry's arrays
         self._op_arrays = [a if isinstance(a, Buffer) else self.to_device(np.asarray(a))
                            for a in packing.op_arrays(config, self.weights)] if self.decode_op else []
+        # the prefill's dense layers read the same packed matrices (its last input)
+        reads_packed = build.prefill_reads_packed(config, DTYPES[self.dtype], self.kernels)
+        self._prefill_arrays = [self._op_arrays[packing.MATS_ARRAY]] if reads_packed else []
 
     @property
     def steps_in_one_op(self) -> bool:
@@ -152,7 +157,7 @@ class PHAEngine(CompiledGraphs):
     def _run_prefill(self, rows, lengths, start, start_states, scoring) -> list[Buffer]:
         ids, pos, lengths = self._chunked(rows)
         return self.prefill_model.execute(self.to_device(ids), self.to_device(pos), self.to_device(pos.copy()),
-                                          self.to_device(lengths), *scoring)
+                                          self.to_device(lengths), *scoring, *self._prefill_arrays)
 
     def decode(self, ids, positions, states: Buffer, sampling, steps: int = 1,
                logprobs: int | None = None, donate_states: bool = False) -> DecodeResult:

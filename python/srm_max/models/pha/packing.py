@@ -1,5 +1,6 @@
 """Weights laid out for the PHA's whole-step decode op (mojo/pha_decode_step.mojo), made
-once at load.
+once at load; the float32 prefill with the Mojo ops reads its dense layers from the same
+packed matrices (mojo/linear_packed.mojo at ``matrix_offsets``).
 
 Every matrix the op multiplies by is packed as the SRM's op packs them
 (``srm.packing.pack_matrix``: panels of 64 output columns, each its [K, width]
@@ -51,10 +52,22 @@ def _block(config, l: int) -> str:
     return f"blocks.{l}.branches."
 
 
+# each matrix slot's checkpoint key in its block (after ``_block``)
+_MATRIX_KEYS = {"to_u": "gss.to_u.weight", "to_v": "gss.to_v.weight", "gate": "gss.to_gate.weight",
+                "out": "gss.to_out.weight", "q": "attn.q_proj.weight", "k": "attn.k_proj.weight",
+                "va": "attn.v_proj.weight", "o": "attn.o_proj.weight"}
+_MATRIX_KEYS |= {f"fc{i}": f"ffn_{i}.fc.weight" for i in range(MAX_FFN)}
+_MATRIX_KEYS |= {f"proj{i}": f"ffn_{i}.proj.weight" for i in range(MAX_FFN)}
+
+
+def _head_key(config) -> str:
+    return "embed.weight" if config.tie_embeddings else "lm_head.weight"
+
+
 def _tensors(config, l: int, full: dict) -> dict[str, np.ndarray]:
     """Block l's arrays by slot name: matrices [out, in] (torch layout), vectors flat."""
     c, b = config, _block(config, l)
-    t: dict[str, np.ndarray] = {}
+    t: dict[str, np.ndarray] = {slot: full[b + key] for slot, key in _MATRIX_KEYS.items() if _present(c, slot)}
     if "gss" in c.branches:
         g = b + "gss."
         N = c.dss_state_size
@@ -62,20 +75,16 @@ def _tensors(config, l: int, full: dict) -> dict[str, np.ndarray]:
         def derived(k):
             return full[derived_name(l, "gss." + k)]
 
-        t |= {"to_u": full[g + "to_u.weight"], "to_v": full[g + "to_v.weight"], "gate": full[g + "to_gate.weight"],
-              "out": full[g + "to_out.weight"], "to_v_b": full[g + "to_v.bias"], "norm_w": full[g + "dss.norm.weight"],
+        t |= {"to_v_b": full[g + "to_v.bias"], "norm_w": full[g + "dss.norm.weight"],
               "norm_b": full[g + "dss.norm.bias"], "D": full[g + "dss.param_D"], "out_b": full[g + "to_out.bias"],
               # Abar depends on the mode only: the derived tables repeat it per channel
               "abar_re": derived("abar_re")[:N], "abar_im": derived("abar_im")[:N],
               "ct_re": derived("ct_re_flat"), "ct_im": derived("ct_im_flat")}
     if "attn" in c.branches:
-        a = b + "attn."
-        t |= {"q": full[a + "q_proj.weight"], "k": full[a + "k_proj.weight"], "va": full[a + "v_proj.weight"],
-              "o": full[a + "o_proj.weight"], "scale": full[derived_name(l, "attn.scale")]}
+        t["scale"] = full[derived_name(l, "attn.scale")]
     for i in range(len(c.ffn_dims)):
         f = b + f"ffn_{i}."
-        t |= {f"fc{i}": full[f + "fc.weight"], f"fc_b{i}": full[f + "fc.bias"], f"proj{i}": full[f + "proj.weight"],
-              f"proj_b{i}": full[f + "proj.bias"]}
+        t |= {f"fc_b{i}": full[f + "fc.bias"], f"proj_b{i}": full[f + "proj.bias"]}
     for i, name in enumerate(c.branch_names):
         t[f"branch_norm{i}"] = full[derived_name(l, f"branch_norm.{name}")]
     p = f"blocks.{l}."
@@ -176,7 +185,7 @@ def decode_step_weights(config, full: dict[str, np.ndarray]) -> dict[str, np.nda
                 flat = np.asarray(t[slot], np.float32).reshape(-1)
                 assert flat.size == _size(c, slot), slot
                 vecs[at:at + flat.size] = flat
-    head = full["embed.weight"] if c.tie_embeddings else full["lm_head.weight"]
+    head = full[_head_key(c)]
     packed = pack_matrix(np.asarray(head, np.float32))
     mats[dims[DIMS.index("head")]:][:packed.size] = packed
     freq = rope_frequencies(c)
@@ -184,18 +193,38 @@ def decode_step_weights(config, full: dict[str, np.ndarray]) -> dict[str, np.nda
     return {MATS: mats, VECS: vecs}
 
 
+def matrix_offsets(config) -> dict[str, int]:
+    """Where each matrix's packed copy starts in ``MATS``, by the weight's name (checkpoint
+    key): what the float32 prefill with the Mojo ops reads its dense layers from
+    (graphs/ops.py ``PackedWeights``)."""
+    lay, dims, _, _ = layout(config)
+    offsets = {_head_key(config): int(dims[DIMS.index("head")])}
+    for l in range(config.n_layers):
+        for j, slot in enumerate(SLOTS):
+            if slot in _MATRIX_KEYS and lay[l, j] >= 0:
+                offsets[_block(config, l) + _MATRIX_KEYS[slot]] = int(lay[l, j])
+    return offsets
+
+
 def matrix_names() -> set[str]:
     """The packed arrays stored in the engine's weight dtype."""
     return {MATS}
 
 
+# where ``op_arrays`` puts MATS
+MATS_ARRAY = 1
+
+
 def op_arrays(config, registry: dict) -> list:
     """The model inputs of graphs/pha/decode.py's ``build_pha_decode_steps_graph``, in its
     order: from ``registry`` (``PHAEngine``'s weights, each in its dtype there) the
-    embedding and the packed matrices and vectors; then the layout, dims and scalars."""
+    embedding and the packed matrices (at ``MATS_ARRAY``) and vectors; then the layout,
+    dims and scalars."""
     offsets, dims, _, _ = layout(config)
-    return [registry["embed.weight"], registry[MATS], registry[VECS], offsets, dims, scalars(config)]
+    arrays = [registry["embed.weight"], registry[VECS], offsets, dims, scalars(config)]
+    arrays.insert(MATS_ARRAY, registry[MATS])
+    return arrays
 
 
-__all__ = ["DIMS", "MATS", "SLOTS", "VECS", "decode_step_weights", "layout", "matrix_names", "op_arrays",
-           "rope_frequencies", "scalars", "supported"]
+__all__ = ["DIMS", "MATS", "MATS_ARRAY", "SLOTS", "VECS", "decode_step_weights", "layout", "matrix_names",
+           "matrix_offsets", "op_arrays", "rope_frequencies", "scalars", "supported"]

@@ -1,0 +1,213 @@
+"""A dense layer on the CPU whose weight is already packed: one matrix of the decode ops'
+flat array of packed matrices, read in place.
+
+    srm_linear_packed(x [R, K] f32, mats [S] f32, layer [2] int64, b [N] f32,
+                      scale [R, N] or [0, 0] f32) -> y [R, N] f32
+
+y[r, n] = act(sum_k x[r, k] * w[n, k] + b[n]) (* scale[r, n] where scale is not empty),
+where w [N, K] is the matrix packed at element ``layer[0]`` of ``mats`` as
+srm_max/models/srm/packing.py ``pack_matrix`` packs it: its rows padded with zeros to a
+multiple of PAD, then panels of PANEL output columns, each its [K, width] transpose
+(width PANEL, the last one what is left), and act is the identity (``layer[1]`` = 0)
+or the exact GELU (1). The activation and the product by scale (the PHA's GSS gate) are
+applied to each tile in the first-level cache: each saves the graph a pass over y. The
+PHA engine packs every matrix so once at load for its decode op
+(srm_max/models/pha/packing.py); its float32 prefill runs its dense layers through this
+op on the same array, so no call packs anything (``srm_linear`` packs its weight on
+every call, which costs a short prompt more than the product saves).
+
+How: the register-tiled product (mojo/tiled_product.mojo) reads a panel of NB columns in
+place, its rows ``width`` floats apart: NB is PANEL with AVX-512, so a panel is one
+tile's columns, and a quarter of one with AVX2 (NB = 16, PAD). Only the last panel of a
+matrix can be narrower than NB (AVX-512, an output count that is not a multiple of
+PANEL); it is copied once per call into a zero-padded panel. Work items are (a block of
+BLOCK_ROWS rows, one panel of NB columns), taken from a shared counter by one worker per
+core, so one row (a prefill's output layer at each prompt's last token) still spreads
+its columns over the cores; rows past R in a block's last tile are read from a
+zero-padded copy.
+"""
+from std.atomic import Atomic
+from std.memory import stack_allocation
+from std.sys import num_physical_cores
+
+from extensibility import InputTensor, OutputTensor, register
+from max.algorithm import sync_parallelize
+from max.gpu.host import DeviceContext
+
+from .decode_step import PANEL, _padded
+from .linear import BLOCK_ROWS, MAX_WORKERS
+from .pha_decode_step import _gelu
+from .tiled_product import MR, NB, NV, W, tile_product
+
+comptime F32 = DType.float32
+comptime F32P = Pointer[Float32, MutUntrackedOrigin]
+comptime I64P = Pointer[Int64, MutUntrackedOrigin]
+comptime ACT_NONE = 0  # graphs/ops.py ``linear``
+comptime ACT_GELU = 1
+
+
+@always_inline
+def _panel_start(c0: Int, Np: Int, K: Int) -> Tuple[Int, Int, Bool]:
+    """Where the columns c0 .. c0 + NB of a packed matrix with Np padded outputs are:
+    (their first element's offset from the matrix's start, the stride of their panel's
+    rows, whether all NB lie in that panel)."""
+    var q = c0 // PANEL
+    var s = c0 - q * PANEL
+    var width = min(PANEL, Np - q * PANEL)
+    return (q * PANEL * K + s, width, s + NB <= width)
+
+
+@always_inline
+def _store_tile[gelu: Bool, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
+                                          scale: F32P):
+    """y[row0 + r, col0 + j] = act(t[r, j] + bias[j]) (* scale[row0 + r, col0 + j]) for
+    r < rows and col0 + j < N (t is [MR, NB], bias the panel's NB biases, zero past N;
+    scale [R, N] as y)."""
+    var cols = min(NB, N - col0)
+    for r in range(rows):
+        var at = (row0 + r) * N + col0
+        var out = y.unsafe_offset(at)
+        if cols == NB:
+            comptime for v in range(NV):
+                var s = t.unsafe_load[width=W](r * NB + v * W) + bias.unsafe_load[width=W](v * W)
+                comptime if gelu:
+                    s = _gelu(s)
+                comptime if scaled:
+                    s *= scale.unsafe_load[width=W](at + v * W)
+                out.unsafe_store(v * W, s)
+        else:
+            for j in range(cols):
+                var s = t.unsafe_load[width=1](r * NB + j) + bias.unsafe_load[width=1](j)
+                comptime if gelu:
+                    s = _gelu[1](s)
+                comptime if scaled:
+                    s *= scale.unsafe_load[width=1](at + j)
+                out.unsafe_store(j, s)
+
+
+@always_inline
+def _store(act: Int, scaled: Bool, y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
+           scale: F32P):
+    """``_store_tile`` of the call's activation and scaling."""
+    if act == ACT_GELU:
+        if scaled:
+            _store_tile[True, True](y, N, row0, rows, col0, t, bias, scale)
+        else:
+            _store_tile[True, False](y, N, row0, rows, col0, t, bias, scale)
+    elif scaled:
+        _store_tile[False, True](y, N, row0, rows, col0, t, bias, scale)
+    else:
+        _store_tile[False, False](y, N, row0, rows, col0, t, bias, scale)
+
+
+@register("srm_linear_packed")
+struct SrmLinearPacked:
+    @staticmethod
+    def execute[
+        target: StaticString,
+    ](
+        y: OutputTensor[dtype=DType.float32, rank=2, ...],
+        x: InputTensor[dtype=DType.float32, rank=2, ...],
+        mats: InputTensor[dtype=DType.float32, rank=1, ...],
+        layer: InputTensor[dtype=DType.int64, rank=1, ...],
+        b: InputTensor[dtype=DType.float32, rank=1, ...],
+        scale: InputTensor[dtype=DType.float32, rank=2, ...],
+        ctx: DeviceContext,
+    ) raises:
+        comptime if target != "cpu":
+            raise Error("srm_linear_packed: CPU only")
+        var R = x.dim_size(0)
+        var K = x.dim_size(1)
+        var N = y.dim_size(1)
+        if y.dim_size(0) != R:
+            raise Error("srm_linear_packed: y has ", y.dim_size(0), " rows for ", R, " rows of x")
+        if b.dim_size(0) != N:
+            raise Error("srm_linear_packed: b has ", b.dim_size(0), " entries for ", N, " outputs")
+        if layer.dim_size(0) != 2:
+            raise Error("srm_linear_packed: layer must hold an offset and an activation, got ",
+                        layer.dim_size(0), " entries")
+        var first = Int(layer[0])
+        var act = Int(layer[1])
+        if act != ACT_NONE and act != ACT_GELU:
+            raise Error("srm_linear_packed: unknown activation ", act)
+        var scaled = scale.dim_size(0) * scale.dim_size(1) != 0
+        if scaled and (scale.dim_size(0) != R or scale.dim_size(1) != N):
+            raise Error("srm_linear_packed: scale must be [", R, ", ", N, "] or empty, got [", scale.dim_size(0),
+                        ", ", scale.dim_size(1), "]")
+        var Np = _padded(N)
+        if first < 0 or first + Np * K > mats.dim_size(0):
+            raise Error("srm_linear_packed: a packed [", N, ", ", K, "] matrix at ", first,
+                        " does not fit in mats of ", mats.dim_size(0))
+        if R == 0 or N == 0:
+            return
+        var w = F32P(unsafe_from_address=Int(mats.unsafe_ptr())).unsafe_offset(first)
+        var panels = (Np + NB - 1) // NB
+        # the last panel, zero-padded to NB columns where it is narrower (AVX-512 only)
+        var last = _panel_start((panels - 1) * NB, Np, K)
+        var narrow_store = List[Float32](length=0 if last[2] else K * NB, fill=0)
+        var narrow = F32P(unsafe_from_address=Int(narrow_store.unsafe_ptr()))
+        if not last[2]:
+            var width = last[1]
+            var cols = Np - (panels - 1) * NB
+            for k in range(K):
+                for j in range(cols):
+                    narrow[unsafe_offset=k * NB + j] = w[unsafe_offset=last[0] + k * width + j]
+
+        var bias_store = List[Float32](length=panels * NB, fill=0)
+        for n in range(N):
+            bias_store[n] = b[n]
+        var bias = F32P(unsafe_from_address=Int(bias_store.unsafe_ptr()))
+        var x_in = F32P(unsafe_from_address=Int(x.unsafe_ptr()))
+        var scale_in = F32P(unsafe_from_address=Int(scale.unsafe_ptr()))
+        var y_out = F32P(unsafe_from_address=Int(y.unsafe_ptr()))
+        var blocks = (R + BLOCK_ROWS - 1) // BLOCK_ROWS
+        var workers = min(num_physical_cores(), MAX_WORKERS)
+        # an item is a block of rows times every panel where the blocks keep the cores
+        # busy, else times one panel (a few rows still spread their columns over the cores)
+        var per_item = panels if blocks >= 4 * workers else 1
+        var groups = (panels + per_item - 1) // per_item
+        var items = blocks * groups
+        workers = min(workers, items)
+        var next_item = List[Int64](length=1, fill=0)
+        var counter = I64P(unsafe_from_address=Int(next_item.unsafe_ptr()))
+
+        def work(worker: Int) {
+            var w, var narrow, var bias, var x_in, var y_out, var counter, var R, var K, var N, var Np, var panels,
+            var items, var groups, var per_item, var act, var scaled, var scale_in
+        }:
+            # the last tile's rows of x, zero past R
+            var tail_store = List[Float32](length=MR * K, fill=0)
+            var tail = F32P(unsafe_from_address=Int(tail_store.unsafe_ptr()))
+            var tail_block = -1
+            var t = F32P(unsafe_from_address=Int(stack_allocation[MR * NB, Float32]()))
+            while True:
+                var item = Int(Atomic[Int64].fetch_add(counter, 1))
+                if item >= items:
+                    break
+                var block = item // groups
+                var group = item - block * groups
+                var row_first = block * BLOCK_ROWS
+                var n = min(BLOCK_ROWS, R - row_first)
+                var tiles = (n + MR - 1) // MR
+                var full = n // MR  # tiles with MR rows of x
+                if full < tiles and tail_block != block:
+                    var r0 = row_first + full * MR
+                    for i in range(MR * K):
+                        tail[unsafe_offset=i] = x_in[unsafe_offset=r0 * K + i] if i < (R - r0) * K else 0
+                    tail_block = block
+                for panel in range(group * per_item, min(panels, (group + 1) * per_item)):
+                    var where = _panel_start(panel * NB, Np, K)
+                    var p = w.unsafe_offset(where[0]) if where[2] else narrow
+                    var ldp = where[1] if where[2] else NB
+                    for g in range(tiles):
+                        var row0 = row_first + g * MR
+                        var src = x_in.unsafe_offset(row0 * K) if g < full else tail
+                        tile_product(t, NB, src, K, p, K, ldp)
+                        _store(act, scaled, y_out, N, row0, min(MR, R - row0), panel * NB, t,
+                               bias.unsafe_offset(panel * NB), scale_in)
+            _ = tail_store^
+
+        sync_parallelize(work, workers)
+        _ = narrow_store^
+        _ = bias_store^
+        _ = next_item^

@@ -1,0 +1,164 @@
+"""The packed-weight dense layer op (mojo/linear_packed.mojo, ``srm_linear_packed``: y = x @
+w^T + b, or its exact GELU, with w read from its packed copy at an offset of a flat array)
+against numpy's float64 product, on the PHA decode op's own packed matrices, and the PHA
+prefill graphs that call it.
+
+Most inputs are small multiples of 1/8, so that every sum is exact in float32 whatever its
+order: the op must then equal the float64 product exactly. The shapes cross the op's
+edges: output counts that are not a multiple of the packing's row padding (16), of a
+packed panel (64) or of the op's register tile (16 or 64 columns), so that the last panel
+is narrower than a tile; row counts below one register tile (5 or 6 rows), off it and
+across several blocks of rows; inner widths off the k unrolling and the SIMD width; and
+matrices packed one after another in one array, read at their offsets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from srm_max.graphs.ops import ACT_GELU, ACT_NONE
+from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
+from srm_max.models.pha import packing
+from srm_max.models.srm.packing import pack_matrix
+from tests.support.dense_cases import eighths, many_rows
+from tests.support.graphs import op_graphs
+from tests.support.op_graphs import model
+from tests.support.pha import CONFIG, random_pha
+
+pytestmark = op_graphs(OP_LINEAR_PACKED)
+
+
+def linear_packed(x: np.ndarray, mats: np.ndarray, at: int, b: np.ndarray, act: int = ACT_NONE,
+                  scale: np.ndarray | None = None) -> np.ndarray:
+    """The op on x [R, K] and the matrix packed at ``mats[at:]`` -> y [R, len(b)]."""
+    scale = np.zeros((0, 0), np.float32) if scale is None else scale
+    out = model(OP_LINEAR_PACKED).execute(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(mats, np.float32),
+                                          np.array([at, act], np.int64), np.ascontiguousarray(b, np.float32),
+                                          np.ascontiguousarray(scale, np.float32))
+    return out[0].to_numpy()
+
+
+def gelu64(v: np.ndarray) -> np.ndarray:
+    """The exact GELU in float64."""
+    return 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+
+
+def packed_after(*matrices: np.ndarray, lead: int = 40) -> tuple[np.ndarray, list[int]]:
+    """The matrices packed one after another behind ``lead`` floats of garbage (and some
+    after them): the flat array and each one's offset."""
+    parts, offsets, at = [np.full(lead, 7.5, np.float32)], [], lead
+    for m in matrices:
+        packed = pack_matrix(m)
+        parts.append(packed)
+        offsets.append(at)
+        at += packed.size
+    parts.append(np.full(9, -3.25, np.float32))
+    return np.concatenate(parts), offsets
+
+
+@pytest.mark.parametrize("R, K, N", [(1, 1, 1), (1, 16, 16), (7, 3, 20), (23, 33, 37), (31, 64, 17), (5, 8, 80),
+                                     (61, 256, 256), (16, 257, 1001), (2, 37, 130), (4, 256, 4096), (3, 5, 65),
+                                     (100, 64, 112), (37, 24, 48)])
+def test_exact_products_at_an_offset(R, K, N):
+    rng = np.random.default_rng(R * 10_000 + K * 10 + N)
+    x, w, b = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N)
+    other = eighths(rng, (N + 3, K))  # packed before w: w starts at an offset of its own
+    mats, (_, at) = packed_after(other, w)
+    expected = x.astype(np.float64) @ w.astype(np.float64).T + b
+    np.testing.assert_array_equal(linear_packed(x, mats, at, b), expected)
+
+
+@pytest.mark.parametrize("R, K, N", [(1, 16, 16), (7, 3, 20), (23, 33, 37), (61, 256, 1024), (5, 8, 80)])
+def test_the_gelu_of_the_products(R, K, N):
+    """The activation on every stored column, the narrow last panel's included."""
+    rng = np.random.default_rng(R * 10_000 + K * 10 + N + 2)
+    x, w, b = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N)
+    mats, (at,) = packed_after(w)
+    expected = gelu64(x.astype(np.float64) @ w.astype(np.float64).T + b)
+    np.testing.assert_allclose(linear_packed(x, mats, at, b, ACT_GELU), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [ACT_NONE, ACT_GELU])
+@pytest.mark.parametrize("R, K, N", [(1, 16, 16), (7, 3, 20), (61, 256, 1024), (5, 8, 80)])
+def test_the_products_times_a_scale(R, K, N, act):
+    """Each stored entry times its entry of ``scale`` (the GSS gate), after the activation."""
+    rng = np.random.default_rng(R * 10_000 + K * 10 + N + 3)
+    x, w, b, scale = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N), eighths(rng, (R, N))
+    mats, (at,) = packed_after(w)
+    y = x.astype(np.float64) @ w.astype(np.float64).T + b
+    expected = (gelu64(y) if act == ACT_GELU else y) * scale
+    np.testing.assert_allclose(linear_packed(x, mats, at, b, act, scale), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_many_rows_between_the_cores():
+    """Enough blocks of rows that every core takes some; every row written, none past its own."""
+    x, w, b, expected = many_rows()
+    mats, (at,) = packed_after(w)
+    np.testing.assert_allclose(linear_packed(x, mats, at, b), expected, rtol=0, atol=1e-4)
+
+
+def test_no_rows():
+    rng = np.random.default_rng(6)
+    mats, (at,) = packed_after(eighths(rng, (3, 8)))
+    assert linear_packed(np.zeros((0, 8), np.float32), mats, at, eighths(rng, 3)).shape == (0, 3)
+
+
+def test_every_matrix_of_the_pha_decode_ops_packing():
+    """The op on ``packing.decode_step_weights``' MATS at each weight's offset
+    (``packing.matrix_offsets``, what the prefill graph reads) is that weight's product."""
+    from srm_max.graphs import pha as pha_graphs
+
+    reference = random_pha(CONFIG, seed=2)
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in reference.state_dict().items()}
+    full = {k: weights[k] for k in pha_graphs.graph_weight_names(CONFIG)} | pha_graphs.derived_weights(CONFIG, weights)
+    mats = packing.decode_step_weights(CONFIG, full)[packing.MATS]
+    offsets = packing.matrix_offsets(CONFIG)
+    # every block's dense layers and the output layer
+    assert len(offsets) == CONFIG.n_layers * (2 * len(CONFIG.ffn_dims) + 8) + 1
+    rng = np.random.default_rng(3)
+    for name, at in offsets.items():
+        w = full[name]
+        x = rng.standard_normal((9, w.shape[1])).astype(np.float32)
+        b = rng.standard_normal(w.shape[0]).astype(np.float32)
+        np.testing.assert_allclose(linear_packed(x, mats, at, b), x.astype(np.float64) @ w.T + b, rtol=0, atol=1e-4,
+                                   err_msg=name)
+
+
+def test_bad_inputs_are_refused_naming_the_problem():
+    rng = np.random.default_rng(7)
+    x, w, b = eighths(rng, (3, 8)), eighths(rng, (5, 8)), eighths(rng, 5)
+    mats, (at,) = packed_after(w)
+    for bad_at in (-1, mats.size - 16 * 8 + 1):
+        with pytest.raises(Exception, match=r"a packed \[5, 8\] matrix at .* does not fit in mats of"):
+            linear_packed(x, mats, bad_at, b)
+    with pytest.raises(Exception, match="layer must hold an offset and an activation, got 3 entries"):
+        model(OP_LINEAR_PACKED).execute(x, mats, np.array([at, 0, 0], np.int64), b, np.zeros((0, 0), np.float32))
+    with pytest.raises(Exception, match="unknown activation 2"):
+        linear_packed(x, mats, at, b, act=2)
+    with pytest.raises(Exception, match=r"scale must be \[3, 5\] or empty, got \[3, 4\]"):
+        linear_packed(x, mats, at, b, scale=eighths(rng, (3, 4)))
+
+
+def test_the_float32_pha_prefill_reads_the_packed_matrices():
+    """Built, not compiled: the float32 CPU prefill graph with the Mojo ops runs every dense
+    layer and the output layer through the packed-weight op (the GELUs after the GSS's
+    input projections and the FFNs' first layers inside it) and compiles no matmul; with
+    bfloat16 weights the linear op packs per call; the plain graph keeps MAX's matmul.
+    (That they compute what the reference does: the PHA engine tests.)"""
+    from max.dtype import DType
+    from max.graph import DeviceRef
+
+    from srm_max.models.pha.build import build_graph
+
+    def graph(dtype, kernels):
+        return str(build_graph("prefill", CONFIG, dtype, DeviceRef.CPU(), kernels))
+
+    packed = graph(DType.float32, True)
+    assert packed.count(OP_LINEAR_PACKED) == len(packing.matrix_offsets(CONFIG))
+    assert "matmul" not in packed and f'"{OP_LINEAR}"' not in packed and "gelu" not in packed
+    assert OP_LINEAR_PACKED not in graph(DType.bfloat16, True)
+    plain = graph(DType.float32, False)
+    assert OP_LINEAR_PACKED not in plain and "matmul" in plain
