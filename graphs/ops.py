@@ -90,14 +90,9 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
     if w.dtype != F32 or name not in op_device.offsets:
         raise ValueError(f"no packed float32 copy of the weight {name!r}")
     device = op_device.device
-    if b is None:
-        b = const(np.zeros(n_out, np.float32), F32, device)
     layer = const(np.array([op_device.offsets[name], ACT_GELU if gelu else ACT_NONE], np.int64), I64, device)
-    rows = ops.reshape(x, [-1, x.shape[-1]])
     scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])
-    y = ops.custom(OP_LINEAR_PACKED, device=device, values=[rows, op_device.mats, layer, b, scale],
-                   out_types=[TensorType(F32, [rows.shape[0], n_out], device)])[0].tensor
-    return ops.reshape(y, [*x.shape[:-1], n_out])
+    return _rows_op(OP_LINEAR_PACKED, x, [op_device.mats, layer, _bias(b, n_out, device), scale], n_out, device)
 
 
 def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_device: DeviceRef | None):
@@ -109,13 +104,22 @@ def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_d
             y = ops.cast(y, F32)
         return y if b is None else y + b
     n_out = int(w.shape[0])
-    if b is None:
-        b = const(np.zeros(n_out, np.float32), F32, op_device)
     if w.dtype != F32:  # the op reads x as float32: round it as the matmul's cast would
         x = ops.cast(ops.cast(x, w.dtype), F32)
+    return _rows_op(OP_LINEAR, x, [w, _bias(b, n_out, op_device)], n_out, op_device)
+
+
+def _bias(b: TensorValue | None, n_out: int, device: DeviceRef) -> TensorValue:
+    """The linear ops' bias: ``b``, or zeros where the layer has none."""
+    return const(np.zeros(n_out, np.float32), F32, device) if b is None else b
+
+
+def _rows_op(name: str, x: TensorValue, operands: list[TensorValue], n_out: int, device: DeviceRef) -> TensorValue:
+    """The linear op ``name`` on x's rows (x [..., in] taken as [rows, in], then
+    ``operands``), its float32 [rows, n_out] result shaped back to [..., n_out]."""
     rows = ops.reshape(x, [-1, x.shape[-1]])
-    y = ops.custom(OP_LINEAR, device=op_device, values=[rows, w, b],
-                   out_types=[TensorType(F32, [rows.shape[0], n_out], op_device)])[0].tensor
+    y = ops.custom(name, device=device, values=[rows, *operands],
+                   out_types=[TensorType(F32, [rows.shape[0], n_out], device)])[0].tensor
     return ops.reshape(y, [*x.shape[:-1], n_out])
 
 
