@@ -43,7 +43,8 @@ memory depend only on shapes):
     times the ratio of the FLOPs per prompt, above 1 where the engine does its FLOPs faster;
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
-    n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it.
+    n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it; timed at
+    each context right after the MAX engines.
 Every timing is run ``--repeats`` times after one warm-up; the JSON keeps every run
 (``*_runs``), the best, and the spread (slowest / fastest - 1). Graphs are compiled (or
 loaded from the cache) before anything is timed, per context (the KV cache length is a
@@ -538,18 +539,19 @@ def main(argv=None) -> dict:
                     row["prefill_percent_of_fma_peak"] = percent_of_peak(row["prefill_flops"], row["prefill_seconds"],
                                                                          run["fma_peak"])
         run["rows"] += rows
-        run["load_average_after"] = list(os.getloadavg())
-        write_json(out, result)  # partial results survive an interrupted run
         del engines
-    if not (args.state_only or args.no_llama_cpp):
-        with tempfile.TemporaryDirectory() as tmp:
-            run["llama_cpp"] = llama_cpp_rows(contexts, batches, args.steps, args.repeats, Path(tmp),
-                                              lambda n: configs("pha", n, args.quick), args.llama_cpp_threads)
-        if "fma_peak" in run:
-            for ll in run["llama_cpp"]:
+        if not (args.state_only or args.no_llama_cpp):
+            # right after the MAX engines at this context: the host's speed drifts within
+            # minutes, so each ratio compares timings taken as close together as they can be
+            with tempfile.TemporaryDirectory() as tmp:
+                llama = llama_cpp_rows([n], batches, args.steps, args.repeats, Path(tmp),
+                                       lambda n: configs("pha", n, args.quick), args.llama_cpp_threads)
+            for ll in llama if "fma_peak" in run else ():
                 seconds = ll["batch"] * ll["prompt_tokens"] / ll["prompt_tokens_per_s"]
                 ll["prompt_percent_of_fma_peak"] = percent_of_peak(ll["prompt_flops"], seconds, run["fma_peak"])
+            run["llama_cpp"] += llama
         run["load_average_after"] = list(os.getloadavg())
+        write_json(out, result)  # partial results survive an interrupted run
     write_json(out, summarized(result))
     print(json.dumps(result["against_llama_cpp"], indent=1))
     print(f"wrote {out}")

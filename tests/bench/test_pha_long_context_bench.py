@@ -256,3 +256,32 @@ def test_the_prefill_per_flop_weighs_the_ratio_by_the_flops_per_token():
     assert entry["prefill"] == 0.9 and entry["prefill_flops_per_token_over_llama_cpp"] == pytest.approx(1.5)
     assert entry["prefill_per_flop"] == pytest.approx(1.35)
     assert bench.percent_of_peak(2e9, 0.5, {"flops": 8e9}) == 50
+
+
+def test_llama_cpp_runs_at_each_context_right_after_the_max_engines(tmp_path, monkeypatch):
+    """The host's speed drifts within minutes: llama.cpp is timed at a context as soon as
+    the MAX engines there are, before the next context's engines are built."""
+    import srm_max.runtime.precompile
+
+    order = []
+
+    def engine_of(name, config, path="op", dtype="float32"):
+        order.append(("max", config.context_length))
+        return Recording()
+
+    def llama_cpp_rows(contexts, batches, steps, repeats, workdir, pha_config_of, threads=2):
+        order.append(("llama.cpp", list(contexts)))
+        return [{"context": n, "batch": B, "threads": threads, "decode_tokens_per_s": 10.0,
+                 "prompt_tokens_per_s": 10.0} for n in contexts for B in batches]
+
+    monkeypatch.setattr(bench, "engine_of", engine_of)
+    monkeypatch.setattr(bench, "llama_cpp_rows", llama_cpp_rows)
+    monkeypatch.setattr(bench, "stream_bytes_per_s", lambda repeats=5: 1e10)
+    monkeypatch.setattr(bench, "reread_bytes_per_s", lambda nbytes, repeats=20: 1e10)
+    monkeypatch.setattr(srm_max.runtime.precompile, "precompile", lambda jobs: None)
+    out = tmp_path / "run.json"
+    result = bench.main(["--quick", "--contexts", "128", "256", "--models", "pha", "--batches", "1", "--no-prefill",
+                         "--repeats", "1", "--out", str(out)])
+    assert order == [("max", 128), ("llama.cpp", [128]), ("max", 256), ("llama.cpp", [256])]
+    assert [ll["context"] for ll in result["runs"][0]["llama_cpp"]] == [128, 256]
+    assert [(e["context"], e["batch"]) for e in result["against_llama_cpp"]] == [(128, 1), (256, 1)]
