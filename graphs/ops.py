@@ -20,8 +20,10 @@ from .op_names import OP_LINEAR, OP_LINEAR_PACKED
 F32 = DType.float32
 I64 = DType.int64
 U64 = DType.uint64
-# srm_linear_packed's activations (mojo/linear_packed.mojo ACT_*)
-ACT_NONE, ACT_GELU = 0, 1
+# srm_linear_packed's activations (mojo/linear_packed.mojo ACT_*), and each as plain ops
+ACT_NONE, ACT_GELU, ACT_SILU = 0, 1, 2
+ACTIVATIONS = {None: ACT_NONE, "gelu": ACT_GELU, "silu": ACT_SILU}
+_PLAIN_ACTIVATIONS = {"gelu": ops.gelu, "silu": ops.silu}
 
 
 def cpu_ops_run(kernels: bool, device: DeviceRef) -> bool:
@@ -52,13 +54,18 @@ class NamedWeights:
 
 @dataclass(frozen=True)
 class PackedWeights:
-    """The float32 matrices an engine packed at load, in one flat array that a graph takes
-    as an input (``mats`` [S]), and where each weight's packed copy starts in it, by the
-    weight's name (srm_max/models/srm/packing.py ``pack_matrix``'s layout)."""
+    """Float32 copies of a graph's matrices that an engine packed at load
+    (srm_max/models/srm/packing.py ``pack_matrix``'s layout), by the weight's name: the
+    flat array that holds the copy (a graph input or a weight) and where in it the copy
+    starts."""
 
-    mats: TensorValue
-    offsets: Mapping[str, int]
+    at: Mapping[str, tuple[TensorValue, int]]
     device: DeviceRef
+
+    @classmethod
+    def in_one_array(cls, mats: TensorValue, offsets: Mapping[str, int], device: DeviceRef) -> PackedWeights:
+        """Every copy in the one flat array ``mats`` [S], at ``offsets`` by name."""
+        return cls({name: (mats, offset) for name, offset in offsets.items()}, device)
 
 
 # how ``linear`` runs a product: MAX's matmul (None), the linear op on a CPU device, or
@@ -67,9 +74,9 @@ Dense = DeviceRef | PackedWeights | None
 
 
 def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None,
-           op_device: Dense = None, gelu: bool = False, times: TensorValue | None = None) -> TensorValue:
-    """x [..., in] @ w[out, in]^T + b as float32; with ``gelu``, the exact GELU of that;
-    with ``times`` (shaped as the result), that times ``times``.
+           op_device: Dense = None, activation: str | None = None, times: TensorValue | None = None) -> TensorValue:
+    """x [..., in] @ w[out, in]^T + b as float32; with ``activation`` ("gelu": the exact
+    GELU, "silu"), that of it; with ``times`` (shaped as the result), that times ``times``.
 
     ``ops.matmul`` in w's dtype: the input cast to it, the result back to float32 (with
     bfloat16 weights both round to bfloat16). With ``op_device`` (a CPU device whose graph
@@ -79,20 +86,23 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
     it compiles no matmul kernel, the dearest kind to compile (docs/testing.md). That op
     packs w on every call; with ``PackedWeights`` (float32 weights; w a named weight whose
     packed copy they hold) the op srm_linear_packed (mojo/linear_packed.mojo) reads the
-    copy packed at load instead, and applies the GELU and the product by ``times`` to its
-    tiles in cache (one pass over the output less each)."""
+    copy packed at load instead, and applies the activation and the product by ``times``
+    to its tiles in cache (one pass over the output less each)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
     if not isinstance(op_device, PackedWeights):
         y = _linear(x, w, b, op_device)
-        y = ops.gelu(y) if gelu else y
+        y = _PLAIN_ACTIVATIONS[activation](y) if activation else y
         return y if times is None else y * times
     n_out = int(w.shape[0])
     name = getattr(w, "name", None)
-    if w.dtype != F32 or name not in op_device.offsets:
+    if w.dtype != F32 or name not in op_device.at:
         raise ValueError(f"no packed float32 copy of the weight {name!r}")
     device = op_device.device
-    layer = const(np.array([op_device.offsets[name], ACT_GELU if gelu else ACT_NONE], np.int64), I64, device)
+    mats, offset = op_device.at[name]
+    layer = const(np.array([offset, ACTIVATIONS[activation]], np.int64), I64, device)
     scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])
-    return _rows_op(OP_LINEAR_PACKED, x, [op_device.mats, layer, _bias(b, n_out, device), scale], n_out, device)
+    return _rows_op(OP_LINEAR_PACKED, x, [mats, layer, _bias(b, n_out, device), scale], n_out, device)
 
 
 def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_device: DeviceRef | None):

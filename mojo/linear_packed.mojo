@@ -8,13 +8,14 @@ y[r, n] = act(sum_k x[r, k] * w[n, k] + b[n]) (* scale[r, n] where scale is not 
 where w [N, K] is the matrix packed at element ``layer[0]`` of ``mats`` as
 srm_max/models/srm/packing.py ``pack_matrix`` packs it: its rows padded with zeros to a
 multiple of PAD, then panels of PANEL output columns, each its [K, width] transpose
-(width PANEL, the last one what is left), and act is the identity (``layer[1]`` = 0)
-or the exact GELU (1). The activation and the product by scale (the PHA's GSS gate) are
-applied to each tile in the first-level cache: each saves the graph a pass over y. The
-PHA engine packs every matrix so once at load for its decode op
-(srm_max/models/pha/packing.py); its float32 prefill runs its dense layers through this
-op on the same array, so no call packs anything (``srm_linear`` packs its weight on
-every call, which costs a short prompt more than the product saves).
+(width PANEL, the last one what is left), and act is the identity (``layer[1]`` = 0),
+the exact GELU (1) or SiLU (2). The activation and the product by scale (the PHA's GSS
+gate) are applied to each tile in the first-level cache: each saves the graph a pass
+over y. The SRM and PHA engines pack every matrix so once at load for their decode ops
+(srm_max/models/srm/packing.py, srm_max/models/pha/packing.py); their float32 prefills
+run their dense layers through this op on the same arrays, so no call packs anything
+(``srm_linear`` packs its weight on every call, which costs a short prompt more than
+the product saves).
 
 How: the register-tiled product (mojo/tiled_product.mojo) reads a panel of NB columns in
 place, its rows ``width`` floats apart: NB is PANEL with AVX-512, so a panel is one
@@ -34,7 +35,7 @@ from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
-from .decode_step import PANEL, _padded
+from .decode_step import PANEL, _padded, _silu
 from .linear import BLOCK_ROWS, MAX_WORKERS
 from .pha_decode_step import _gelu
 from .tiled_product import MR, NB, NV, W, tile_product
@@ -42,8 +43,9 @@ from .tiled_product import MR, NB, NV, W, tile_product
 comptime F32 = DType.float32
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
-comptime ACT_NONE = 0  # graphs/ops.py ``linear``
+comptime ACT_NONE = 0  # graphs/ops.py ``ACTIVATIONS``
 comptime ACT_GELU = 1
+comptime ACT_SILU = 2
 
 
 @always_inline
@@ -58,8 +60,18 @@ def _panel_start(c0: Int, Np: Int, K: Int) -> Tuple[Int, Int, Bool]:
 
 
 @always_inline
-def _store_tile[gelu: Bool, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
-                                          scale: F32P):
+def _activated[act: Int, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
+    comptime if act == ACT_GELU:
+        return _gelu[n](v)
+    elif act == ACT_SILU:
+        return _silu[n](v)
+    else:
+        return v
+
+
+@always_inline
+def _store_tile[act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
+                                       scale: F32P):
     """y[row0 + r, col0 + j] = act(t[r, j] + bias[j]) (* scale[row0 + r, col0 + j]) for
     r < rows and col0 + j < N (t is [MR, NB], bias the panel's NB biases, zero past N;
     scale [R, N] as y)."""
@@ -69,17 +81,13 @@ def _store_tile[gelu: Bool, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int,
         var out = y.unsafe_offset(at)
         if cols == NB:
             comptime for v in range(NV):
-                var s = t.unsafe_load[width=W](r * NB + v * W) + bias.unsafe_load[width=W](v * W)
-                comptime if gelu:
-                    s = _gelu(s)
+                var s = _activated[act, W](t.unsafe_load[width=W](r * NB + v * W) + bias.unsafe_load[width=W](v * W))
                 comptime if scaled:
                     s *= scale.unsafe_load[width=W](at + v * W)
                 out.unsafe_store(v * W, s)
         else:
             for j in range(cols):
-                var s = t.unsafe_load[width=1](r * NB + j) + bias.unsafe_load[width=1](j)
-                comptime if gelu:
-                    s = _gelu[1](s)
+                var s = _activated[act, 1](t.unsafe_load[width=1](r * NB + j) + bias.unsafe_load[width=1](j))
                 comptime if scaled:
                     s *= scale.unsafe_load[width=1](at + j)
                 out.unsafe_store(j, s)
@@ -89,15 +97,12 @@ def _store_tile[gelu: Bool, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int,
 def _store(act: Int, scaled: Bool, y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
            scale: F32P):
     """``_store_tile`` of the call's activation and scaling."""
-    if act == ACT_GELU:
-        if scaled:
-            _store_tile[True, True](y, N, row0, rows, col0, t, bias, scale)
-        else:
-            _store_tile[True, False](y, N, row0, rows, col0, t, bias, scale)
-    elif scaled:
-        _store_tile[False, True](y, N, row0, rows, col0, t, bias, scale)
-    else:
-        _store_tile[False, False](y, N, row0, rows, col0, t, bias, scale)
+    comptime for a in range(ACT_SILU + 1):
+        if act == a:
+            if scaled:
+                _store_tile[a, True](y, N, row0, rows, col0, t, bias, scale)
+            else:
+                _store_tile[a, False](y, N, row0, rows, col0, t, bias, scale)
 
 
 @register("srm_linear_packed")
@@ -128,7 +133,7 @@ struct SrmLinearPacked:
                         layer.dim_size(0), " entries")
         var first = Int(layer[0])
         var act = Int(layer[1])
-        if act != ACT_NONE and act != ACT_GELU:
+        if act < ACT_NONE or act > ACT_SILU:
             raise Error("srm_linear_packed: unknown activation ", act)
         var scaled = scale.dim_size(0) * scale.dim_size(1) != 0
         if scaled and (scale.dim_size(0) != R or scale.dim_size(1) != N):

@@ -96,8 +96,8 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
 def _projections(x: TensorValue, g: dict, c, dense_op: Dense = None):
     """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v))); ``dense_op``: the
     products through the linear op (``graphs.ops.linear``)."""
-    u = linear(x, g["to_u"], op_device=dense_op, gelu=True)
-    xn = ops.layer_norm(linear(x, g["to_v"], g["to_v_b"], dense_op, gelu=True), g["norm_w"], g["norm_b"],
+    u = linear(x, g["to_u"], op_device=dense_op, activation="gelu")
+    xn = ops.layer_norm(linear(x, g["to_v"], g["to_v_b"], dense_op, activation="gelu"), g["norm_w"], g["norm_b"],
                         epsilon=c.norm_eps)
     return u, xn
 

@@ -273,7 +273,7 @@ def _qkv(x: TensorValue, pos_f: TensorValue, a: dict, c, K: _Consts, dense_op: D
 
 
 def _ffn(x: TensorValue, f: dict, dense_op: Dense = None) -> TensorValue:
-    return linear(linear(x, f["fc"], f["fc_b"], dense_op, gelu=True), f["proj"], f["proj_b"], dense_op)
+    return linear(linear(x, f["fc"], f["fc_b"], dense_op, activation="gelu"), f["proj"], f["proj_b"], dense_op)
 
 
 def _masked_softmax(logits: TensorValue, keep: TensorValue, bound: float) -> TensorValue:

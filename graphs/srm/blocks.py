@@ -5,7 +5,7 @@ from __future__ import annotations
 from max.dtype import DType
 from max.graph import DeviceRef, TensorValue, Weight, ops
 
-from ..ops import F32, NamedWeights, linear
+from ..ops import F32, Dense, NamedWeights, linear
 
 
 class SRMWeights(NamedWeights):
@@ -31,13 +31,13 @@ def embed(weights: SRMWeights, ids: TensorValue) -> TensorValue:
     return x if x.dtype == F32 else ops.cast(x, F32)
 
 
-def channel_mlp(x: TensorValue, p: dict, eps: float, op_device: DeviceRef | None = None) -> TensorValue:
-    """x + W2 silu(W1 LN_c(x) + b1) + b2; with ``op_device`` the products run through the
-    Mojo op where ``linear`` allows it."""
+def channel_mlp(x: TensorValue, p: dict, eps: float, op_device: Dense = None) -> TensorValue:
+    """x + W2 silu(W1 LN_c(x) + b1) + b2; with ``op_device`` the products run through a
+    Mojo linear op as ``linear`` says."""
     h = ops.layer_norm(x, p["cn_w"], p["cn_b"], epsilon=eps)
-    h = ops.silu(linear(h, p["fc1_w"], p["fc1_b"], op_device))
+    h = linear(h, p["fc1_w"], p["fc1_b"], op_device, activation="silu")
     return x + linear(h, p["fc2_w"], p["fc2_b"], op_device)
 
 
-def logits_of(weights: SRMWeights, x: TensorValue, op_device: DeviceRef | None = None) -> TensorValue:
+def logits_of(weights: SRMWeights, x: TensorValue, op_device: Dense = None) -> TensorValue:
     return linear(x, weights.output(), op_device=op_device)

@@ -30,6 +30,7 @@ nothing overflows; long-range decays underflow harmlessly to 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +39,13 @@ from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .. import ops as gops
 from ..op_names import OP_SCAN
-from ..ops import F32, I64
+from ..ops import F32, I64, Dense, PackedWeights
 from ..scoring import rows_logprobs, score_input_types
 from .blocks import SRMWeights, channel_mlp, embed, logits_of
+
+# where the decode op's packed copy of each matrix lies, by the matrix's weight name:
+# (the packed weight's name, its shape, the copy's offset in it flattened)
+PackedCopies = Mapping[str, tuple[str, list[int], int]]
 
 # Mixer chunk length of the prefill scan. lam >= 0.9, so lam**(C-1) >= 0.9**31 ~ 0.04:
 # no under- or overflow inside a chunk; between chunks decay only shrinks.
@@ -122,13 +127,13 @@ def _mixer_scan_kernel(u: TensorValue, last: TensorValue, start: TensorValue, in
 
 
 def srm_layers(W: SRMWeights, ids: TensorValue, pos: TensorValue, last: TensorValue, start: TensorValue,
-               init: TensorValue, device: DeviceRef, kernels: bool) -> tuple[TensorValue, TensorValue]:
+               init: TensorValue, device: DeviceRef, kernels: bool,
+               dense_op: Dense = None) -> tuple[TensorValue, TensorValue]:
     """Every layer over right-padded prompts (the inputs of the module docs) ->
     (x [B, N, C, d] after the last layer, states [L, B, H, hd] after each prompt's last
     token). With ``kernels`` the mixer runs as the Mojo scan op, else as the chunked scan;
-    with ``kernels`` on a CPU the dense layers run as the Mojo op (``gops.linear``)."""
+    ``dense_op``: how the dense layers run (``gops.linear``)."""
     c = W.config
-    dense_op = device if gops.cpu_ops_run(kernels, device) else None
     apos = None if kernels else absolute_positions(pos, start, c)
     x = embed(W, ids)  # [B, N, C, d]
     states = []
@@ -159,13 +164,31 @@ def prefix_input_types(config, device: DeviceRef) -> list[TensorType]:
     ]
 
 
+def packed_weights(W: SRMWeights, packed: PackedCopies, device: DeviceRef) -> PackedWeights:
+    """The decode op's packed float32 copies as the dense layers' weights: each packed
+    weight taken flat, each matrix at its offset in it."""
+    flat: dict[str, TensorValue] = {}
+    at = {}
+    for matrix, (name, shape, offset) in packed.items():
+        if name not in flat:
+            flat[name] = ops.reshape(W.get(name, shape), [-1])
+        at[matrix] = (flat[name], offset)
+    return PackedWeights(at, device)
+
+
 def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: DeviceRef | None = None,
-                        name: str | None = None, kernel_library: Path | None = None) -> Graph:
+                        name: str | None = None, kernel_library: Path | None = None,
+                        packed: PackedCopies | None = None) -> Graph:
     """``schema`` names the weights (``srm_max.models.srm.schema``); with ``kernel_library``
     (the Mojo package) the mixer runs as its scan op instead of the chunked scan, and on a
-    CPU the Mojo ops compute and reduce the scored positions' logits."""
+    CPU the Mojo ops compute and reduce the scored positions' logits and run the dense
+    layers: on the decode op's packed float32 copies of the matrices with ``packed`` (the
+    graph then binds those weights too), else through the linear op that packs per call."""
     device = device or DeviceRef.CPU()
     kernels = kernel_library is not None
+    cpu_ops = gops.cpu_ops_run(kernels, device)
+    if packed is not None and not (cpu_ops and wdtype == F32):
+        raise ValueError("packed weights are for a float32 prefill with the Mojo ops on a CPU")
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")
@@ -174,8 +197,9 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
     with Graph(name, input_types=input_types, custom_extensions=extensions) as g:
         ids, pos, last, start, init, score_at, targets = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
-        x, states = srm_layers(W, ids, pos, last, start, init, device, kernels)
+        row_op = device if cpu_ops else None  # the Mojo ops are CPU code
+        dense_op = packed_weights(W, packed, device) if packed is not None else row_op
+        x, states = srm_layers(W, ids, pos, last, start, init, device, kernels, dense_op)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
-        row_op = device if gops.cpu_ops_run(kernels, device) else None  # the Mojo ops are CPU code
-        g.output(logits_of(W, xl, row_op), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        g.output(logits_of(W, xl, dense_op), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
     return g

@@ -1,5 +1,5 @@
 """The packed-weight dense layer op (mojo/linear_packed.mojo, ``srm_linear_packed``: y = x @
-w^T + b, or its exact GELU, with w read from its packed copy at an offset of a flat array)
+w^T + b, or its exact GELU or SiLU, with w read from its packed copy at an offset of a flat array)
 against numpy's float64 product, on the PHA decode op's own packed matrices, and the PHA
 prefill graphs that call it.
 
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 
-from srm_max.graphs.ops import ACT_GELU, ACT_NONE
+from srm_max.graphs.ops import ACT_GELU, ACT_NONE, ACT_SILU
 from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
 from srm_max.models.pha import packing
 from srm_max.models.srm.packing import pack_matrix
@@ -44,6 +44,13 @@ def linear_packed(x: np.ndarray, mats: np.ndarray, at: int, b: np.ndarray, act: 
 def gelu64(v: np.ndarray) -> np.ndarray:
     """The exact GELU in float64."""
     return 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2)))
+
+
+def silu64(v: np.ndarray) -> np.ndarray:
+    return v / (1 + np.exp(-v))
+
+
+ACTIVATED = {ACT_NONE: lambda v: v, ACT_GELU: gelu64, ACT_SILU: silu64}
 
 
 def packed_after(*matrices: np.ndarray, lead: int = 40) -> tuple[np.ndarray, list[int]]:
@@ -71,17 +78,18 @@ def test_exact_products_at_an_offset(R, K, N):
     np.testing.assert_array_equal(linear_packed(x, mats, at, b), expected)
 
 
+@pytest.mark.parametrize("act", [ACT_GELU, ACT_SILU])
 @pytest.mark.parametrize("R, K, N", [(1, 16, 16), (7, 3, 20), (23, 33, 37), (61, 256, 1024), (5, 8, 80)])
-def test_the_gelu_of_the_products(R, K, N):
+def test_the_activation_of_the_products(R, K, N, act):
     """The activation on every stored column, the narrow last panel's included."""
     rng = np.random.default_rng(R * 10_000 + K * 10 + N + 2)
     x, w, b = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N)
     mats, (at,) = packed_after(w)
-    expected = gelu64(x.astype(np.float64) @ w.astype(np.float64).T + b)
-    np.testing.assert_allclose(linear_packed(x, mats, at, b, ACT_GELU), expected, rtol=1e-6, atol=1e-6)
+    expected = ACTIVATED[act](x.astype(np.float64) @ w.astype(np.float64).T + b)
+    np.testing.assert_allclose(linear_packed(x, mats, at, b, act), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("act", [ACT_NONE, ACT_GELU])
+@pytest.mark.parametrize("act", [ACT_NONE, ACT_GELU, ACT_SILU])
 @pytest.mark.parametrize("R, K, N", [(1, 16, 16), (7, 3, 20), (61, 256, 1024), (5, 8, 80)])
 def test_the_products_times_a_scale(R, K, N, act):
     """Each stored entry times its entry of ``scale`` (the GSS gate), after the activation."""
@@ -89,7 +97,7 @@ def test_the_products_times_a_scale(R, K, N, act):
     x, w, b, scale = eighths(rng, (R, K)), eighths(rng, (N, K)), eighths(rng, N), eighths(rng, (R, N))
     mats, (at,) = packed_after(w)
     y = x.astype(np.float64) @ w.astype(np.float64).T + b
-    expected = (gelu64(y) if act == ACT_GELU else y) * scale
+    expected = ACTIVATED[act](y) * scale
     np.testing.assert_allclose(linear_packed(x, mats, at, b, act, scale), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -136,8 +144,9 @@ def test_bad_inputs_are_refused_naming_the_problem():
             linear_packed(x, mats, bad_at, b)
     with pytest.raises(Exception, match="layer must hold an offset and an activation, got 3 entries"):
         model(OP_LINEAR_PACKED).execute(x, mats, np.array([at, 0, 0], np.int64), b, np.zeros((0, 0), np.float32))
-    with pytest.raises(Exception, match="unknown activation 2"):
-        linear_packed(x, mats, at, b, act=2)
+    for act in (-1, ACT_SILU + 1):
+        with pytest.raises(Exception, match=f"unknown activation {act}"):
+            linear_packed(x, mats, at, b, act=act)
     with pytest.raises(Exception, match=r"scale must be \[3, 5\] or empty, got \[3, 4\]"):
         linear_packed(x, mats, at, b, scale=eighths(rng, (3, 4)))
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
-from srm_max.graphs.op_names import OP_LINEAR
+from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
 from tests.support.dense_cases import eighths, many_rows
 from tests.support.graphs import op_graphs
 from tests.support.op_graph_builders import LINEAR_BF16
@@ -88,19 +88,28 @@ def test_bad_inputs_are_refused():
         srm_linear(x, w, eighths(rng, 4))
 
 
-def test_the_srm_layers_use_the_op_on_a_cpu_with_the_mojo_ops():
+def test_the_srm_layers_use_the_linear_ops_on_a_cpu_with_the_mojo_ops():
     """Prefill and score on a CPU with the Mojo ops run their dense layers and the output
-    layer through srm_linear, in either weight dtype, and compile no matmul; the plain
-    graph keeps MAX's matmul.
+    layer through a linear op and compile no matmul: with float32 weights the packed-weight
+    op on the decode op's packed copies (the channel MLP's SiLU inside it), with bfloat16
+    srm_linear; the plain graph keeps MAX's matmul.
     (That they compute what the reference does: tests/models/srm/test_engine.py,
     test_scoring_engine.py and test_prefill_logprobs.py.)"""
     from max.dtype import DType
     from max.graph import DeviceRef
 
+    from srm_max.models.srm import packing
     from srm_max.models.srm.build import build_graph
 
-    for dtype in (DType.float32, DType.bfloat16):
-        with_op = str(build_graph("prefill", TINY, dtype, DeviceRef.CPU(), kernels=True))
-        assert with_op.count(OP_LINEAR) >= 4 * TINY.n_layers + 1  # and the output layer
-        assert "matmul" not in with_op  # no matmul kernel to compile (docs/testing.md)
-    assert OP_LINEAR not in str(build_graph("prefill", TINY, DType.float32, DeviceRef.CPU(), kernels=False))
+    def graph(dtype, kernels):
+        return str(build_graph("prefill", TINY, dtype, DeviceRef.CPU(), kernels=kernels))
+
+    packed = graph(DType.float32, True)
+    assert packed.count(OP_LINEAR_PACKED) == 4 * TINY.n_layers + 1  # and the output layer
+    assert len(packing.packed_copies(TINY)) == 4 * TINY.n_layers + 1
+    assert "matmul" not in packed and f'"{OP_LINEAR}"' not in packed and "silu" not in packed
+    bf16 = graph(DType.bfloat16, True)
+    assert bf16.count(f'"{OP_LINEAR}"') >= 4 * TINY.n_layers + 1 and OP_LINEAR_PACKED not in bf16
+    assert "matmul" not in bf16  # no matmul kernel to compile (docs/testing.md)
+    plain = graph(DType.float32, False)
+    assert OP_LINEAR not in plain and "matmul" in plain

@@ -18,6 +18,14 @@ from .config import SRMConfig
 GRAPH_SALT = b"srm-graphs-v2"
 
 
+def prefill_reads_packed(wdtype: DType, kernels: bool, device: DeviceRef) -> bool:
+    """Whether the prefill graph runs its dense layers on the decode op's packed float32
+    copies of the matrices (mojo/linear_packed.mojo; the engine loads them wherever the op
+    runs, ``packing``): with the Mojo ops on a CPU, for float32 weights (with bfloat16 the
+    copies are bfloat16, and the linear op packs the weights per call instead)."""
+    return cpu_ops_run(kernels, device) and wdtype == DType.float32
+
+
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
     """The graph ``kind``: "prefill" (also per-position log-probabilities), "decode", "sample" (``graphs.sampler.build_sample_graph``),
     "regroup" (``graphs.slots``), or with the Mojo ops on a CPU "decode_steps"."""
@@ -27,7 +35,8 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     if kind == "regroup":
         return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
     if kind == "prefill":
-        return build_prefill_graph(config, schema, wdtype, device, kernel_library=library)
+        packed = packing.packed_copies(config) if prefill_reads_packed(wdtype, kernels, device) else None
+        return build_prefill_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
     packed = packing.packed_inputs(config) if cpu_ops_run(kernels, device) else None
     if kind == "decode":
         return build_decode_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
@@ -36,4 +45,4 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     raise ValueError(f"unknown SRM graph kind {kind!r} (kernels={kernels}, device {device})")
 
 
-__all__ = ["GRAPH_SALT", "build_graph"]
+__all__ = ["GRAPH_SALT", "build_graph", "prefill_reads_packed"]

@@ -33,6 +33,25 @@ def pack_matrix(w: np.ndarray) -> np.ndarray:
     return np.concatenate([full[q:q + PANEL].T.reshape(-1) for q in range(0, len(full), PANEL)])
 
 
+# the layer matrices the op packs, by the role ``schema.layer_tensors`` gives each
+LAYER_MATRICES = {"fc1": "fc1_w", "fc2": "fc2_w", "proj": "proj_w", "out": "out_w"}
+
+
+def packed_copies(config) -> dict[str, tuple[str, list[int], int]]:
+    """Where the op's packed copy of each matrix lies, by the matrix's own weight name:
+    (the packed weight's name, its shape, the copy's offset in it flattened). The float32
+    prefill's dense layers read them there (graphs/ops.py ``PackedWeights``)."""
+    shape_of = shapes(config)
+    copies = {}
+    for l in range(config.n_layers):
+        tensors = schema.layer_tensors(config, l)
+        for kind, role in LAYER_MATRICES.items():
+            name = PREFIX + kind
+            copies[tensors[role].name] = (name, shape_of[name], l * shape_of[name][1])
+    copies[schema.OUTPUT] = (PREFIX + "head", shape_of[PREFIX + "head"], 0)
+    return copies
+
+
 # the op's weight inputs, in its argument order
 INPUTS = ("norms", "fc1_b", "biases", "w", "beta", "lam", "fc1", "fc2", "proj", "out", "head")
 
@@ -66,8 +85,7 @@ def step_tensors(layers: list[dict], head_w: np.ndarray) -> dict[str, np.ndarray
         "fc1_b": stack(lambda p: p["fc1_b"]),
         "biases": stack(lambda p: np.stack([p["fc2_b"], p["proj_b"], p["out_b"]])),
         "w": stack(lambda p: p["w"]), "beta": stack(lambda p: p["beta"]), "lam": stack(lambda p: p["lam"]),
-        "fc1": stack(lambda p: pack_matrix(p["fc1_w"])), "fc2": stack(lambda p: pack_matrix(p["fc2_w"])),
-        "proj": stack(lambda p: pack_matrix(p["proj_w"])), "out": stack(lambda p: pack_matrix(p["out_w"])),
+        **{kind: stack(lambda p, role=role: pack_matrix(p[role])) for kind, role in LAYER_MATRICES.items()},
         "head": pack_matrix(np.asarray(head_w, np.float32)),
     }
     return {k: np.ascontiguousarray(out[k], dtype=np.float32) for k in INPUTS}
