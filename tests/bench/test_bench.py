@@ -297,3 +297,18 @@ def test_prefix_cache_smoke(tiny_config, tmp_path, capsys):
     assert res["memory"]["budget_bytes_per_entry"] == 4 * c.n_layers * c.d_model + 4 * 60
     assert res["cache_stats"]["hits"] > 0 and res["cache_stats"]["tokens_saved"] > 0
     assert "time to first token" in capsys.readouterr().out
+
+
+def test_the_benchmarks_srm_engines_hold_every_weight_their_graphs_bind():
+    """Built, not compiled: the CPU engines bench/ times beside the default one (decode by
+    the graph's loop of whole-step ops, or by the unfused decode graph) bind, in every graph
+    they load, only weights their registry holds: the packed copies that the whole-step op
+    and the float32 prefill read are there whichever decode graph the engine takes."""
+    from bench.common import build_srm_reference, loop_engine, srm_weights, unfused_engine
+    from srm_max.models.srm.engine import Engine
+
+    weights = srm_weights(build_srm_reference(TINY))
+    for engine in (Engine(TINY, weights, kernels=True), loop_engine(TINY, weights), unfused_engine(TINY, weights)):
+        for kind in ("prefill", *engine.graph_kinds()):
+            missing = engine.graph_job(kind).weights() - set(engine.weights)
+            assert not missing, f"{type(engine).__name__} {kind}: {sorted(missing)}"

@@ -18,8 +18,9 @@ from __future__ import annotations
 import numpy as np
 from max.driver import CPU, Buffer
 
-from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
+from ...graphs.ops import cpu_ops_run
 from ...graphs.srm import CHUNK
+from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
 from . import build, packing, schema
 from .config import SRMConfig
 
@@ -27,8 +28,8 @@ from .config import SRMConfig
 def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: str,
                      packed: bool = False) -> dict:
     """name -> array/Buffer for ``session.init``: every tensor the graphs read
-    (``schema.graph_weights``), and with ``packed`` the whole-step decode op's packed
-    copies (``packing``)."""
+    (``schema.graph_weights``), and with ``packed`` the matrices' packed copies
+    (``packing``) that the decode op and the float32 prefill read."""
     full = schema.graph_weights(config, weights)
     matrices = schema.matrix_names(config)
     if packed:
@@ -56,8 +57,10 @@ class Engine(CompiledGraphs):
         self._start(dtype, device)
         self.kernels = isinstance(self.device, CPU) if kernels is None else bool(kernels)
         check_shapes(schema.checkpoint_shapes(config), weights)
-        self._open(weights_registry(config, weights, self.dtype,
-                                    packed=self.steps_in_one_op))
+        # the packed copies wherever the Mojo ops run on a CPU: the whole-step op reads them
+        # in the decode graphs and the prefill's dense layers do (build.py), whichever
+        # decode graph a caller takes (steps_in_one_op)
+        self._open(weights_registry(config, weights, self.dtype, packed=cpu_ops_run(self.kernels, self.device_ref)))
 
     def empty_states(self, batch: int) -> Buffer:
         c = self.config
