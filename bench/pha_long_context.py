@@ -545,10 +545,11 @@ def main(argv=None) -> dict:
             # minutes, so each ratio compares timings taken as close together as they can be
             with tempfile.TemporaryDirectory() as tmp:
                 llama = llama_cpp_rows([n], batches, args.steps, args.repeats, Path(tmp),
-                                       lambda n: configs("pha", n, args.quick), args.llama_cpp_threads)
-            for ll in llama if "fma_peak" in run else ():
-                seconds = ll["batch"] * ll["prompt_tokens"] / ll["prompt_tokens_per_s"]
-                ll["prompt_percent_of_fma_peak"] = percent_of_peak(ll["prompt_flops"], seconds, run["fma_peak"])
+                                       lambda context: configs("pha", context, args.quick), args.llama_cpp_threads)
+            if "fma_peak" in run:
+                for ll in llama:
+                    seconds = ll["batch"] * ll["prompt_tokens"] / ll["prompt_tokens_per_s"]
+                    ll["prompt_percent_of_fma_peak"] = percent_of_peak(ll["prompt_flops"], seconds, run["fma_peak"])
             run["llama_cpp"] += llama
         run["load_average_after"] = list(os.getloadavg())
         write_json(out, result)  # partial results survive an interrupted run
