@@ -54,7 +54,7 @@ class NamedWeights:
 
 @dataclass(frozen=True)
 class PackedWeights:
-    """Float32 copies of a graph's matrices that an engine packed at load
+    """Copies of a graph's matrices that an engine packed at load, in the weights' dtype
     (srm_max/models/srm/packing.py ``pack_matrix``'s layout), by the weight's name: the
     flat array that holds the copy (a graph input or a weight) and where in it the copy
     starts."""
@@ -84,10 +84,11 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
     which rounds where the matmul does: its register-tiled product does more of the FMA
     peak than ``ops.matmul`` at these models' shapes, and a graph whose products all take
     it compiles no matmul kernel, the dearest kind to compile (docs/testing.md). That op
-    packs w on every call; with ``PackedWeights`` (float32 weights; w a named weight whose
-    packed copy they hold) the op srm_linear_packed (mojo/linear_packed.mojo) reads the
-    copy packed at load instead, and applies the activation and the product by ``times``
-    to its tiles in cache (one pass over the output less each)."""
+    packs w on every call; with ``PackedWeights`` (w a named weight whose packed copy, in
+    w's dtype, they hold) the op srm_linear_packed (mojo/linear_packed.mojo) reads the
+    copy packed at load instead, rounding as the others do, and applies the activation
+    and the product by ``times`` to its tiles in cache (one pass over the output less
+    each)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}")
     if not isinstance(op_device, PackedWeights):
@@ -96,10 +97,11 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
         return y if times is None else y * times
     n_out = int(w.shape[0])
     name = getattr(w, "name", None)
-    if w.dtype != F32 or name not in op_device.at:
-        raise ValueError(f"no packed float32 copy of the weight {name!r}")
+    if name not in op_device.at or op_device.at[name][0].dtype != w.dtype:
+        raise ValueError(f"no packed {w.dtype} copy of the weight {name!r}")
     device = op_device.device
     mats, offset = op_device.at[name]
+    x = _rounded_to(x, w.dtype)
     layer = const(np.array([offset, ACTIVATIONS[activation]], np.int64), I64, device)
     scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])
     return _rows_op(OP_LINEAR_PACKED, x, [mats, layer, _bias(b, n_out, device), scale], n_out, device)
@@ -114,9 +116,13 @@ def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_d
             y = ops.cast(y, F32)
         return y if b is None else y + b
     n_out = int(w.shape[0])
-    if w.dtype != F32:  # the op reads x as float32: round it as the matmul's cast would
-        x = ops.cast(ops.cast(x, w.dtype), F32)
-    return _rows_op(OP_LINEAR, x, [w, _bias(b, n_out, op_device)], n_out, op_device)
+    return _rows_op(OP_LINEAR, _rounded_to(x, w.dtype), [w, _bias(b, n_out, op_device)], n_out, op_device)
+
+
+def _rounded_to(x: TensorValue, wdtype: DType) -> TensorValue:
+    """x as the linear ops read it (float32), rounded to the weights' dtype as the matmul's
+    cast of its input would."""
+    return x if wdtype == F32 else ops.cast(ops.cast(x, wdtype), F32)
 
 
 def _bias(b: TensorValue | None, n_out: int, device: DeviceRef) -> TensorValue:

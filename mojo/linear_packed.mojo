@@ -1,7 +1,7 @@
 """A dense layer on the CPU whose weight is already packed: one matrix of the decode ops'
 flat array of packed matrices, read in place.
 
-    srm_linear_packed(x [R, K] f32, mats [S] f32, layer [2] int64, b [N] f32,
+    srm_linear_packed(x [R, K] f32, mats [S] f32 or bf16, layer [2] int64, b [N] f32,
                       scale [R, N] or [0, 0] f32) -> y [R, N] f32
 
 y[r, n] = act(sum_k x[r, k] * w[n, k] + b[n]) (* scale[r, n] where scale is not empty),
@@ -11,14 +11,18 @@ multiple of PAD, then panels of PANEL output columns, each its [K, width] transp
 (width PANEL, the last one what is left), and act is the identity (``layer[1]`` = 0),
 the exact GELU (1) or SiLU (2). The activation and the product by scale (the PHA's GSS
 gate) are applied to each tile in the first-level cache: each saves the graph a pass
-over y. The SRM and PHA engines pack every matrix so once at load for their decode ops
-(srm_max/models/srm/packing.py, srm_max/models/pha/packing.py); their float32 prefills
-run their dense layers through this op on the same arrays, so no call packs anything
-(``srm_linear`` packs its weight on every call, which costs a short prompt more than
-the product saves).
+over y. With bfloat16 matrices the sum (float32, over the widened weights) is rounded to
+bfloat16 before the bias, as MAX's bfloat16 matmul and ``srm_linear`` return it; the
+caller rounds x. The SRM and PHA engines pack every matrix so once at load for their
+decode ops, in the weights' dtype (srm_max/models/srm/packing.py,
+srm_max/models/pha/packing.py); their prefills run their dense layers through this op on
+the same arrays, so no call packs anything (``srm_linear`` packs its weight on every
+call, which costs a short prompt more than the product saves).
 
 How: the register-tiled product (mojo/tiled_product.mojo) reads a panel of NB columns in
-place, its rows ``width`` floats apart: NB is PANEL with AVX-512, so a panel is one
+place, its rows ``width`` entries apart, widening bfloat16 weights as it loads them (a
+copy widened ahead would cost a pass over the panel for every block of rows): NB is
+PANEL with AVX-512, so a panel is one
 tile's columns, and a quarter of one with AVX2 (NB = 16, PAD). Only the last panel of a
 matrix can be narrower than NB (AVX-512, an output count that is not a multiple of
 PANEL); it is copied once per call into a zero-padded panel. Work items are (a block of
@@ -35,7 +39,7 @@ from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
-from .decode_step import PANEL, _padded, _silu
+from .decode_step import PANEL, _padded, _rnd, _silu
 from .linear import BLOCK_ROWS, MAX_WORKERS
 from .pha_decode_step import _gelu
 from .tiled_product import MR, NB, NV, W, tile_product
@@ -70,39 +74,41 @@ def _activated[act: Int, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
 
 
 @always_inline
-def _store_tile[act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
-                                       scale: F32P):
-    """y[row0 + r, col0 + j] = act(t[r, j] + bias[j]) (* scale[row0 + r, col0 + j]) for
-    r < rows and col0 + j < N (t is [MR, NB], bias the panel's NB biases, zero past N;
-    scale [R, N] as y)."""
+def _store_tile[MD: DType, act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P,
+                                                   bias: F32P, scale: F32P):
+    """y[row0 + r, col0 + j] = act(t[r, j] (rounded to the matrices' dtype) + bias[j])
+    (* scale[row0 + r, col0 + j]) for r < rows and col0 + j < N (t is [MR, NB], bias the
+    panel's NB biases, zero past N; scale [R, N] as y)."""
     var cols = min(NB, N - col0)
     for r in range(rows):
         var at = (row0 + r) * N + col0
         var out = y.unsafe_offset(at)
         if cols == NB:
             comptime for v in range(NV):
-                var s = _activated[act, W](t.unsafe_load[width=W](r * NB + v * W) + bias.unsafe_load[width=W](v * W))
+                var s = _activated[act, W](_rnd[MD](t.unsafe_load[width=W](r * NB + v * W))
+                                           + bias.unsafe_load[width=W](v * W))
                 comptime if scaled:
                     s *= scale.unsafe_load[width=W](at + v * W)
                 out.unsafe_store(v * W, s)
         else:
             for j in range(cols):
-                var s = _activated[act, 1](t.unsafe_load[width=1](r * NB + j) + bias.unsafe_load[width=1](j))
+                var s = _activated[act, 1](_rnd[MD, 1](t.unsafe_load[width=1](r * NB + j))
+                                           + bias.unsafe_load[width=1](j))
                 comptime if scaled:
                     s *= scale.unsafe_load[width=1](at + j)
                 out.unsafe_store(j, s)
 
 
 @always_inline
-def _store(act: Int, scaled: Bool, y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
+def _store[MD: DType](act: Int, scaled: Bool, y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P, bias: F32P,
            scale: F32P):
     """``_store_tile`` of the call's activation and scaling."""
     comptime for a in range(ACT_SILU + 1):
         if act == a:
             if scaled:
-                _store_tile[a, True](y, N, row0, rows, col0, t, bias, scale)
+                _store_tile[MD, a, True](y, N, row0, rows, col0, t, bias, scale)
             else:
-                _store_tile[a, False](y, N, row0, rows, col0, t, bias, scale)
+                _store_tile[MD, a, False](y, N, row0, rows, col0, t, bias, scale)
 
 
 @register("srm_linear_packed")
@@ -113,14 +119,18 @@ struct SrmLinearPacked:
     ](
         y: OutputTensor[dtype=DType.float32, rank=2, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
-        mats: InputTensor[dtype=DType.float32, rank=1, ...],
+        mats: InputTensor[rank=1, ...],
         layer: InputTensor[dtype=DType.int64, rank=1, ...],
         b: InputTensor[dtype=DType.float32, rank=1, ...],
         scale: InputTensor[dtype=DType.float32, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
+        comptime MD = mats.dtype
+        comptime MP = Pointer[Scalar[MD], MutUntrackedOrigin]
         comptime if target != "cpu":
             raise Error("srm_linear_packed: CPU only")
+        comptime if MD != F32 and MD != DType.bfloat16:
+            raise Error("srm_linear_packed: float32 or bfloat16 matrices only")
         var R = x.dim_size(0)
         var K = x.dim_size(1)
         var N = y.dim_size(1)
@@ -145,12 +155,12 @@ struct SrmLinearPacked:
                         " does not fit in mats of ", mats.dim_size(0))
         if R == 0 or N == 0:
             return
-        var w = F32P(unsafe_from_address=Int(mats.unsafe_ptr())).unsafe_offset(first)
+        var w = MP(unsafe_from_address=Int(mats.unsafe_ptr())).unsafe_offset(first)
         var panels = (Np + NB - 1) // NB
         # the last panel, zero-padded to NB columns where it is narrower (AVX-512 only)
         var last = _panel_start((panels - 1) * NB, Np, K)
-        var narrow_store = List[Float32](length=0 if last[2] else K * NB, fill=0)
-        var narrow = F32P(unsafe_from_address=Int(narrow_store.unsafe_ptr()))
+        var narrow_store = List[Scalar[MD]](length=0 if last[2] else K * NB, fill=0)
+        var narrow = MP(unsafe_from_address=Int(narrow_store.unsafe_ptr()))
         if not last[2]:
             var width = last[1]
             var cols = Np - (panels - 1) * NB
@@ -208,8 +218,8 @@ struct SrmLinearPacked:
                         var row0 = row_first + g * MR
                         var src = x_in.unsafe_offset(row0 * K) if g < full else tail
                         tile_product(t, NB, src, K, p, K, ldp)
-                        _store(act, scaled, y_out, N, row0, min(MR, R - row0), panel * NB, t,
-                               bias.unsafe_offset(panel * NB), scale_in)
+                        _store[MD](act, scaled, y_out, N, row0, min(MR, R - row0), panel * NB, t,
+                                   bias.unsafe_offset(panel * NB), scale_in)
             _ = tail_store^
 
         sync_parallelize(work, workers)

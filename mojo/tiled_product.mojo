@@ -2,7 +2,8 @@
 linear.mojo call it).
 
     pack_panel(packed, m, panel, N, K)      one panel of a row-major m [N, K], transposed (float32)
-    tile_product(t, ldt, x, ldx, p, K, ldp) MR rows of x times one packed panel (rows ldp apart)
+    tile_product(t, ldt, x, ldx, p, K, ldp) MR rows of x times one packed panel (rows ldp apart;
+                                            float32, or bfloat16 widened as it is loaded)
 
 The matrix on the right, m [N, K] (one row per output column, as a checkpoint stores a
 weight), is packed into panels of NB = NV * W columns, each panel [K, NB] (k-major, zero
@@ -28,9 +29,11 @@ comptime KU = 4  # k unrolled
 
 
 @always_inline
-def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int, ldp: Int = NB):
+def tile_product[PD: DType](t: F32P, ldt: Int, x: F32P, ldx: Int, p: Pointer[Scalar[PD], MutUntrackedOrigin], K: Int,
+                            ldp: Int = NB):
     """t[r, 0 .. NB) = sum_k x[r, k] * p[k, 0 .. NB) for MR rows (x's rows ldx apart, t's
-    ldt apart, p's ldp apart); p is one panel [K, NB]. The accumulators are a fixed-size stack
+    ldt apart, p's ldp apart); p is one panel [K, NB], its entries widened to float32 as
+    they are loaded where they are bfloat16. The accumulators are a fixed-size stack
     array indexed by constants after unrolling, which the compiler keeps in registers."""
     var acc = stack_allocation[MR * NV * W, Float32]()
     var wv = stack_allocation[NV * W, Float32]()
@@ -41,7 +44,7 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int, ldp: Int
         comptime for kk in range(KU):
             var wp = p.unsafe_offset((k + kk) * ldp)
             comptime for v in range(NV):
-                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W))
+                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
             comptime for r in range(MR):
                 var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k + kk])
                 comptime for v in range(NV):
@@ -54,7 +57,7 @@ def tile_product(t: F32P, ldt: Int, x: F32P, ldx: Int, p: F32P, K: Int, ldp: Int
             var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
             comptime for v in range(NV):
                 comptime a = (r * NV + v) * W
-                acc.unsafe_store(a, xb.fma(wp.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
+                acc.unsafe_store(a, xb.fma(wp.unsafe_load[width=W](v * W).cast[F32](), acc.unsafe_load[width=W](a)))
         k += 1
     comptime for r in range(MR):
         comptime for v in range(NV):

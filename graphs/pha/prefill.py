@@ -87,16 +87,17 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     With ``kernel_library`` on a CPU the attention is the tiled Mojo op
     (mojo/pha_prefill_attention.mojo), the GSS state crosses the chunks by the scan op
     (mojo/pha_gss_scan.mojo), the Mojo ops compute and reduce the scored positions'
-    logits, and the dense layers are the linear op on packed copies of the float32 weights
-    with ``packed`` (each weight's offset in them, by name: the graph then takes the
-    copies as its last input), or with bfloat16 weights the linear op on the weights
-    (``dense_op_device``); else plain ops with a [T, T] score matrix and an [M, M]
+    logits, and the dense layers are the linear op on packed copies of the weights (in
+    their dtype) with ``packed`` (each weight's offset in them, by name: the graph then
+    takes the copies as its last input), or without them with bfloat16 weights the linear
+    op on the weights (``dense_op_device``); else plain ops with a [T, T] score matrix and an [M, M]
     decay matrix per mode.
 
     Inputs:  ids [B, M, C] int64, pos [M, C] and pos_cols [M, C] int64 (both 0 .. T-1),
              lengths [B] int64, score_at [B, R] int64 positions to score (0 .. T-1; R
              symbolic: 1 in a prefill) and targets [B, R] int64 the token to score at each;
-             with ``packed``, the packed copies [S] float32 (graphs/ops.py ``PackedWeights``).
+             with ``packed``, the packed copies [S] in the weights' dtype (graphs/ops.py
+             ``PackedWeights``).
     Outputs: logits [B, V] at each prompt's last token (the engine draws the first new
              token from them with the sample graph), states [L, B, X], then at each
              scored position log_softmax(logits)[target] [B, R] and the K likeliest
@@ -106,11 +107,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     c, C = config, CHUNK
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     tiled = cpu_ops_run(kernel_library is not None, device)  # the op is CPU code
-    if packed is not None and not (tiled and wdtype == F32):
-        raise ValueError("packed weights are for a float32 prefill with the Mojo ops on a CPU")
+    if packed is not None and not tiled:
+        raise ValueError("packed weights are for a prefill with the Mojo ops on a CPU")
     input_types = prefix_input_types(device) + score_input_types(device)
     if packed is not None:
-        input_types.append(TensorType(F32, ["packed"], device))
+        input_types.append(TensorType(wdtype, ["packed"], device))
     with Graph(name or f"pha_prefill_{dt}" + ("_kernels" if tiled else ""), input_types=input_types,
                custom_extensions=[kernel_library] if tiled else []) as g:
         ids, pos, pos_cols, lengths, score_at, targets, *mats = (v.tensor for v in g.inputs)

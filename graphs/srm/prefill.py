@@ -165,13 +165,13 @@ def prefix_input_types(config, device: DeviceRef) -> list[TensorType]:
 
 
 def packed_weights(W: SRMWeights, packed: PackedCopies, device: DeviceRef) -> PackedWeights:
-    """The decode op's packed float32 copies as the dense layers' weights: each packed
-    weight taken flat, each matrix at its offset in it."""
+    """The decode op's packed copies (in the weights' dtype) as the dense layers' weights:
+    each packed weight taken flat, each matrix at its offset in it."""
     flat: dict[str, TensorValue] = {}
     at = {}
     for matrix, (name, shape, offset) in packed.items():
         if name not in flat:
-            flat[name] = ops.reshape(W.get(name, shape), [-1])
+            flat[name] = ops.reshape(W.matrix(name, shape), [-1])
         at[matrix] = (flat[name], offset)
     return PackedWeights(at, device)
 
@@ -182,13 +182,13 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
     """``schema`` names the weights (``srm_max.models.srm.schema``); with ``kernel_library``
     (the Mojo package) the mixer runs as its scan op instead of the chunked scan, and on a
     CPU the Mojo ops compute and reduce the scored positions' logits and run the dense
-    layers: on the decode op's packed float32 copies of the matrices with ``packed`` (the
-    graph then binds those weights too), else through the linear op that packs per call."""
+    layers: on the decode op's packed copies of the matrices with ``packed`` (the graph
+    then binds those weights too), else through the linear op that packs per call."""
     device = device or DeviceRef.CPU()
     kernels = kernel_library is not None
     cpu_ops = gops.cpu_ops_run(kernels, device)
-    if packed is not None and not (cpu_ops and wdtype == F32):
-        raise ValueError("packed weights are for a float32 prefill with the Mojo ops on a CPU")
+    if packed is not None and not cpu_ops:
+        raise ValueError("packed weights are for a prefill with the Mojo ops on a CPU")
     c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     name = name or f"srm_prefill_{dt}" + ("_kernels" if kernels else "")

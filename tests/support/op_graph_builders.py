@@ -224,13 +224,21 @@ def _linear_packed_body(values, dev):
                       out_types=[TensorType(F32, [rows.shape[0], bias.shape[0]], dev)])
 
 
-# (x [R, K], mats [S], layer [A], b [N], scale [SR, SN]) -> act(x @ w^T + b) (* scale)
-# [R, N], w the [N, K] matrix packed at mats[layer[0]:], act the activation layer[1];
-# layer's and scale's sizes their own dimensions, so that a wrong one reaches the op's checks
-LINEAR_PACKED = OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(F32, ["S"], dev),
-                                     TensorType(I64, ["A"], dev), TensorType(F32, ["N"], dev),
-                                     TensorType(F32, ["SR", "SN"], dev)],
-                        _linear_packed_body, 1, {"A": 2})
+def _linear_packed_piece(mdtype: DType) -> OpPiece:
+    """(x [R, K], mats [S] in ``mdtype``, layer [A], b [N], scale [SR, SN]) -> act(x @ w^T +
+    b) (* scale) [R, N], w the [N, K] matrix packed at mats[layer[0]:], act the activation
+    layer[1]; layer's and scale's sizes their own dimensions, so that a wrong one reaches
+    the op's checks."""
+    return OpPiece(lambda dev: [TensorType(F32, ["R", "K"], dev), TensorType(mdtype, ["S"], dev),
+                                TensorType(I64, ["A"], dev), TensorType(F32, ["N"], dev),
+                                TensorType(F32, ["SR", "SN"], dev)],
+                   _linear_packed_body, 1, {"A": 2})
+
+
+LINEAR_PACKED = _linear_packed_piece(F32)
+# the same op on bfloat16 matrices (a piece of its own: the op is compiled per dtype)
+LINEAR_PACKED_BF16 = "srm_linear_packed_bf16_matrices"
+LINEAR_PACKED_BF16_MATRICES = _linear_packed_piece(DType.bfloat16)
 
 
 def sample_rows_graph(dev, vocab: int):

@@ -9,26 +9,34 @@ edges: output counts that are not a multiple of the packing's row padding (16), 
 packed panel (64) or of the op's register tile (16 or 64 columns), so that the last panel
 is narrower than a tile; row counts below one register tile (5 or 6 rows), off it and
 across several blocks of rows; inner widths off the k unrolling and the SIMD width; and
-matrices packed one after another in one array, read at their offsets.
+matrices packed one after another in one array, read at their offsets. With bfloat16
+matrices (a piece of the same op graph, as the decode ops' copies of bfloat16 weights)
+each sum is rounded to bfloat16 before the bias, as MAX's bfloat16 matmul does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
+from max.driver import Buffer
+from max.dtype import DType
+
+from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
 from srm_max.graphs.ops import ACT_GELU, ACT_NONE, ACT_SILU
 from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
 from srm_max.models.pha import packing
 from srm_max.models.srm.packing import pack_matrix
 from tests.support.dense_cases import eighths, many_rows
 from tests.support.graphs import op_graphs
+from tests.support.op_graph_builders import LINEAR_PACKED_BF16
 from tests.support.op_graphs import model
 from tests.support.pha import CONFIG, random_pha
 
-pytestmark = op_graphs(OP_LINEAR_PACKED)
+pytestmark = op_graphs(OP_LINEAR_PACKED, LINEAR_PACKED_BF16)
 
 
 def linear_packed(x: np.ndarray, mats: np.ndarray, at: int, b: np.ndarray, act: int = ACT_NONE,
@@ -38,6 +46,17 @@ def linear_packed(x: np.ndarray, mats: np.ndarray, at: int, b: np.ndarray, act: 
     out = model(OP_LINEAR_PACKED).execute(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(mats, np.float32),
                                           np.array([at, act], np.int64), np.ascontiguousarray(b, np.float32),
                                           np.ascontiguousarray(scale, np.float32))
+    return out[0].to_numpy()
+
+
+def linear_packed_bf16(x: np.ndarray, mats: np.ndarray, at: int, b: np.ndarray, act: int = ACT_NONE,
+                       scale: np.ndarray | None = None) -> np.ndarray:
+    """The op on bfloat16 matrices (``mats`` rounded to them)."""
+    scale = np.zeros((0, 0), np.float32) if scale is None else scale
+    mats16 = Buffer.from_numpy(to_bfloat16_bits(mats)).view(DType.bfloat16)
+    out = model(LINEAR_PACKED_BF16).execute(np.ascontiguousarray(x, np.float32), mats16,
+                                            np.array([at, act], np.int64), np.ascontiguousarray(b, np.float32),
+                                            np.ascontiguousarray(scale, np.float32))
     return out[0].to_numpy()
 
 
@@ -101,6 +120,34 @@ def test_the_products_times_a_scale(R, K, N, act):
     np.testing.assert_allclose(linear_packed(x, mats, at, b, act, scale), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("R, K, N", [(1, 16, 16), (2, 37, 130), (7, 3, 20), (23, 33, 37), (61, 256, 300),
+                                     (40, 64, 1001)])
+def test_bfloat16_matrices_round_each_sum_before_the_bias(R, K, N):
+    """Exact sums (of eighths times 64ths, which bfloat16 holds exactly), each rounded to
+    bfloat16, plus the bias in float32: the float64 product rounded the same way, whole and
+    narrow panels, one row to several blocks."""
+    rng = np.random.default_rng(R * 10_000 + K * 10 + N + 4)
+    x, w = eighths(rng, (R, K), 7), (rng.integers(-63, 64, (N, K)) / 64).astype(np.float32)
+    b = rng.standard_normal(N).astype(np.float32)
+    mats, (_, at) = packed_after(eighths(rng, (N + 5, K)), w)
+    sums = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)  # exact
+    expected = bfloat16_round(sums) + b
+    assert not np.array_equal(bfloat16_round(sums), sums)  # some sums do round
+    np.testing.assert_array_equal(linear_packed_bf16(x, mats, at, b), expected)
+
+
+@pytest.mark.parametrize("act", [ACT_GELU, ACT_SILU])
+def test_bfloat16_matrices_activate_and_scale_the_rounded_sums(act):
+    rng = np.random.default_rng(5)
+    R, K, N = 13, 40, 70
+    x, w = eighths(rng, (R, K), 7), (rng.integers(-63, 64, (N, K)) / 64).astype(np.float32)
+    b, scale = rng.standard_normal(N).astype(np.float32), eighths(rng, (R, N))
+    mats, (at,) = packed_after(w)
+    sums = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)
+    expected = ACTIVATED[act](bfloat16_round(sums).astype(np.float64) + b) * scale
+    np.testing.assert_allclose(linear_packed_bf16(x, mats, at, b, act, scale), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_many_rows_between_the_cores():
     """Enough blocks of rows that every core takes some; every row written, none past its own."""
     x, w, b, expected = many_rows()
@@ -151,23 +198,31 @@ def test_bad_inputs_are_refused_naming_the_problem():
         linear_packed(x, mats, at, b, scale=eighths(rng, (3, 4)))
 
 
-def test_the_float32_pha_prefill_reads_the_packed_matrices():
-    """Built, not compiled: the float32 CPU prefill graph with the Mojo ops runs every dense
-    layer and the output layer through the packed-weight op (the GELUs after the GSS's
-    input projections and the FFNs' first layers inside it) and compiles no matmul; with
-    bfloat16 weights the linear op packs per call; the plain graph keeps MAX's matmul.
+def test_the_pha_prefill_reads_the_packed_matrices():
+    """Built, not compiled: the CPU prefill graph with the Mojo ops runs every dense layer
+    and the output layer through the packed-weight op on copies in the weights' dtype (the
+    GELUs after the GSS's input projections and the FFNs' first layers inside it) and
+    compiles no matmul; the plain graph keeps MAX's matmul; a model the decode op cannot
+    run (no packed copies) takes the linear op that packs per call with bfloat16 weights.
     (That they compute what the reference does: the PHA engine tests.)"""
     from max.dtype import DType
     from max.graph import DeviceRef
 
     from srm_max.models.pha.build import build_graph
 
-    def graph(dtype, kernels):
-        return str(build_graph("prefill", CONFIG, dtype, DeviceRef.CPU(), kernels))
+    def graph(dtype, kernels, config=CONFIG):
+        return str(build_graph("prefill", config, dtype, DeviceRef.CPU(), kernels))
 
-    packed = graph(DType.float32, True)
-    assert packed.count(OP_LINEAR_PACKED) == len(packing.matrix_offsets(CONFIG))
-    assert "matmul" not in packed and f'"{OP_LINEAR}"' not in packed and "gelu" not in packed
-    assert OP_LINEAR_PACKED not in graph(DType.bfloat16, True)
+    for dtype in (DType.float32, DType.bfloat16):
+        packed = graph(dtype, True)
+        assert packed.count(OP_LINEAR_PACKED) == len(packing.matrix_offsets(CONFIG))
+        # the scored rows' logits with a bfloat16 output layer: the linear op (graphs/scoring.py)
+        assert packed.count(f'"{OP_LINEAR}"') == (dtype == DType.bfloat16)
+        assert "matmul" not in packed and "gelu" not in packed
+        assert ("bf16" in packed) == (dtype == DType.bfloat16)
+    sequential = dataclasses.replace(CONFIG, mode="sequential")
+    assert packing.supported(sequential) is not None
+    unpacked = graph(DType.bfloat16, True, sequential)
+    assert OP_LINEAR_PACKED not in unpacked and f'"{OP_LINEAR}"' in unpacked
     plain = graph(DType.float32, False)
     assert OP_LINEAR_PACKED not in plain and "matmul" in plain

@@ -17,12 +17,12 @@ from .config import PHAConfig
 GRAPH_SALT = b"pha-graphs-v2"
 
 
-def prefill_reads_packed(config: PHAConfig, wdtype: DType, cpu_ops: bool) -> bool:
-    """Whether the prefill graph runs its dense layers on the decode op's packed float32
-    copies of the matrices (mojo/linear_packed.mojo, a graph input; ``PHAEngine`` packs
-    them at load wherever the op runs the model): with the Mojo ops on a CPU (``cpu_ops``)
-    for float32 weights and a model the decode op runs."""
-    return cpu_ops and wdtype == DType.float32 and packing.supported(config) is None
+def prefill_reads_packed(config: PHAConfig, cpu_ops: bool) -> bool:
+    """Whether the prefill graph runs its dense layers on the decode op's packed copies of
+    the matrices, in the weights' dtype (mojo/linear_packed.mojo, a graph input;
+    ``PHAEngine`` packs them at load wherever the op runs the model): with the Mojo ops on
+    a CPU (``cpu_ops``), for a model the decode op runs."""
+    return cpu_ops and packing.supported(config) is None
 
 
 def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
@@ -40,7 +40,7 @@ def build_graph(kind: str, config: PHAConfig, wdtype: DType, device: DeviceRef, 
     if kind == "regroup":
         return build_regroup_graph("pha_regroup", config.n_layers, [pha.StateLayout.of(config).width], device)
     if kind == "prefill":
-        packed = packing.matrix_offsets(config) if prefill_reads_packed(config, wdtype, cpu_ops is not None) else None
+        packed = packing.matrix_offsets(config) if prefill_reads_packed(config, cpu_ops is not None) else None
         return pha.build_pha_prefill_graph(config, wdtype, device, kernel_library=cpu_ops, packed=packed)
     if kind == "decode":
         return pha.build_pha_decode_graph(config, wdtype, device, kernel_library=kernel_library())

@@ -30,7 +30,6 @@ from ...graphs import pha as pha_graphs
 from ...runtime.call_types import DecodeResult
 from ...runtime.compiled import CompiledGraphs, check_shapes, right_padded, session_weights
 from ...graphs.scoring import top_width
-from ...runtime.device import DTYPES
 from ...runtime.drawn import steps_scores
 from . import build, packing
 from .config import PHAConfig
@@ -105,7 +104,7 @@ class PHAEngine(CompiledGraphs):
         self._op_arrays = [a if isinstance(a, Buffer) else self.to_device(np.asarray(a))
                            for a in packing.op_arrays(config, self.weights)] if self.decode_op else []
         # the prefill's dense layers read the same packed matrices (its last input)
-        reads_packed = build.prefill_reads_packed(config, DTYPES[self.dtype], self.kernels)
+        reads_packed = build.prefill_reads_packed(config, self.kernels)
         self._prefill_arrays = [self._op_arrays[packing.MATS_ARRAY]] if reads_packed else []
 
     @property

@@ -18,12 +18,11 @@ from .config import SRMConfig
 GRAPH_SALT = b"srm-graphs-v2"
 
 
-def prefill_reads_packed(wdtype: DType, kernels: bool, device: DeviceRef) -> bool:
-    """Whether the prefill graph runs its dense layers on the decode op's packed float32
-    copies of the matrices (mojo/linear_packed.mojo; the engine loads them wherever the op
-    runs, ``packing``): with the Mojo ops on a CPU, for float32 weights (with bfloat16 the
-    copies are bfloat16, and the linear op packs the weights per call instead)."""
-    return cpu_ops_run(kernels, device) and wdtype == DType.float32
+def prefill_reads_packed(kernels: bool, device: DeviceRef) -> bool:
+    """Whether the prefill graph runs its dense layers on the decode op's packed copies of
+    the matrices, in the weights' dtype (mojo/linear_packed.mojo): wherever the engine
+    loads them for the op (``cpu_ops_run``: the Mojo ops on a CPU)."""
+    return cpu_ops_run(kernels, device)
 
 
 def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, kernels: bool) -> Graph:
@@ -35,7 +34,7 @@ def build_graph(kind: str, config: SRMConfig, wdtype: DType, device: DeviceRef, 
     if kind == "regroup":
         return build_regroup_graph("srm_regroup", config.n_layers, [config.n_heads, config.head_dim], device)
     if kind == "prefill":
-        packed = packing.packed_copies(config) if prefill_reads_packed(wdtype, kernels, device) else None
+        packed = packing.packed_copies(config) if prefill_reads_packed(kernels, device) else None
         return build_prefill_graph(config, schema, wdtype, device, kernel_library=library, packed=packed)
     packed = packing.packed_inputs(config) if cpu_ops_run(kernels, device) else None
     if kind == "decode":
