@@ -101,7 +101,7 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
         raise ValueError(f"no packed {w.dtype} copy of the weight {name!r}")
     device = op_device.device
     mats, offset = op_device.at[name]
-    x = _rounded_to(x, w.dtype)
+    x = rounded_to_weights(x, w.dtype)
     layer = const(np.array([offset, ACTIVATIONS[activation]], np.int64), I64, device)
     scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])
     return _rows_op(OP_LINEAR_PACKED, x, [mats, layer, _bias(b, n_out, device), scale], n_out, device)
@@ -116,12 +116,12 @@ def _linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None, op_d
             y = ops.cast(y, F32)
         return y if b is None else y + b
     n_out = int(w.shape[0])
-    return _rows_op(OP_LINEAR, _rounded_to(x, w.dtype), [w, _bias(b, n_out, op_device)], n_out, op_device)
+    return _rows_op(OP_LINEAR, rounded_to_weights(x, w.dtype), [w, _bias(b, n_out, op_device)], n_out, op_device)
 
 
-def _rounded_to(x: TensorValue, wdtype: DType) -> TensorValue:
-    """x as the linear ops read it (float32), rounded to the weights' dtype as the matmul's
-    cast of its input would."""
+def rounded_to_weights(x: TensorValue, wdtype: DType) -> TensorValue:
+    """x as the Mojo ops on the weights read it (float32), rounded to the weights' dtype as
+    the matmul's cast of its input would."""
     return x if wdtype == F32 else ops.cast(ops.cast(x, wdtype), F32)
 
 

@@ -8,13 +8,15 @@ host keeps the first n <= TOP_N of them (``runtime.compiled.ScoreResult``).
 Every architecture's prefill graph scores: it takes the positions to score and their
 targets (``score_input_types``) and calls ``rows_logprobs`` on the last layer's output, so
 one compiled graph serves a prefill (one dummy row per sample) and a score call (every
-position). Three ways to the same numbers: on a CPU with the kernel library and float32 weights, one Mojo op
-``srm_score_head`` (mojo/score_head.mojo) computes the output layer for a block of
-positions into a cache-resident tile and reduces it there, so the [.., V] logits never
-go to memory; with bfloat16 weights, the dense-layer op ``srm_linear`` (mojo/linear.mojo)
-and then the Mojo op ``srm_score_rows`` (mojo/score_rows.mojo), which reduces each row of logits in two
-passes (the K largest by a lane-wise bound, then the sum of exponentials), rows split
-between the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
+position). Three ways to the same numbers: on a CPU with the kernel library, where the
+engine holds the output layer's packed copy for its decode op (graphs/ops.py
+``PackedWeights``), one Mojo op ``srm_score_head`` (mojo/score_head.mojo) computes the
+output layer from that copy for a block of positions into a cache-resident tile and
+reduces it there, so the [.., V] logits never go to memory; on such a CPU without the
+copy, the dense-layer op ``srm_linear`` (mojo/linear.mojo) and then the Mojo op
+``srm_score_rows`` (mojo/score_rows.mojo), which reduces each row of logits in two passes
+(the K largest by a lane-wise bound, then the sum of exponentials), rows split between
+the cores; elsewhere MAX's ops: max, the shifted sum of exponentials, gather and
 ``ops.top_k``. The row op exists because ``ops.top_k`` sorts each row: at V = 4,096
 that alone cost more than the whole prefill of the same tokens on a 2-core CPU
 (bench/scoring.py).
@@ -22,11 +24,12 @@ that alone cost more than the whole prefill of the same tokens on a 2-core CPU
 
 from __future__ import annotations
 
+import numpy as np
 from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from .op_names import OP_SCORE_HEAD, OP_SCORE_ROWS
-from .ops import linear
+from .ops import PackedWeights, const, linear, rounded_to_weights
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 TOP_N = 20
@@ -37,18 +40,22 @@ def top_width(vocab_size: int) -> int:
     return min(TOP_N, vocab_size)
 
 
-def head_logprobs(x: TensorValue, head: TensorValue, targets: TensorValue,
-                  row_op_device: DeviceRef | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
+def head_logprobs(x: TensorValue, head: TensorValue, targets: TensorValue, row_op_device: DeviceRef | None = None,
+                  packed: PackedWeights | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
     """``token_logprobs`` of the logits ``linear(x, head)``: x [..., d] f32 the last layer's
-    output, head [V, d] the output layer. With ``row_op_device`` (a CPU device; the graph
-    loads the kernel library) and a float32 head, the fused Mojo op computes and reduces
-    the logits block by block; otherwise the graph computes all [..., V] logits first (on
-    such a CPU through the dense-layer op, ``linear``)."""
-    if row_op_device is None or head.dtype != DType.float32:
+    output, head [V, d] the output layer (a named weight). With ``row_op_device`` (a CPU
+    device; the graph loads the kernel library) and the head's packed copy among
+    ``packed``, the fused Mojo op computes and reduces the logits block by block from that
+    copy; otherwise the graph computes all [..., V] logits first (on such a CPU through the
+    dense-layer op, ``linear``)."""
+    name = getattr(head, "name", None)
+    if row_op_device is None or packed is None or name not in packed.at:
         return token_logprobs(linear(x, head, op_device=row_op_device), targets, row_op_device)
     V, d = int(head.shape[0]), int(head.shape[1])
-    rows = ops.reshape(x, [-1, d])
-    return _reduced(OP_SCORE_HEAD, [rows, head], rows.shape[0], V, targets, row_op_device)
+    mats, offset = packed.at[name]
+    rows = rounded_to_weights(ops.reshape(x, [-1, d]), head.dtype)
+    head_at = const(np.array([offset, V], np.int64), DType.int64, row_op_device)
+    return _reduced(OP_SCORE_HEAD, [rows, mats, head_at], rows.shape[0], V, targets, row_op_device)
 
 
 def token_logprobs(logits: TensorValue, targets: TensorValue,
@@ -101,9 +108,10 @@ def score_input_types(device: DeviceRef) -> list[TensorType]:
 
 
 def rows_logprobs(x: TensorValue, score_at: TensorValue, head: TensorValue, targets: TensorValue,
-                  row_op_device: DeviceRef | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
+                  row_op_device: DeviceRef | None = None,
+                  packed: PackedWeights | None = None) -> tuple[TensorValue, TensorValue, TensorValue]:
     """``head_logprobs`` at the positions ``score_at`` [B, R] of x [B, ..., d] (the last
     layer's output, its positions in order between the first and last axis) -> [B, R],
     [B, R, K], [B, R, K]."""
     rows = ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(score_at, -1), batch_dims=1)
-    return head_logprobs(rows, head, targets, row_op_device)
+    return head_logprobs(rows, head, targets, row_op_device, packed)

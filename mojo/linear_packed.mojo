@@ -63,6 +63,32 @@ def _panel_start(c0: Int, Np: Int, K: Int) -> Tuple[Int, Int, Bool]:
     return (q * PANEL * K + s, width, s + NB <= width)
 
 
+def narrow_last_panel[MD: DType](w: Pointer[Scalar[MD], MutUntrackedOrigin], Np: Int, K: Int) -> List[Scalar[MD]]:
+    """The last panel of the packed matrix at w (Np padded outputs of K inputs), copied and
+    zero-padded to NB columns where it is narrower than NB (AVX-512 only: an output count
+    that is not a multiple of PANEL), else nothing."""
+    var panels = (Np + NB - 1) // NB
+    var last = _panel_start((panels - 1) * NB, Np, K)
+    var narrow = List[Scalar[MD]](length=0 if last[2] else K * NB, fill=0)
+    if not last[2]:
+        var cols = Np - (panels - 1) * NB
+        for k in range(K):
+            for j in range(cols):
+                narrow[k * NB + j] = w[unsafe_offset=last[0] + k * last[1] + j]
+    return narrow^
+
+
+@always_inline
+def panel_at[MD: DType](w: Pointer[Scalar[MD], MutUntrackedOrigin], narrow: Pointer[Scalar[MD], MutUntrackedOrigin],
+                        panel: Int, Np: Int, K: Int) -> Tuple[Pointer[Scalar[MD], MutUntrackedOrigin], Int]:
+    """Where the product reads the columns panel * NB .. + NB of the packed matrix at w: its
+    first entry and the stride of its rows, in place or in ``narrow_last_panel``'s copy."""
+    var where = _panel_start(panel * NB, Np, K)
+    if where[2]:
+        return (w.unsafe_offset(where[0]), where[1])
+    return (narrow, NB)
+
+
 @always_inline
 def _activated[act: Int, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
     comptime if act == ACT_GELU:
@@ -157,16 +183,8 @@ struct SrmLinearPacked:
             return
         var w = MP(unsafe_from_address=Int(mats.unsafe_ptr())).unsafe_offset(first)
         var panels = (Np + NB - 1) // NB
-        # the last panel, zero-padded to NB columns where it is narrower (AVX-512 only)
-        var last = _panel_start((panels - 1) * NB, Np, K)
-        var narrow_store = List[Scalar[MD]](length=0 if last[2] else K * NB, fill=0)
+        var narrow_store = narrow_last_panel[MD](w, Np, K)
         var narrow = MP(unsafe_from_address=Int(narrow_store.unsafe_ptr()))
-        if not last[2]:
-            var width = last[1]
-            var cols = Np - (panels - 1) * NB
-            for k in range(K):
-                for j in range(cols):
-                    narrow[unsafe_offset=k * NB + j] = w[unsafe_offset=last[0] + k * width + j]
 
         var bias_store = List[Float32](length=panels * NB, fill=0)
         for n in range(N):
@@ -211,13 +229,11 @@ struct SrmLinearPacked:
                         tail[unsafe_offset=i] = x_in[unsafe_offset=r0 * K + i] if i < (R - r0) * K else 0
                     tail_block = block
                 for panel in range(group * per_item, min(panels, (group + 1) * per_item)):
-                    var where = _panel_start(panel * NB, Np, K)
-                    var p = w.unsafe_offset(where[0]) if where[2] else narrow
-                    var ldp = where[1] if where[2] else NB
+                    var p = panel_at[MD](w, narrow, panel, Np, K)
                     for g in range(tiles):
                         var row0 = row_first + g * MR
                         var src = x_in.unsafe_offset(row0 * K) if g < full else tail
-                        tile_product(t, NB, src, K, p, K, ldp)
+                        tile_product(t, NB, src, K, p[0], K, p[1])
                         _store[MD](act, scaled, y_out, N, row0, min(MR, R - row0), panel * NB, t,
                                    bias.unsafe_offset(panel * NB), scale_in)
             _ = tail_store^

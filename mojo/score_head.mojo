@@ -1,23 +1,29 @@
 """The score graph's output layer and per-position reduction in one op, CPU
 (graphs/scoring.py).
 
-    srm_score_head(x [R, d] f32, head [V, d] f32, targets [R] int64)
+    srm_score_head(x [R, d] f32, mats [S] f32 or bf16, head_at [2] int64, targets [R] int64)
         -> logprobs [R] f32, top_values [R, K] f32, top_ids [R, K] int64
 
-The logits of row r are logits[r, v] = sum_k x[r, k] * head[v, k] (the output layer,
-``head`` as the checkpoint stores it: one row per token); the outputs are then exactly
-srm_score_rows' on those logits (mojo/score_rows.mojo: the target's log-probability, the
-K largest log-probabilities descending, ties to the lower id; K is the outputs' width,
-1 <= K <= V; a target outside [0, V) raises). x and head must be row-major.
+The logits of row r are logits[r, v] = sum_k x[r, k] * head[v, k] (the output layer, one
+row per token), where head [V, d] is the matrix packed at element ``head_at[0]`` of
+``mats`` and V = ``head_at[1]``: the engines' packed copy of it, made at load for their
+decode ops in the weights' dtype (srm_max/models/srm/packing.py ``pack_matrix``'s layout,
+the one mojo/linear_packed.mojo reads). With bfloat16 copies each logit is rounded to
+bfloat16, as MAX's bfloat16 matmul returns it; the caller rounds x. The outputs are then
+exactly srm_score_rows' on those logits (mojo/score_rows.mojo: the target's
+log-probability, the K largest log-probabilities descending, ties to the lower id; K is
+the outputs' width, 1 <= K <= V; a target outside [0, V) raises). x must be row-major.
 
 Why one op: the matmul and the row op apart write all [R, V] logits to memory and read
 them back (a GiB at 64 texts of 1,000 tokens and V = 4,096). Here a block of BLOCK_ROWS
 rows is computed into a scratch tile of BLOCK_ROWS x V (a few hundred KiB, in the
 core's second-level cache) and reduced from there at once.
 
-How: the head is first packed into panels of NB tokens and each block's logits are
-computed a register tile at a time (mojo/tiled_product.mojo). Each worker (one per core)
-takes blocks of rows from a shared counter and keeps its own scratch, so nothing is
+How: each block's logits are computed a register tile at a time (mojo/tiled_product.mojo),
+reading the packed head's panels of NB tokens in place, as srm_linear_packed does: no
+call packs the head (a copy of every weight of a 32,000-token vocabulary, written on each
+call, would cost a short text's score several times its product). Each worker (one per
+core) takes blocks of rows from a shared counter and keeps its own scratch, so nothing is
 allocated per block.
 """
 from std.atomic import Atomic
@@ -28,8 +34,10 @@ from extensibility import InputTensor, OutputTensor, register
 from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
+from .decode_step import _padded, _rnd
+from .linear_packed import narrow_last_panel, panel_at
 from .score_rows import DEPTH, TopList, score_row
-from .tiled_product import MR, NB, W, pack_panel, tile_product
+from .tiled_product import MR, NB, W, tile_product
 
 comptime F32 = DType.float32
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
@@ -50,41 +58,46 @@ struct SrmScoreHead:
         top_values: OutputTensor[dtype=DType.float32, rank=2, ...],
         top_ids: OutputTensor[dtype=DType.int64, rank=2, ...],
         x: InputTensor[dtype=DType.float32, rank=2, ...],
-        head: InputTensor[dtype=DType.float32, rank=2, ...],
+        mats: InputTensor[rank=1, ...],
+        head_at: InputTensor[dtype=DType.int64, rank=1, ...],
         targets: InputTensor[dtype=DType.int64, rank=1, ...],
         ctx: DeviceContext,
     ) raises:
+        comptime MD = mats.dtype
+        comptime MP = Pointer[Scalar[MD], MutUntrackedOrigin]
         comptime if target != "cpu":
             raise Error("srm_score_head: CPU only")
+        comptime if MD != F32 and MD != DType.bfloat16:
+            raise Error("srm_score_head: float32 or bfloat16 matrices only")
         var R = x.dim_size(0)
         var d = x.dim_size(1)
-        var V = head.dim_size(0)
         var K = top_values.dim_size(1)
-        if head.dim_size(1) != d:
-            raise Error("srm_score_head: head is [V, ", head.dim_size(1), "] but x has width ", d)
+        if head_at.dim_size(0) != 2:
+            raise Error("srm_score_head: head_at must hold an offset and a vocabulary size, got ",
+                        head_at.dim_size(0), " entries")
         if targets.dim_size(0) != R or logprobs.dim_size(0) != R:
             raise Error("srm_score_head: targets and logprobs need one entry per row of x")
         if top_values.dim_size(0) != R or top_ids.dim_size(0) != R or top_ids.dim_size(1) != K:
             raise Error("srm_score_head: top_values and top_ids must both be [R, K]")
+        if R == 0:
+            return
+        var head_first = Int(head_at[0])
+        var V = Int(head_at[1])
+        var Np = _padded(V)
+        if V < 1 or head_first < 0 or head_first + Np * d > mats.dim_size(0):
+            raise Error("srm_score_head: a packed [", V, ", ", d, "] head at ", head_first, " does not fit in mats of ",
+                        mats.dim_size(0))
         if K < 1 or K > V:
             raise Error("srm_score_head: K=", K, " must be 1 to the vocabulary size ", V)
         for r in range(R):
             var t = Int(targets[r])
             if t < 0 or t >= V:
                 raise Error("srm_score_head: row ", r, " has target ", t, " outside [0, ", V, ")")
-        if R == 0:
-            return
-        var panels = (V + NB - 1) // NB
+        var w = MP(unsafe_from_address=Int(mats.unsafe_ptr())).unsafe_offset(head_first)
+        var narrow_store = narrow_last_panel[MD](w, Np, d)
+        var narrow = MP(unsafe_from_address=Int(narrow_store.unsafe_ptr()))
+        var panels = (Np + NB - 1) // NB
         var Vp = panels * NB  # a scratch row: V logits, then the padded panel's zeros
-        var packed_store = List[Float32](length=panels * d * NB, fill=0)
-        var packed = F32P(unsafe_from_address=Int(packed_store.unsafe_ptr()))
-        var head_in = F32P(unsafe_from_address=Int(head.unsafe_ptr()))
-
-        def pack(panel: Int) {var packed, var head_in, var V, var d}:
-            pack_panel[F32](packed, head_in, panel, V, d)
-
-        sync_parallelize(pack, panels)
-
         var x_in = F32P(unsafe_from_address=Int(x.unsafe_ptr()))
         var lp_out = F32P(unsafe_from_address=Int(logprobs.unsafe_ptr()))
         var values_out = F32P(unsafe_from_address=Int(top_values.unsafe_ptr()))
@@ -96,8 +109,8 @@ struct SrmScoreHead:
         var counter = I64P(unsafe_from_address=Int(next_block.unsafe_ptr()))
 
         def work(worker: Int) {
-            var packed, var x_in, var lp_out, var values_out, var ids_out, var tg, var counter,
-            var R, var d, var V, var Vp, var K, var panels, var blocks
+            var w, var narrow, var x_in, var lp_out, var values_out, var ids_out, var tg, var counter,
+            var R, var d, var V, var Np, var Vp, var K, var panels, var blocks
         }:
             var scratch_store = List[Float32](length=BLOCK_ROWS * Vp, fill=0)
             var scratch = F32P(unsafe_from_address=Int(scratch_store.unsafe_ptr()))
@@ -116,10 +129,13 @@ struct SrmScoreHead:
                     rows[unsafe_offset=i] = x_in[unsafe_offset=first * d + i] if i < n * d else 0
                 var tiles = (n + MR - 1) // MR
                 for panel in range(panels):
-                    var p = packed.unsafe_offset(panel * d * NB)
+                    var p = panel_at[MD](w, narrow, panel, Np, d)
                     for g in range(tiles):
                         tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp,
-                                     rows.unsafe_offset(g * MR * d), d, p, d)
+                                     rows.unsafe_offset(g * MR * d), d, p[0], d, p[1])
+                comptime if MD != F32:  # the logits as a bfloat16 product returns them
+                    for i in range(n * Vp // W):
+                        scratch.unsafe_store(i * W, _rnd[MD](scratch.unsafe_load[width=W](i * W)))
                 for i in range(n):
                     var r = first + i
                     score_row(scratch.unsafe_offset(i * Vp), V, Int(tg[unsafe_offset=r]), top, lanes,
@@ -128,5 +144,5 @@ struct SrmScoreHead:
             _ = rows_store^
 
         sync_parallelize(work, workers)
-        _ = packed_store^
+        _ = narrow_store^
         _ = next_block^

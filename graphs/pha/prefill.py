@@ -116,12 +116,13 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
                custom_extensions=[kernel_library] if tiled else []) as g:
         ids, pos, pos_cols, lengths, score_at, targets, *mats = (v.tensor for v in g.inputs)
         W = PHAWeights(c, wdtype, device)
-        dense_op = PackedWeights.in_one_array(mats[0], packed, device) if mats else dense_op_device(wdtype, tiled, device)
+        copies = PackedWeights.in_one_array(mats[0], packed, device) if mats else None
+        dense_op = copies if copies is not None else dense_op_device(wdtype, tiled, device)
         x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled, dense_op)
         last = lengths - 1
         m = floor_div_nonnegative(last, C)
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=dense_op)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
-        g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op, copies))
     return g

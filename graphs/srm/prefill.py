@@ -198,8 +198,9 @@ def build_prefill_graph(config, schema, wdtype: DType = DType.float32, device: D
         ids, pos, last, start, init, score_at, targets = (v.tensor for v in g.inputs)
         W = SRMWeights(c, schema, wdtype, device)
         row_op = device if cpu_ops else None  # the Mojo ops are CPU code
-        dense_op = packed_weights(W, packed, device) if packed is not None else row_op
+        copies = packed_weights(W, packed, device) if packed is not None else None
+        dense_op = copies if copies is not None else row_op
         x, states = srm_layers(W, ids, pos, last, start, init, device, kernels, dense_op)
         xl = ops.gather_nd(x, last, batch_dims=1)  # [B, d]
-        g.output(logits_of(W, xl, dense_op), states, *rows_logprobs(x, score_at, W.output(), targets, row_op))
+        g.output(logits_of(W, xl, dense_op), states, *rows_logprobs(x, score_at, W.output(), targets, row_op, copies))
     return g

@@ -173,9 +173,9 @@ def decode_step_graph(dev, wdtype: DType = F32):
     return graph_of("srm_decode_step_op" + ("_bf16" if wdtype == DType.bfloat16 else ""), piece, dev)
 
 
-def _score_head_types(dev):
-    return [TensorType(F32, ["R", "d"], dev), TensorType(F32, ["V", "dh"], dev), TensorType(I64, ["R"], dev),
-            TensorType(I64, ["K"], dev)]
+def _score_head_types(dev, mdtype: DType = F32):
+    return [TensorType(F32, ["R", "d"], dev), TensorType(mdtype, ["S"], dev), TensorType(I64, ["A"], dev),
+            TensorType(I64, ["R"], dev), TensorType(I64, ["K"], dev)]
 
 
 def _score_rows_types(dev):
@@ -192,9 +192,14 @@ def _scored(op: str, values, dev):
                                  TensorType(I64, [R, k_dim], dev)])
 
 
-# (x [R, d], head [V, dh], targets [R], width [K]): the head's width is its own dimension,
-# so that a mismatch reaches the op's check
-SCORE_HEAD = OpPiece(_score_head_types, lambda values, dev: _scored(OP_SCORE_HEAD, values, dev), 3, {"K": 1, "V": 1})
+# (x [R, d], mats [S], head_at [A], targets [R], width [K]): the head packed at
+# mats[head_at[0]:] with head_at[1] tokens; head_at's size its own dimension, so that a
+# wrong one reaches the op's check
+SCORE_HEAD = OpPiece(_score_head_types, lambda values, dev: _scored(OP_SCORE_HEAD, values, dev), 3, {"K": 1, "A": 2})
+# the same op on a bfloat16 head (a piece of its own: the op is compiled per dtype)
+SCORE_HEAD_BF16 = "srm_score_head_bf16_head"
+SCORE_HEAD_BF16_HEAD = OpPiece(lambda dev: _score_head_types(dev, DType.bfloat16), SCORE_HEAD.body, 3,
+                               {"K": 1, "A": 2})
 # (logits [R, V], targets [R], width [K])
 SCORE_ROWS = OpPiece(_score_rows_types, lambda values, dev: _scored(OP_SCORE_ROWS, values, dev), 3, {"K": 1, "V": 1})
 

@@ -27,7 +27,7 @@ from max.dtype import DType
 
 from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
 from srm_max.graphs.ops import ACT_GELU, ACT_NONE, ACT_SILU
-from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
+from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED, OP_SCORE_HEAD
 from srm_max.models.pha import packing
 from srm_max.models.srm.packing import pack_matrix
 from tests.support.dense_cases import eighths, many_rows
@@ -216,8 +216,8 @@ def test_the_pha_prefill_reads_the_packed_matrices():
     for dtype in (DType.float32, DType.bfloat16):
         packed = graph(dtype, True)
         assert packed.count(OP_LINEAR_PACKED) == len(packing.matrix_offsets(CONFIG))
-        # the scored rows' logits with a bfloat16 output layer: the linear op (graphs/scoring.py)
-        assert packed.count(f'"{OP_LINEAR}"') == (dtype == DType.bfloat16)
+        # the scored rows' logits: the score head op on the output layer's packed copy
+        assert packed.count(f'"{OP_SCORE_HEAD}"') == 1 and f'"{OP_LINEAR}"' not in packed
         assert "matmul" not in packed and "gelu" not in packed
         assert ("bf16" in packed) == (dtype == DType.bfloat16)
     sequential = dataclasses.replace(CONFIG, mode="sequential")

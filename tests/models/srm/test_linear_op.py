@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
-from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED
+from srm_max.graphs.op_names import OP_LINEAR, OP_LINEAR_PACKED, OP_SCORE_HEAD
 from tests.support.dense_cases import eighths, many_rows
 from tests.support.graphs import op_graphs
 from tests.support.op_graph_builders import LINEAR_BF16
@@ -109,8 +109,8 @@ def test_the_srm_layers_use_the_linear_ops_on_a_cpu_with_the_mojo_ops():
         packed = graph(dtype, True)
         assert packed.count(OP_LINEAR_PACKED) == 4 * TINY.n_layers + 1  # and the output layer
         # no matmul kernel to compile (docs/testing.md)
-        # the scored rows' logits with a bfloat16 output layer: the linear op (graphs/scoring.py)
-        assert packed.count(f'"{OP_LINEAR}"') == (dtype == DType.bfloat16)
+        # the scored rows' logits: the score head op on the output layer's packed copy
+        assert packed.count(f'"{OP_SCORE_HEAD}"') == 1 and f'"{OP_LINEAR}"' not in packed
         assert "matmul" not in packed and "silu" not in packed
     plain = graph(DType.float32, False)
     assert OP_LINEAR not in plain and "matmul" in plain

@@ -1,12 +1,15 @@
 """The score graph's fused output layer and row reduction (mojo/score_head.mojo,
-``srm_score_head``) against numpy's float64 logits and log_softmax.
+``srm_score_head``, reading the output layer's packed copy at an offset of a flat array)
+against numpy's float64 logits and log_softmax.
 
 Most inputs are small multiples of 1/8, so that every logit is exact in float32 whatever
 the order of the sums: the op's top ids must then equal the stable argsort exactly
 (ties to the lower id) and its values the float64 log_softmax within 1e-4. The shapes
 cross the op's edges: row counts that are not a multiple of its register tile (5 or 6
 rows) or its block (4 tiles), vocabularies that are not a multiple of the SIMD width or
-of a panel (2 or 4 vectors), widths below the k unrolling, one row, K from 1 to V.
+of a panel (2 or 4 vectors, and of the packing's 64-token panels), widths below the k
+unrolling, one row, K from 1 to V. With a bfloat16 copy (a piece of the same op graph)
+each logit is rounded to bfloat16 first.
 """
 
 from __future__ import annotations
@@ -14,19 +17,36 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from max.driver import Buffer
+from max.dtype import DType
+
+from srm_max.bfloat16 import bfloat16_round, to_bfloat16_bits
 from srm_max.graphs.op_names import OP_SCORE_HEAD
+from srm_max.models.srm.packing import pack_matrix
 from tests.support.graphs import op_graphs
+from tests.support.op_graph_builders import SCORE_HEAD_BF16
 from tests.support.op_graphs import model
 from tests.support.score_checks import ATOL, check_scores, log_softmax64
 
-pytestmark = op_graphs(OP_SCORE_HEAD)
+pytestmark = op_graphs(OP_SCORE_HEAD, SCORE_HEAD_BF16)
+LEAD = 24  # entries before the packed head: the op reads it at an offset
+
+
+def packed_head(head: np.ndarray) -> np.ndarray:
+    """head [V, d] packed as the engines pack it, behind LEAD entries of garbage."""
+    return np.concatenate([np.full(LEAD, 9.5, np.float32), pack_matrix(head).reshape(-1), np.full(5, -9.5, np.float32)])
+
+
+def score_packed(mats, head_at, x: np.ndarray, targets: np.ndarray, K: int, graph: str = OP_SCORE_HEAD):
+    """The op on x and the packed head at ``head_at`` = (offset, V) of ``mats``."""
+    outs = model(graph).execute(np.ascontiguousarray(x, np.float32), mats, np.asarray(head_at, np.int64),
+                                np.ascontiguousarray(targets, np.int64), np.zeros(K, np.int64))
+    return tuple(o.to_numpy() for o in outs)
 
 
 def score_head(x: np.ndarray, head: np.ndarray, targets: np.ndarray, K: int):
-    """The op on x [R, d], head [V, d] -> (logprobs [R], top_values [R, K], top_ids [R, K])."""
-    outs = model(OP_SCORE_HEAD).execute(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(head, np.float32),
-                                        np.ascontiguousarray(targets, np.int64), np.zeros(K, np.int64))
-    return tuple(o.to_numpy() for o in outs)
+    """The op on x [R, d] and head [V, d] packed -> (logprobs [R], top_values [R, K], top_ids [R, K])."""
+    return score_packed(packed_head(head), [LEAD, head.shape[0]], x, targets, K)
 
 
 def eighths(rng, shape, spread: int = 2) -> np.ndarray:
@@ -79,10 +99,30 @@ def test_any_width(K):
     check(x, head, rng.integers(0, 64, 30), K=K)
 
 
+@pytest.mark.parametrize("R, d, V", [(1, 16, 300), (29, 40, 1001)])
+def test_a_bfloat16_head_rounds_each_logit(R, d, V):
+    """Exact logits (eighths times 64ths), each rounded to bfloat16 as a bfloat16 product
+    returns it, then reduced: the float64 log_softmax of the rounded logits."""
+    rng = np.random.default_rng(R + V)
+    x, head = eighths(rng, (R, d), 7), (rng.integers(-63, 64, (V, d)) / 64).astype(np.float32)
+    logits = (x.astype(np.float64) @ head.astype(np.float64).T).astype(np.float32)  # exact
+    assert not np.array_equal(bfloat16_round(logits), logits)  # some do round
+    mats16 = Buffer.from_numpy(to_bfloat16_bits(packed_head(head))).view(DType.bfloat16)
+    targets = rng.integers(0, V, R)
+    scores = score_packed(mats16, [LEAD, V], x, targets, 20, SCORE_HEAD_BF16)
+    check_scores(*scores, bfloat16_round(logits).astype(np.float64), targets, 20)
+
+
 def test_bad_inputs_are_refused():
     rng = np.random.default_rng(7)
     x, head = eighths(rng, (3, 8)), eighths(rng, (50, 8))
     with pytest.raises(Exception, match="row 1 has target 50 outside"):
         score_head(x, head, np.array([0, 50, 1]), 20)
-    with pytest.raises(Exception, match="head is"):
-        score_head(x, eighths(rng, (50, 9)), np.zeros(3, np.int64), 20)
+    mats = packed_head(head)
+    for bad in ([LEAD + 8, 50], [-1, 50], [LEAD, 0], [mats.size, 50]):
+        with pytest.raises(Exception, match=r"a packed \[.*, 8\] head at .* does not fit in mats of"):
+            score_packed(mats, bad, x, np.zeros(3, np.int64), 20)
+    with pytest.raises(Exception, match="head_at must hold an offset and a vocabulary size, got 3 entries"):
+        score_packed(mats, [LEAD, 50, 0], x, np.zeros(3, np.int64), 20)
+    with pytest.raises(Exception, match="K=51 must be 1 to the vocabulary size 50"):
+        score_head(x, head, np.zeros(3, np.int64), 51)
