@@ -22,14 +22,14 @@ call, which costs a short prompt more than the product saves).
 How: the register-tiled product (mojo/tiled_product.mojo) reads a panel of NB columns in
 place, its rows ``width`` entries apart, widening bfloat16 weights as it loads them (a
 copy widened ahead would cost a pass over the panel for every block of rows): NB is
-PANEL with AVX-512, so a panel is one
-tile's columns, and a quarter of one with AVX2 (NB = 16, PAD). Only the last panel of a
-matrix can be narrower than NB (AVX-512, an output count that is not a multiple of
-PANEL); it is copied once per call into a zero-padded panel. Work items are (a block of
-BLOCK_ROWS rows, one panel of NB columns), taken from a shared counter by one worker per
-core, so one row (a prefill's output layer at each prompt's last token) still spreads
-its columns over the cores; rows past R in a block's last tile are read from a
-zero-padded copy.
+PANEL with AVX-512, so a panel is one tile's columns, and a quarter of one with AVX2
+(NB = 16, PAD). Only the last panel of a matrix can be narrower than NB (AVX-512, an
+output count that is not a multiple of PANEL); it is copied once per call into a
+zero-padded panel. Work items are a block of BLOCK_ROWS rows against one panel of NB
+columns, or against all of them where the blocks outnumber the cores four times, taken
+from a shared counter by one worker per core, so one row (a prefill's output layer at
+each prompt's last token) still spreads its columns over the cores; rows past R in a
+block's last tile are read from a zero-padded copy.
 """
 from std.atomic import Atomic
 from std.memory import stack_allocation
