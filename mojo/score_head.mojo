@@ -24,7 +24,9 @@ reading the packed head's panels of NB tokens in place, as srm_linear_packed doe
 call packs the head (a copy of every weight of a 32,000-token vocabulary, written on each
 call, would cost a short text's score several times its product). Each worker (one per
 core) takes blocks of rows from a shared counter and keeps its own scratch, so nothing is
-allocated per block.
+allocated per block. With fewer blocks than cores (a short text: up to BLOCK_ROWS rows
+would leave a core idle) the cores split the head's panels for all the rows instead, into
+one shared scratch, then the rows' reductions.
 """
 from std.atomic import Atomic
 from std.memory import stack_allocation
@@ -46,6 +48,48 @@ comptime I64P = Pointer[Int64, MutUntrackedOrigin]
 # stays in a core's second-level cache while a panel is reused for BLOCK_ROWS / MR tiles
 comptime BLOCK_ROWS = 4 * MR
 comptime MAX_WORKERS = 8
+
+
+def _few_rows[MD: DType](lp_out: F32P, values_out: F32P, ids_out: I64P, x_in: F32P, tg: I64P,
+                         w: Pointer[Scalar[MD], MutUntrackedOrigin], narrow: Pointer[Scalar[MD], MutUntrackedOrigin],
+                         R: Int, d: Int, V: Int, Np: Int, K: Int, cores: Int):
+    """The op for fewer rows than the cores have blocks to take: the cores split the head's
+    panels for all R rows (the logits of every row, R x Vp floats, in one shared scratch),
+    then the rows' reductions."""
+    var panels = (Np + NB - 1) // NB
+    var Vp = panels * NB
+    var tiles = (R + MR - 1) // MR
+    var rows_store = List[Float32](length=tiles * MR * d, fill=0)  # x, zero past R
+    for i in range(R * d):
+        rows_store[i] = x_in[unsafe_offset=i]
+    var rows = F32P(unsafe_from_address=Int(rows_store.unsafe_ptr()))
+    var scratch_store = List[Float32](length=tiles * MR * Vp, fill=0)
+    var scratch = F32P(unsafe_from_address=Int(scratch_store.unsafe_ptr()))
+    var groups = min(panels, 4 * cores)  # shares of the panels, a few per core for balance
+
+    def product(group: Int) {var w, var narrow, var rows, var scratch, var d, var Np, var Vp, var panels, var tiles,
+                             var groups}:
+        for panel in range(group * panels // groups, (group + 1) * panels // groups):
+            var p = panel_at[MD](w, narrow, panel, Np, d)
+            for g in range(tiles):
+                tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp, rows.unsafe_offset(g * MR * d), d,
+                             p[0], d, p[1])
+
+    sync_parallelize(product, groups)
+
+    def reduce(r: Int) {var scratch, var lp_out, var values_out, var ids_out, var tg, var V, var Vp, var K}:
+        var row = scratch.unsafe_offset(r * Vp)
+        comptime if MD != F32:  # the logits as a bfloat16 product returns them
+            for i in range(Vp // W):
+                row.unsafe_store(i * W, _rnd[MD](row.unsafe_load[width=W](i * W)))
+        var top = TopList(K)
+        var lanes = F32P(unsafe_from_address=Int(stack_allocation[W * DEPTH, Float32]()))
+        score_row(row, V, Int(tg[unsafe_offset=r]), top, lanes, lp_out.unsafe_offset(r),
+                  values_out.unsafe_offset(r * K), ids_out.unsafe_offset(r * K))
+
+    sync_parallelize(reduce, R)
+    _ = rows_store^
+    _ = scratch_store^
 
 
 @register("srm_score_head")
@@ -104,7 +148,12 @@ struct SrmScoreHead:
         var ids_out = I64P(unsafe_from_address=Int(top_ids.unsafe_ptr()))
         var tg = I64P(unsafe_from_address=Int(targets.unsafe_ptr()))
         var blocks = (R + BLOCK_ROWS - 1) // BLOCK_ROWS
-        var workers = min(num_physical_cores(), MAX_WORKERS, blocks)
+        var cores = min(num_physical_cores(), MAX_WORKERS)
+        if blocks < cores:  # too few blocks to keep every core busy: they split the head instead
+            _few_rows[MD](lp_out, values_out, ids_out, x_in, tg, w, narrow, R, d, V, Np, K, cores)
+            _ = narrow_store^
+            return
+        var workers = min(cores, blocks)
         var next_block = List[Int64](length=1, fill=0)
         var counter = I64P(unsafe_from_address=Int(next_block.unsafe_ptr()))
 
