@@ -67,6 +67,12 @@ class PackedWeights:
         """Every copy in the one flat array ``mats`` [S], at ``offsets`` by name."""
         return cls({name: (mats, offset) for name, offset in offsets.items()}, device)
 
+    def copy_of(self, w: Weight | TensorValue) -> tuple[TensorValue, int] | None:
+        """(the flat array, the offset) of the named weight w's packed copy in w's dtype,
+        or None where there is none."""
+        found = self.at.get(getattr(w, "name", None))
+        return found if found is not None and found[0].dtype == w.dtype else None
+
 
 # how ``linear`` runs a product: MAX's matmul (None), the linear op on a CPU device, or
 # the packed-weight linear op on the engine's packed copies
@@ -96,11 +102,11 @@ def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None
         y = _PLAIN_ACTIVATIONS[activation](y) if activation else y
         return y if times is None else y * times
     n_out = int(w.shape[0])
-    name = getattr(w, "name", None)
-    if name not in op_device.at or op_device.at[name][0].dtype != w.dtype:
-        raise ValueError(f"no packed {w.dtype} copy of the weight {name!r}")
+    copy = op_device.copy_of(w)
+    if copy is None:
+        raise ValueError(f"no packed {w.dtype} copy of the weight {getattr(w, 'name', None)!r}")
     device = op_device.device
-    mats, offset = op_device.at[name]
+    mats, offset = copy
     x = rounded_to_weights(x, w.dtype)
     layer = const(np.array([offset, ACTIVATIONS[activation]], np.int64), I64, device)
     scale = const(np.zeros((0, 0), np.float32), F32, device) if times is None else ops.reshape(times, [-1, n_out])

@@ -48,11 +48,11 @@ def head_logprobs(x: TensorValue, head: TensorValue, targets: TensorValue, row_o
     ``packed``, the fused Mojo op computes and reduces the logits block by block from that
     copy; otherwise the graph computes all [..., V] logits first (on such a CPU through the
     dense-layer op, ``linear``)."""
-    name = getattr(head, "name", None)
-    if row_op_device is None or packed is None or name not in packed.at:
+    copy = packed.copy_of(head) if packed is not None else None
+    if row_op_device is None or copy is None:
         return token_logprobs(linear(x, head, op_device=row_op_device), targets, row_op_device)
     V, d = int(head.shape[0]), int(head.shape[1])
-    mats, offset = packed.at[name]
+    mats, offset = copy
     rows = rounded_to_weights(ops.reshape(x, [-1, d]), head.dtype)
     head_at = const(np.array([offset, V], np.int64), DType.int64, row_op_device)
     return _reduced(OP_SCORE_HEAD, [rows, mats, head_at], rows.shape[0], V, targets, row_op_device)

@@ -50,6 +50,29 @@ comptime BLOCK_ROWS = 4 * MR
 comptime MAX_WORKERS = 8
 
 
+@always_inline
+def _panel_logits[MD: DType](scratch: F32P, Vp: Int, rows: F32P, tiles: Int, d: Int,
+                             w: Pointer[Scalar[MD], MutUntrackedOrigin],
+                             narrow: Pointer[Scalar[MD], MutUntrackedOrigin], panel: Int, Np: Int):
+    """The logits of ``tiles`` register tiles of rows (MR rows each, d apart from ``rows``)
+    for the tokens of panel ``panel`` of the packed head, into scratch (rows Vp apart)."""
+    var p = panel_at[MD](w, narrow, panel, Np, d)
+    for g in range(tiles):
+        tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp, rows.unsafe_offset(g * MR * d), d, p[0], d,
+                     p[1])
+
+
+@always_inline
+def _scored_row[MD: DType](row: F32P, Vp: Int, V: Int, target: Int, mut top: TopList, lanes: F32P, logprob: F32P,
+                           values: F32P, ids: I64P):
+    """``score_row`` on a row of logits, first rounded to bfloat16 where the head is, as a
+    bfloat16 product returns them."""
+    comptime if MD != F32:
+        for i in range(Vp // W):
+            row.unsafe_store(i * W, _rnd[MD](row.unsafe_load[width=W](i * W)))
+    score_row(row, V, target, top, lanes, logprob, values, ids)
+
+
 def _few_rows[MD: DType](lp_out: F32P, values_out: F32P, ids_out: I64P, x_in: F32P, tg: I64P,
                          w: Pointer[Scalar[MD], MutUntrackedOrigin], narrow: Pointer[Scalar[MD], MutUntrackedOrigin],
                          R: Int, d: Int, V: Int, Np: Int, K: Int, cores: Int):
@@ -70,22 +93,15 @@ def _few_rows[MD: DType](lp_out: F32P, values_out: F32P, ids_out: I64P, x_in: F3
     def product(group: Int) {var w, var narrow, var rows, var scratch, var d, var Np, var Vp, var panels, var tiles,
                              var groups}:
         for panel in range(group * panels // groups, (group + 1) * panels // groups):
-            var p = panel_at[MD](w, narrow, panel, Np, d)
-            for g in range(tiles):
-                tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp, rows.unsafe_offset(g * MR * d), d,
-                             p[0], d, p[1])
+            _panel_logits[MD](scratch, Vp, rows, tiles, d, w, narrow, panel, Np)
 
     sync_parallelize(product, groups)
 
     def reduce(r: Int) {var scratch, var lp_out, var values_out, var ids_out, var tg, var V, var Vp, var K}:
-        var row = scratch.unsafe_offset(r * Vp)
-        comptime if MD != F32:  # the logits as a bfloat16 product returns them
-            for i in range(Vp // W):
-                row.unsafe_store(i * W, _rnd[MD](row.unsafe_load[width=W](i * W)))
         var top = TopList(K)
         var lanes = F32P(unsafe_from_address=Int(stack_allocation[W * DEPTH, Float32]()))
-        score_row(row, V, Int(tg[unsafe_offset=r]), top, lanes, lp_out.unsafe_offset(r),
-                  values_out.unsafe_offset(r * K), ids_out.unsafe_offset(r * K))
+        _scored_row[MD](scratch.unsafe_offset(r * Vp), Vp, V, Int(tg[unsafe_offset=r]), top, lanes,
+                        lp_out.unsafe_offset(r), values_out.unsafe_offset(r * K), ids_out.unsafe_offset(r * K))
 
     sync_parallelize(reduce, R)
     _ = rows_store^
@@ -178,17 +194,12 @@ struct SrmScoreHead:
                     rows[unsafe_offset=i] = x_in[unsafe_offset=first * d + i] if i < n * d else 0
                 var tiles = (n + MR - 1) // MR
                 for panel in range(panels):
-                    var p = panel_at[MD](w, narrow, panel, Np, d)
-                    for g in range(tiles):
-                        tile_product(scratch.unsafe_offset(g * MR * Vp + panel * NB), Vp,
-                                     rows.unsafe_offset(g * MR * d), d, p[0], d, p[1])
-                comptime if MD != F32:  # the logits as a bfloat16 product returns them
-                    for i in range(n * Vp // W):
-                        scratch.unsafe_store(i * W, _rnd[MD](scratch.unsafe_load[width=W](i * W)))
+                    _panel_logits[MD](scratch, Vp, rows, tiles, d, w, narrow, panel, Np)
                 for i in range(n):
                     var r = first + i
-                    score_row(scratch.unsafe_offset(i * Vp), V, Int(tg[unsafe_offset=r]), top, lanes,
-                              lp_out.unsafe_offset(r), values_out.unsafe_offset(r * K), ids_out.unsafe_offset(r * K))
+                    _scored_row[MD](scratch.unsafe_offset(i * Vp), Vp, V, Int(tg[unsafe_offset=r]), top, lanes,
+                                    lp_out.unsafe_offset(r), values_out.unsafe_offset(r * K),
+                                    ids_out.unsafe_offset(r * K))
             _ = scratch_store^
             _ = rows_store^
 

@@ -303,7 +303,7 @@ def test_the_benchmarks_srm_engines_hold_every_weight_their_graphs_bind():
     """Built, not compiled: the CPU engines bench/ times beside the default one (decode by
     the graph's loop of whole-step ops, or by the unfused decode graph) bind, in every graph
     they load, only weights their registry holds: the packed copies that the whole-step op
-    and the float32 prefill read are there whichever decode graph the engine takes."""
+    and the prefill read are there whichever decode graph the engine takes."""
     from bench.common import build_srm_reference, loop_engine, srm_weights, unfused_engine
     from srm_max.models.srm.engine import Engine
 

@@ -1,6 +1,7 @@
 """Weights laid out for the PHA's whole-step decode op (mojo/pha_decode_step.mojo), made
-once at load; the float32 prefill with the Mojo ops reads its dense layers from the same
-packed matrices (mojo/linear_packed.mojo at ``matrix_offsets``).
+once at load; the prefill with the Mojo ops reads its dense layers and its output layer
+from the same packed matrices (mojo/linear_packed.mojo and mojo/score_head.mojo at
+``matrix_offsets``).
 
 Every matrix the op multiplies by is packed as the SRM's op packs them
 (``srm.packing.pack_matrix``: panels of 64 output columns, each its [K, width]
@@ -195,7 +196,7 @@ def decode_step_weights(config, full: dict[str, np.ndarray]) -> dict[str, np.nda
 
 def matrix_offsets(config) -> dict[str, int]:
     """Where each matrix's packed copy starts in ``MATS``, by the weight's name (checkpoint
-    key): what the float32 prefill with the Mojo ops reads its dense layers from
+    key): what the prefill with the Mojo ops reads its dense layers and output layer from
     (graphs/ops.py ``PackedWeights``)."""
     lay, dims, _, _ = layout(config)
     offsets = {_head_key(config): int(dims[DIMS.index("head")])}

@@ -29,7 +29,7 @@ def weights_registry(config: SRMConfig, weights: dict[str, np.ndarray], dtype: s
                      packed: bool = False) -> dict:
     """name -> array/Buffer for ``session.init``: every tensor the graphs read
     (``schema.graph_weights``), and with ``packed`` the matrices' packed copies
-    (``packing``) that the decode op and the float32 prefill read."""
+    (``packing``) that the decode op and the prefill with the Mojo ops read."""
     full = schema.graph_weights(config, weights)
     matrices = schema.matrix_names(config)
     if packed:

@@ -39,8 +39,9 @@ LAYER_MATRICES = {"fc1": "fc1_w", "fc2": "fc2_w", "proj": "proj_w", "out": "out_
 
 def packed_copies(config) -> dict[str, tuple[str, list[int], int]]:
     """Where the op's packed copy of each matrix lies, by the matrix's own weight name:
-    (the packed weight's name, its shape, the copy's offset in it flattened). The float32
-    prefill's dense layers read them there (graphs/ops.py ``PackedWeights``)."""
+    (the packed weight's name, its shape, the copy's offset in it flattened). The prefill's
+    dense layers and its scored rows' output layer read them there (graphs/ops.py
+    ``PackedWeights``)."""
     shape_of = shapes(config)
     copies = {}
     for l in range(config.n_layers):
