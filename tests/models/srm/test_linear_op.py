@@ -108,9 +108,8 @@ def test_the_srm_layers_use_the_linear_ops_on_a_cpu_with_the_mojo_ops():
     for dtype in (DType.float32, DType.bfloat16):
         packed = graph(dtype, True)
         assert packed.count(OP_LINEAR_PACKED) == 4 * TINY.n_layers + 1  # and the output layer
-        # no matmul kernel to compile (docs/testing.md)
         # the scored rows' logits: the score head op on the output layer's packed copy
         assert packed.count(f'"{OP_SCORE_HEAD}"') == 1 and f'"{OP_LINEAR}"' not in packed
-        assert "matmul" not in packed and "silu" not in packed
+        assert "matmul" not in packed and "silu" not in packed  # no matmul kernel to compile (docs/testing.md)
     plain = graph(DType.float32, False)
     assert OP_LINEAR not in plain and "matmul" in plain
