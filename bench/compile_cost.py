@@ -43,7 +43,7 @@ engines (``SUITE_GRAPHS``), compiled in a child up to its emitted Mojo (MAX's ``
 subgraphs MAX wrote beside it: before its kernels, MAX compiles and runs each op whose
 operands are all constants (a constant's sign test inside ``ops.floor_div``, 1 - a constant
 mask, a product of constants that its canonicalizer made) as a compiled subgraph of its
-own, about 10 s of every compile of that graph. Each row gives the count (0 is the goal) and
+own, seconds of every compile of that graph. Each row gives the count (0 is the goal) and
 the seconds to the emitted Mojo.
 
 MAX compiles a graph's kernels (after fusing its ops) one by one and keeps each in a

@@ -22,7 +22,7 @@ length T). Bytes are counted from the allocated tensors (``nbytes``); the growth
 process's resident memory is recorded next to it as a cross-check. The SRM's state does
 not depend on T: its context only bounds T (the SRM is built with n = max context).
 
-Two numbers per model: the cache/state alone (what the issue's ratio is about) and the
+Two numbers per model: the cache/state alone (the ratio this benchmark is about) and the
 same plus one decode step's logits [B, V] float32, which every model materialises.
 """
 

@@ -15,7 +15,7 @@ side by side in one run (best of ``--repeats``, engines interleaved):
     srm-max-loop     the decode graph's loop: one whole-step op (``srm_decode_step``)
                      and MAX's sampler ops per step
     srm-max-unfused  that loop with the step as plain MAX ops (matmuls, norms,
-                     adds, the Mojo mixer update): what the whole-step op replaced
+                     adds, the Mojo mixer update): the step the whole-step op fuses
     torch-eager-1/2  the readable PyTorch reference's recurrent step (``SRM.step``: it
                      rebuilds the mixer parameters and runs one Linear per head every
                      step) at 1 and 2 threads

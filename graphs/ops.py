@@ -177,16 +177,6 @@ def floor_at(x: TensorValue, lo: float) -> TensorValue:
     return x + under * (lo - x)
 
 
-def head_expander(n_heads: int, head_dim: int, device: DeviceRef) -> TensorValue:
-    """[H, d] one-hot: x[..., H] @ E -> the per-head value repeated over its channels.
-
-    Outside loops only: inside ``ops.while_loop`` such a small matmul crashes MAX 26.7's
-    AVX2 code (docs/avx2_crash.md); loop bodies use ``per_channel``.
-    """
-    e = np.repeat(np.eye(n_heads, dtype=np.float32), head_dim, axis=1)
-    return const(e, F32, device)
-
-
 def per_channel(x: TensorValue, n_groups: int, width: int, device: DeviceRef) -> TensorValue:
     """x [..., G] -> [..., G * width]: each group's value repeated over its channels (a gather
     along the last axis; no matmul, no broadcast of a size-1 axis)."""

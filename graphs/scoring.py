@@ -36,7 +36,7 @@ TOP_N = 20
 
 
 def top_width(vocab_size: int) -> int:
-    """The alternatives a score graph returns: TOP_N, or the whole vocabulary if smaller."""
+    """The alternatives scored rows return: TOP_N, or the whole vocabulary if smaller."""
     return min(TOP_N, vocab_size)
 
 

@@ -263,9 +263,9 @@ def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
     ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
 ):
     """A tile of a unit. With 32 vector registers it is called, not inlined: inlined into
-    the unit's loop beside the other tile shapes, the 6 x 4 tile kept an accumulator on
-    the stack through the k loop; called, every batch of bench/cpu_decode.py's model ran
-    faster. AVX2's tiles ran no faster called, and slower at batch 16: inlined there."""
+    the unit's loop beside the other tile shapes, the 6 x 4 tile keeps an accumulator on
+    the stack through the k loop, slower at every batch of bench/cpu_decode.py's model.
+    AVX2's tiles are inlined: called, they are no faster, and slower at batch 16."""
     comptime if W > 8:
         _tile_apart[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
     else:

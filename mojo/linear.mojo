@@ -3,9 +3,10 @@
     srm_linear(x [R, K] f32, w [N, K] f32 or bf16, b [N] f32) -> y [R, N] f32
 
 y[r, n] = sum_k x[r, k] * w[n, k] + b[n]: ``w`` as the checkpoint stores it, one row per
-output. x and w must be row-major. The SRM's prefill and score graphs run their layers'
-projections through it on a CPU (graphs/ops.py ``linear``), where MAX's own matmul
-reaches a smaller share of the core's FMA peak at these shapes. With bfloat16 weights the
+output. x and w must be row-major. A bfloat16 PHA prefill the decode op cannot run (hence
+without the packed copies mojo/linear_packed.mojo reads) runs its dense layers and its
+scored rows' output layer through it on a CPU (graphs/ops.py ``linear``,
+graphs/pha/prefill.py ``dense_op_device``), where MAX's bfloat16 matmul is far slower. With bfloat16 weights the
 sum (float32, over the widened weights) is rounded to bfloat16 before the bias, as MAX's
 bfloat16 matmul returns it; the caller rounds x (``linear`` does).
 

@@ -6,7 +6,7 @@ decode_step.mojo calls it per row before the row's token is chosen).
 
 with m the row's max and lse = log(sum(exp(row - m))): a token's log-probability is
 ``(row[t] - m) - lse``, log_softmax of the raw logits (no temperature, no filters), as
-the score graph computes it (graphs/scoring.py); ``score_token`` writes it for ``token``. With n >= 1 it also writes the n
+a prefill's scored rows compute it (graphs/scoring.py); ``score_token`` writes it for ``token``. With n >= 1 it also writes the n
 largest log-probabilities, descending, and their ids: of equal values the lower id
 first, and the lower ids are the ones kept when ties straddle the n-th place.
 

@@ -1,4 +1,4 @@
-"""The score graph's output layer and per-position reduction in one op, CPU
+"""The output layer and the per-position reduction of a prefill's scored rows in one op, CPU
 (graphs/scoring.py).
 
     srm_score_head(x [R, d] f32, mats [S] f32 or bf16, head_at [2] int64, targets [R] int64)

@@ -1,4 +1,4 @@
-"""The score graph's per-position reduction of logits, CPU (graphs/scoring.py).
+"""The per-position reduction of logits to log-probabilities and the top n, CPU (graphs/scoring.py).
 
     srm_score_rows(logits [R, V] f32, targets [R] int64)
         -> logprobs [R] f32, top_values [R, K] f32, top_ids [R, K] int64
@@ -21,7 +21,7 @@ is a floor under the row's K-th largest, and their largest is the row's max. The
 second sums exp(x - max) and, for the few vectors holding a value at or above the
 floor, inserts those values into a sorted list of K; in id order, so of equal values
 the lower id stays. MAX's ``ops.top_k`` sorts whole rows instead, which at V = 4,096
-cost more than the rest of the score graph. A row (16 KiB at V = 4,096) stays in the
+cost more than the rest of a prefill of the same tokens. A row (16 KiB at V = 4,096) stays in the
 first-level cache between the passes. Rows are split between the cores in blocks of
 ROWS_PER_ITEM.
 """

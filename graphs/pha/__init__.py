@@ -1,8 +1,12 @@
-"""PHA hybrid graphs: prefill, which also scores (whole prompts), and decode (one step per
-``execute``, the state written in place).
+"""PHA hybrid graphs: prefill, which also scores (whole prompts), and decode.
 
 The math is ``reference/pha.py`` (GSS, GQA, FFN branches, RMSNorm per branch,
-softplus mixing, DeepNorm post-LN), written with plain MAX ops.
+softplus mixing, DeepNorm post-LN). On a CPU with the kernel library the prefill's
+attention, queries and keys, GSS scan, dense layers and scored rows are Mojo ops, and a
+decode call runs every step in one op (``decode.build_pha_decode_steps_graph``,
+mojo/pha_decode_step.mojo); elsewhere (a GPU, ``PHAEngine(kernels=False)``, a block
+the op cannot run) the graphs are plain MAX ops, and the decode graph runs one step per
+``execute``, the state written in place.
 
 Per-sample state, one float32 tensor ``[L, B, X]`` (so a sample is a column
 block the host can copy, as for the SRM). Per layer and sample, X holds, flat
@@ -17,7 +21,7 @@ splits it; ``PHAEngine.split_states`` gives the reference's ``PHACache`` layout.
 
 Modules: ``model`` (weights, state layout, the pieces both graphs share), ``gss``
 (the GSS branch: load-time tables, chunked-scan prefill, decode step), ``attention``
-(the GQA branch), ``prefill`` and ``decode`` (the two graphs).
+(the GQA branch), ``prefill`` and ``decode`` (the graphs).
 
 MAX 26.7 CPU workarounds (see graphs/srm/decode.py, docs/avx2_crash.md): nothing
 broadcasts a size-1 head axis against a reshaped matmul result, and no small

@@ -23,8 +23,8 @@ Outputs:
 With the Mojo kernels on a CPU the whole step (every layer and the logits) is one
 op, ``step_fused`` (mojo/decode_step.mojo), at every batch size; and the engine
 runs ``build_decode_steps_graph`` instead: all S steps in one op, the tokens
-chosen (greedy or drawn) inside it, no graph loop (whose per-step cost was a
-tenth of a batch-1 step).
+chosen (greedy or drawn) inside it, no graph loop (each of whose iterations
+costs a sizeable part of a batch-1 step).
 
 The new token drawn after reading position p has position p + 1: that is its
 random counter, so a sample's tokens depend only on its seed, prompt and

@@ -9,7 +9,7 @@ __all__ = ["Generator", "SRMConfig", "SRMError", "CheckpointError", "ConvertErro
 
 
 def __getattr__(name: str):
-    # The Generator pulls in MAX (about a second to import): load it on first use only.
+    # The Generator pulls in MAX, a slow import: load it on first use only.
     if name == "Generator":
         from .serve.generator import Generator
 

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no progress messages on stderr")
 
     p = sub.add_parser("convert", parents=[quiet], help="convert a PyTorch/safetensors SRM checkpoint, with a parity certificate")
-    p.add_argument("src", help="state-dict file (.pt/.bin), .safetensors file, or Trainer checkpoint folder")
+    p.add_argument("src", help="state-dict file (.pt/.pth/.bin), .safetensors file, or Trainer checkpoint folder")
     p.add_argument("dst", help="output checkpoint directory")
     p.add_argument("--dtype", choices=list(STORED_DTYPES), help="weights dtype (default: the source's)")
     p.add_argument("--tokenizer", help="tokenizer.json to copy into the checkpoint")

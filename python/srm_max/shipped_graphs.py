@@ -1,7 +1,7 @@
 """Compiled graphs shipped inside the package, for the embedded model's shape.
 
-A cold compile of the CPU graphs that ``srm-max generate`` runs (prefill, decode
-and decode_steps with the Mojo ops, float32) takes minutes on a small CPU, so
+A cold compile of the CPU graphs that ``srm-max generate`` runs (``runtime.compiled``'s
+kinds with the Mojo ops: prefill, sample, regroup and decode_steps, float32) takes minutes on a small CPU, so
 the package carries them, compiled by ``scripts/build_shipped_graphs.py`` for
 portable CPU targets: code compiled for ``x86-64-v3`` (AVX2 + FMA) runs on every
 CPU of that level or above. They live in

@@ -149,6 +149,23 @@ def test_every_op_name_is_a_mojo_registration_and_back():
     assert set(op_names.ALL_OPS) == registered
 
 
+def ops_listed(text: str, pattern: str) -> set[str]:
+    """The op names a listing names: each match of ``pattern``'s group."""
+    return set(re.findall(pattern, text, re.MULTILINE))
+
+
+def test_the_op_listings_name_every_registered_op():
+    """mojo/__init__.mojo's list and docs/kernels.md's table name exactly the ops mojo/
+    registers: a new op is not left out of either."""
+    from srm_max.graphs import op_names
+
+    package = ops_listed((ROOT / "mojo" / "__init__.mojo").read_text(), r"^    (\w+) +\(\w+\.mojo\)")
+    table = ops_listed((ROOT / "docs" / "kernels.md").read_text(), r"^\| `(\w+)` \| \w+\.mojo \|")
+    assert ops_listed("    srm_a   (a.mojo)  x\n  srm_b (b.mojo)\n", r"^    (\w+) +\(\w+\.mojo\)") == {"srm_a"}
+    assert package == set(op_names.ALL_OPS)
+    assert table == set(op_names.ALL_OPS)
+
+
 def test_op_names_are_spelled_only_in_their_owner():
     """No graph or runtime module writes an op's name as a string of its own: each imports it
     from graphs/op_names.py."""

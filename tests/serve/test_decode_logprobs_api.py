@@ -18,7 +18,7 @@ pytestmark = graphs(TINY, ENGINE_KINDS)
 # the plain-op engine's graphs, as tests/models/srm/test_engine.py declares them (no new graph)
 PLAIN_OPS = graphs(TINY, ("prefill", "decode", "sample", "regroup"), kernels=False)
 
-TOL = 1e-4  # float32 engine against the float32 reference's log_softmax and the score graph
+TOL = 1e-4  # float32 engine against the float32 reference's log_softmax and the scored prefill
 # the same tokens in other batches or calls: a few float32 ulps (the op is exact there, MAX's
 # matmuls in the plain graphs round differently by batch size)
 SAME_TOKENS_ATOL = 1e-5
@@ -42,7 +42,7 @@ def plain_generator(tiny_weights):
 
 @pytest.fixture(params=["op", pytest.param("plain", marks=PLAIN_OPS)])
 def no_score_pass(request, monkeypatch):
-    """A generator (the default engine's, or the plain-op engine's), its engine's score graph
+    """A generator (the default engine's, or the plain-op engine's), its engine's scoring
     refused: a second pass would fail."""
     generator = request.getfixturevalue("generator" if request.param == "op" else "plain_generator")
 
@@ -89,7 +89,7 @@ def test_generate_logprobs_come_from_the_decode_and_equal_scoring_the_text(no_sc
                          **(sampling | {"seed": outs[2].seed} if sampling else {}))
     assert alone.ids == outs[2].ids
     np.testing.assert_allclose(alone.logprobs.logprobs, lps[2].logprobs, rtol=0, atol=SAME_TOKENS_ATOL)  # batch 1
-    monkeypatch.undo()  # the score graph again: the same numbers as scoring the texts
+    monkeypatch.undo()  # scoring again: the same numbers as scoring the texts
     for p, c in zip(prompts, outs):
         scored = gen.score(p + c.ids, top_n=3)
         np.testing.assert_allclose(c.logprobs.logprobs, scored.logprobs[len(p):], rtol=0, atol=TOL)

@@ -28,7 +28,7 @@ GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
 # faults at random calls once a PHA model has been loaded into a process after another has
 # run (docs/avx2_crash.md), so the PHA's ops run apart from the SRM's and from each other:
 # the SRM's ops (the mixer's step and scan, the whole decode step and its steps with the
-# row sampler, the score graphs' head and row reduction, the prefill's dense layer), the
+# row sampler, the scored rows' head and row reduction, the prefill's dense layer), the
 # PHA decode op's tests against the reference (the op's engine alone), and the PHA
 # prefill's two ops against float64 (the attention op on lengths across its AVX2 tiles,
 # the GSS scan op).

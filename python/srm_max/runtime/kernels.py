@@ -2,37 +2,12 @@
 kernel library they are precompiled into.
 
 The Mojo sources live in ``mojo/`` at the repository root and ship as the data
-package ``srm_max.mojo``. Two mixer ops are registered (one step, for the GPU decode
-graph; the scan, for prefill and scoring), plus the whole decode
-step of ``decode_step.mojo`` (``srm_decode_step``: every layer and the logits
-in one op; ``srm_decode_steps``: S steps in one op, each token chosen greedily
-or drawn; CPU only, used by graphs/srm/decode.py), ``srm_sample_rows`` (that
-op's draw on given logits, for the tests) and ``srm_write_state_rows`` (the PHA
-decode's in-place state write, graphs/pha/decode.py); see the ``.mojo`` files
-for the exact semantics; all tensors are float32 except positions/lengths (int64).
-Heads ``0 .. H/2-1`` are column-repeat, ``H/2 .. H-1`` row-repeat; ``lam`` is the
-per-head decay already computed by the caller (``clip(decay,0.9,1)**(1/c)``).
-
-``srm_mixer_step_functional`` (decode, state in -> new state out)::
-
-    y, new_state = ops.custom(
-        "srm_mixer_step_functional", device=dev,
-        values=[state, u, positions, w, beta, lam],
-        out_types=[TensorType(DType.float32, u.shape, dev)] * 2)
-
-``srm_mixer_scan`` (prefill; y for all T positions, state after ``lengths[b]-1``;
-sample b starts at absolute position ``start[b]`` from the state ``init[b]``)::
-
-    y, final_state = ops.custom(
-        "srm_mixer_scan", device=dev,
-        values=[u, lengths, start, init, w, beta, lam],  # u [B,T,H,hd], lengths, start [B] i64,
-                                                         # init [B,H,hd], w, beta [H,n] f32
-        out_types=[TensorType(DType.float32, u.shape, dev),                  # [B,T,H,hd]
-                   TensorType(DType.float32, [u.shape[0], u.shape[2], u.shape[3]], dev)])
-
-Every graph using them needs ``Graph(..., custom_extensions=[kernel_library()])``.
+package ``srm_max.mojo``. The ops' names are written once in ``graphs/op_names.py``;
+what each does, its inputs and who calls it: each ``.mojo`` file's docstring and
+docs/kernels.md. Every graph using them needs ``Graph(..., custom_extensions=[kernel_library()])``.
 ``kernel_library()`` precompiles the sources once into the user cache, so building
-a graph costs no ``mojo precompile`` (MAX would otherwise spend ~4 s per Graph).
+a graph runs no ``mojo precompile`` of its own (MAX would otherwise compile the package
+for every ``Graph``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ document separator `srm-max train` writes; a tokenizer without it leaves the fir
 token unscored), every later window the next ``max_length`` after the token before
 it, each read from a fresh state. So every token is scored once, with at most
 ``max_length`` tokens of context, as lm-eval's ``word_perplexity`` tasks (wikitext)
-and its ``hf`` model do. The numbers come from the engine's score graph.
+and its ``hf`` model do. The numbers come from the engine's scoring (``serve.scoring``).
 
     tokens       the tokens scored
     mean NLL     -(sum of their log-probabilities) / tokens, in nats

@@ -39,7 +39,7 @@ Scoring (``serve/logprobs.py``; docs/scoring.md):
 
 Every log-probability is the model's raw one (log_softmax of its logits: no
 temperature, top-k or top-p, whatever sampled the token). ``score`` and
-``loglikelihood`` run the engine's score graph. With ``logprobs=n`` a completion's
+``loglikelihood`` score through the engine's prefill graph. With ``logprobs=n`` a completion's
 tokens get theirs from the decode itself (the whole-step decode ops and the plain decode
 graphs alike; the first token from the graph that drew it, graphs/sampler.py;
 ``scoring.completion_scores``): no second pass, the same numbers as scoring the text.

@@ -1,7 +1,7 @@
 """Log-probabilities as users get them: per-token numbers with the tokens' text, and the
 lm-eval quantities (``loglikelihood``, ``loglikelihood_rolling``), for ``Generator``.
 
-All of it is computed by the engine's score graph (``serve.scoring``): each token's
+All of it is computed by the engine's scoring (``serve.scoring``): each token's
 log-probability under the model's raw distribution, log_softmax of the logits with no
 temperature and no top-k/top-p, whatever parameters sampled it (as vLLM's default
 "raw" log-probabilities).

@@ -1,7 +1,8 @@
 """Scoring through the engine: the log-probabilities of given tokens, batched into
 ``engine.score`` calls, and the same for tokens that keep coming after a prompt.
 
-Every number comes from the engine's score graph (``runtime.compiled``): the
+Every number comes from the engine's prefill graph, which scores given positions
+(``runtime.compiled`` ``score``): the
 log-probability of each target token under the model's raw distribution
 (log_softmax of the logits: no temperature, no top-k/top-p) and the top-n
 alternatives, computed on the device; no [T, V] logits reach the host.
@@ -34,10 +35,11 @@ from ..graphs.scoring import TOP_N
 from .prefix_cache import PrefixCache, prefill_cached, usable_cache
 from .sampling import brief_repr, is_int
 
-MAX_TOP_N = TOP_N  # the most alternatives per position: the score graph's width (OpenAI's limit too)
+MAX_TOP_N = TOP_N  # the most alternatives per position: the scored rows' width (OpenAI's limit too)
 
-# The score graph holds [B, T, V] float32 logits at once: a batch is cut into calls of at
-# most this many bytes of logits (and at least one whole text).
+# Scoring with plain ops (a GPU, or a CPU engine without the packed output layer) holds
+# [B, T, V] float32 logits at once: a batch is cut into calls of at most this many bytes
+# of logits (and at least one whole text), on every engine alike.
 LOGITS_BYTES_PER_CALL = 256 << 20
 
 

@@ -1,5 +1,5 @@
-"""The PHA prefill's tiled attention op (mojo/pha_prefill_attention.mojo, the prefill and
-score graphs' attention on a CPU with the Mojo ops) against float64 numpy, the plain-op
+"""The PHA prefill's tiled attention op (mojo/pha_prefill_attention.mojo, the prefill's
+attention, scoring included, on a CPU with the Mojo ops) against float64 numpy, the plain-op
 prefill graph (``kernels=False``) and the PyTorch reference.
 
 The op alone runs in a graph of its own with every dimension symbolic (one compile), on

@@ -1,6 +1,6 @@
 """The decode's log-probabilities (``engine.decode(..., logprobs=n)``): each new token's
 raw log-probability and the top-n at each step equal the PyTorch reference's log_softmax
-and what the score graph gives for the same tokens; asking for them changes no token.
+and what scoring gives for the same tokens; asking for them changes no token.
 Through the whole-step decode op (mojo/decode_step.mojo with mojo/row_logprobs.mojo: the
 default CPU engine) and the plain decode graph's loop (graphs/loop.py, ``kernels=False``:
 the GPU's path), which also equals the op on the same draws. TINY SRM (V = 64, context 96)."""
@@ -25,7 +25,7 @@ PLAIN_OPS = graphs(TINY, ("prefill", "decode", "sample", "regroup"), kernels=Fal
 
 LOGPROB_ATOL = 1e-4  # float32 engine against the float32 reference's log_softmax
 # bfloat16 weights: within 2 % of the largest |log-probability| in the step's row of the float32
-# reference (the score graph's bound, tests/models/srm/test_scoring_engine.py)
+# reference (scoring's bound, tests/models/srm/test_scoring_engine.py)
 BF16_REL = 0.02
 TOP = 5
 # (temperature, top_k, top_p) per sample: greedy, plain, top-k, top-p, both
@@ -86,7 +86,7 @@ def check(engine, reference, prompts, rows, steps, top_n=TOP, atol=LOGPROB_ATOL,
 @pytest.mark.parametrize("steps", [1, 7])
 def test_greedy_decode_logprobs_equal_the_reference_and_the_score_graph(engine, reference, steps):
     """Greedy (the op's argmax phase), batch 3 and 1, one step and several: each token is its
-    own top-1, its log-probability the reference's and the score graph's on the same text."""
+    own top-1, its log-probability the reference's and scoring's on the same text."""
     prompts = random_prompts([3, 20, 40], TINY.vocab_size, 1)
     texts, res, kept = check(engine, reference, prompts, [(0.0, 0, 1.0)] * 3, steps)
     for b, t in enumerate(texts):

@@ -1,4 +1,4 @@
-"""The score graph's fused output layer and row reduction (mojo/score_head.mojo,
+"""The scored rows' fused output layer and row reduction (mojo/score_head.mojo,
 ``srm_score_head``, reading the output layer's packed copy at an offset of a flat array)
 against numpy's float64 logits and log_softmax.
 

@@ -1,4 +1,4 @@
-"""The score graph's row op (mojo/score_rows.mojo, ``srm_score_rows``) on rows the tests
+"""The scored rows' reduction op (mojo/score_rows.mojo, ``srm_score_rows``) on rows the tests
 make, against numpy's float64 log_softmax: the target's log-probability within 1e-4 and
 the K largest in order, ties to the lower id; rows whose width is not a multiple of the
 vector width, K up to the whole row and past the op's lane bound, ties across the K-th

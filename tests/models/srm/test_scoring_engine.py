@@ -1,7 +1,7 @@
 """The engines' scoring path (``score``) and prefill/score continued from a state, against
 the PyTorch references (same weights).
 
-SRM: the TINY config with the Mojo ops (the scan op and the score graph's row op: the
+SRM: the TINY config with the Mojo ops (the scan op and the scored rows' ops: the
 default CPU engine) and with the plain chunked graph and ``ops.top_k`` (what a GPU runs); PHA:
 the CONFIG of tests/models/pha/test_pha_engine.py with the row op, from a fresh start only.
 Context 96 = 3 chunks of 32 for the SRM, so splits fall on, before and after chunk edges.

@@ -1,14 +1,15 @@
-"""The SRM's MAX engine: compiled prefill (which also scores) and decode graphs for one config.
+"""The SRM's MAX engine: compiled graphs for one config.
 
 ``Engine(config, weights, dtype, device)`` builds (or loads from the ``.mef``
-cache, see ``compile_cache``) two graphs per (config shape, weight dtype,
-device): ``srm_prefill_*`` and ``srm_decode_*``; batch size, prompt
-length and the number of decode steps per call are symbolic, so these graphs serve
-every request. Prefill and score take each sample's start: the tokens it has already
-read and the state it reached there (zeros for a fresh prompt). With the Mojo ops on a CPU there is a third, ``srm_decode_steps_*``:
-a decode runs all its steps inside one op, each token chosen greedily or drawn there
-by the sampler's rules (see graphs/srm/decode.py); elsewhere decodes take the decode
-graph's loop. Weights are bound at load time by name.
+cache, see ``compile_cache``) per (config shape, weight dtype, device) the graphs of
+``runtime.compiled``'s kinds: the prefill (which also scores), the sample graph (the
+first token after a prefill), the regroup of the slot pool's states, and the decode:
+with the Mojo ops on a CPU ``srm_decode_steps_*``, all of a call's steps inside one op,
+each token chosen greedily or drawn there by the sampler's rules (see
+graphs/srm/decode.py); elsewhere the decode graph's loop. Batch size, prompt length and
+the number of decode steps per call are symbolic, so these graphs serve every request.
+Prefill and score take each sample's start: the tokens it has already read and the
+state it reached there (zeros for a fresh prompt). Weights are bound at load time by name.
 
 The rest (lazy loading, the decode call, threads) is ``runtime.compiled``.
 """
@@ -43,7 +44,7 @@ class Engine(CompiledGraphs):
 
     build_graph = staticmethod(build.build_graph)
     graph_salt = build.GRAPH_SALT
-    supports_start_state = True  # its prefill and score graphs take each sample's start state
+    supports_start_state = True  # its prefill (which also scores) takes each sample's start state
 
     def __init__(self, config: SRMConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
                  device: str = "cpu", kernels: bool | None = None):

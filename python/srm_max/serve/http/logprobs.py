@@ -6,10 +6,10 @@ temperature, top-k or top-p, whatever sampled the token), as vLLM reports them b
 
 - generated tokens: the ones the decode returned with them (every engine's decode
   computes them; the scheduler keeps them per sample), with no second pass;
-- ``echo``: the prompt's tokens are scored once from its start by the score graph
-  (``serve/scoring.py``), the first one ``null`` (no context).
+- ``echo``: the prompt's tokens are scored once from its start by the engine's prefill
+  graph (``serve/scoring.py``), the first one ``null`` (no context).
 
-The echo asks the score graph for its 20 alternatives, the decode for the most any
+The echo asks the prefill's scored rows for their 20 alternatives, the decode for the most any
 sample in its batch asks for; each request keeps its own n.
 """
 
