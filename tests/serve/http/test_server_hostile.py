@@ -49,8 +49,10 @@ def app():
     return create_app(gen, model_name=MODEL, max_batch=4, max_waiting=8, chat_template=TEMPLATE)
 
 
-def post(app, raw: bytes | str, path: str = "/v1/completions", fault: type | None = None) -> tuple[int, dict]:
-    """(status, parsed JSON body) of one POST through the whole ASGI app (its guard included).
+def post(app, raw: bytes | str, path: str = "/v1/completions", fault: type | None = None,
+         method: str = "POST") -> tuple[int, dict | None]:
+    """(status, parsed JSON body or None for none) of one request (a POST unless ``method``)
+    through the whole ASGI app (its guard included).
 
     ``fault``: the exception the app re-raises to its server after answering a fault of its own."""
     raw = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
@@ -68,7 +70,7 @@ def post(app, raw: bytes | str, path: str = "/v1/completions", fault: type | Non
         elif message["type"] == "http.response.body":
             answer["body"] = answer.get("body", b"") + message.get("body", b"")
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
@@ -77,7 +79,7 @@ def post(app, raw: bytes | str, path: str = "/v1/completions", fault: type | Non
     else:
         with pytest.raises(fault):
             asyncio.run(app(scope, receive, send))
-    return answer["status"], json.loads(answer["body"])
+    return answer["status"], json.loads(answer["body"]) if answer.get("body") else None
 
 
 def refused(app, raw, param, *, path="/v1/completions", says=()) -> dict:
@@ -173,8 +175,9 @@ def test_a_template_that_fails_on_a_message_is_400(app):
 
 def test_an_unknown_field_named_by_a_lone_surrogate_gets_a_readable_error(app):
     """The answer echoes the field's name: it is escaped, not a failed UTF-8 encoding (a 500)."""
-    error = refused(app, r'{"prompt": "ab", "\ud800": 1}', "\ud800", says=("Unrecognized request argument",))
+    error = refused(app, r'{"prompt": "ab", "\ud800": 1}', r"\ud800", says=("Unrecognized request argument",))
     assert error["message"].endswith(r"'\ud800'")
+    json.dumps(error, allow_nan=False).encode("utf-8")  # valid Unicode: the param is the escape's text
 
 
 def test_every_other_field_of_a_wrong_type_is_400(app):
@@ -190,6 +193,49 @@ def test_every_other_field_of_a_wrong_type_is_400(app):
             path="/v1/chat/completions")
 
 
+def test_chat_content_as_text_parts_is_read_and_other_parts_are_400(app):
+    parts = [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]
+    status, body = post(app, json.dumps({"messages": [{"role": "user", "content": parts}]}), "/v1/chat/completions")
+    assert status == 503 and "not running" in body["error"]["message"]  # every check passed
+    from srm_max.serve.http.chat import render
+
+    assert render(TEMPLATE, [{"role": "user", "content": parts}]) == "user: ab\ncd\n"
+    for content in ([{"type": "image_url", "image_url": {"url": "x"}}], [{"type": "text", "text": 1}], ["ab"]):
+        refused(app, json.dumps({"messages": [{"role": "user", "content": content}]}), "messages",
+                path="/v1/chat/completions", says=("messages[0].content[0] must be a text part",))
+
+
+def test_head_health_answers_as_get(app):
+    assert post(app, b"", "/health", method="HEAD")[0] == post(app, b"", "/health", method="GET")[0] == 503
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--port", "70000"], "--port must be from 0 to 65535"),
+    (["--max-waiting", "0"], "--max-waiting must be an integer >= 1"),
+    (["--steps-per-call", "0"], "--steps-per-call must be an integer >= 1"),
+    (["--api-key", ""], "--api-key must be a non-empty string of printable ASCII"),
+    (["--api-key", "s\u00e9cret"], "--api-key must be a non-empty string of printable ASCII"),
+])
+def test_serve_refuses_bad_options_before_loading_a_model(options, says, capsys, monkeypatch):
+    from srm_max import cli
+    from srm_max.serve import generator
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the options were checked")
+
+    monkeypatch.setattr(generator.Generator, "from_pretrained", loaded)
+    assert cli.main(["serve", *options]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_an_api_key_matches_the_bytes_a_client_sends():
+    from srm_max.serve.http.guard import Guard
+
+    guard = Guard(None, "s\u00e9cret", 1, None)
+    assert guard._authorized("Bearer s\u00e9cret".encode("utf-8")) and not guard._authorized(b"Bearer s\xe9cret")
+
+
 def test_a_server_fault_is_a_500_in_the_openai_shape(app, monkeypatch):
     from srm_max.serve.http import app as app_module
 
@@ -202,7 +248,8 @@ def test_a_server_fault_is_a_500_in_the_openai_shape(app, monkeypatch):
 
 
 def test_parse_body_refuses_what_is_not_json(gen):
-    for raw, says in [(b"\xff", "UTF-8"), (b"[" * 100_000, "nested"), (b'{"n": 1' + b"0" * 5000 + b"}", "JSON"),
+    for raw, says in [(b"\xff", "UTF-8"), (b"[" * 100_000, "nested"), (b'{"n": 1' + b"0" * 5000 + b"}", "4300 digits"),
+                      (b'{"n": -1' + b"0" * 4300 + b"}", "4300 digits"),
                       (b"\xef\xbb\xbf{}", "JSON"), ('{"a": 1}'.encode("utf-16"), "UTF-8")]:
         with pytest.raises(APIError, match=says) as caught:
             parse_body(raw)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -57,7 +58,8 @@ class Server:
 
 def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_waiting: int = 1024,
                steps_per_call: int = DEFAULT_STEPS_PER_CALL, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
+               on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan.
 
     ``max_batch``: the most samples decoded together; ``max_waiting``: the most samples
@@ -65,7 +67,8 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
     (``app.state.chat_template``, read at each chat request).
     """
     server = Server(generator, model_name, max_waiting, Metrics())
-    server.engine_loop = EngineLoop(generator, max_batch, max_waiting, steps_per_call, server.metrics, server.flush)
+    server.engine_loop = EngineLoop(generator, max_batch, max_waiting, steps_per_call, server.metrics, server.flush,
+                                    on_failure=on_engine_failure)
     app = FastAPI(title="srm-max", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.chat_template = chat_template
@@ -108,7 +111,7 @@ def _server(request: Request) -> Server:
     return request.app.state.server
 
 
-@routes.get("/health")
+@routes.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
     engine_loop = _server(request).engine_loop
     if not engine_loop.alive:

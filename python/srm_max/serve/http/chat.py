@@ -41,13 +41,16 @@ def no_template_error(model: str):
 
 
 def render(template: str, messages) -> str:
-    """The prompt text of ``messages`` ([{"role", "content"}]), ready for the assistant's turn."""
+    """The prompt text of ``messages`` ([{"role", "content"}]), ready for the assistant's turn.
+    A content may be OpenAI's list of parts: text parts only, joined by newlines (as vLLM
+    joins them) before the template sees them."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    messages = [_with_text_content(i, m) for i, m in enumerate(messages)]
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role and a string content",
-                              "messages")
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role and a string content "
+                              "(or a list of text parts)", "messages")
         for key in ("role", "content"):
             try:
                 check_text(m[key], f"messages[{i}].{key}")
@@ -63,3 +66,19 @@ def render(template: str, messages) -> str:
         # from its own expressions on a value it did not expect): this request's fault
         raise bad_request(f"the chat template cannot render these messages: {str(e)[:300]}",
                           "messages") from None
+
+
+def _with_text_content(i: int, message) -> dict:
+    """``message`` with a content given as parts ([{"type": "text", "text": ...}]) as one string."""
+    if not isinstance(message, dict):
+        raise bad_request(f"messages[{i}] must be an object with a string role and a string content", "messages")
+    parts = message.get("content")
+    if not isinstance(parts, list):
+        return message
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}] must be a text part ({{\"type\": \"text\", \"text\": "
+                              "a string}): this model reads text only", "messages")
+        texts.append(part["text"])
+    return message | {"content": "\n".join(texts)}

@@ -44,7 +44,8 @@ class EngineLoopStopped(Exception):
 
 class EngineLoop:
     def __init__(self, generator, max_batch: int, max_waiting: int, steps_per_call: int = DEFAULT_STEPS_PER_CALL,
-                 metrics: Metrics | None = None, flush: Callable[[], None] = lambda: None):
+                 metrics: Metrics | None = None, flush: Callable[[], None] = lambda: None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         if max_batch < 1 or max_waiting < 1 or steps_per_call < 1:
             raise ValueError("max_batch, max_waiting and steps_per_call must be >= 1")
         self.generator = generator
@@ -63,6 +64,7 @@ class EngineLoop:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what stopped the loop, if it died
+        self.on_failure = on_failure  # told once the loop has died (after its requests have failed)
         # the batch: engine thread only
         self._pool = SlotPool(self.engine, generator.decode, max_batch, steps_per_call,
                               prefix_cache=generator.prefix_cache)
@@ -128,6 +130,8 @@ class EngineLoop:
         finally:
             self._fail_all("the server is shutting down" if self.failure is None else
                            f"the engine failed: {self.failure}")
+            if self.failure is not None and self.on_failure is not None:
+                self.on_failure(self.failure)
 
     def _fail_all(self, message: str) -> None:
         with self._cv:
@@ -184,8 +188,14 @@ class EngineLoop:
         for tick in turn.ticks:
             touched.update(tick)
         touched.update(dict.fromkeys(turn.finished))
-        if any(s.request.logprobs is not None for s in touched):
-            self._scoring.update(list(touched))  # what their deltas carry: one scoring batch per turn
+        scored = [s for s in touched if s.request.logprobs is not None]
+        if scored:
+            try:
+                self._scoring.update(list(touched))  # what their deltas carry: one scoring batch per turn
+            except Exception as e:  # noqa: BLE001  (it fails the requests that asked for it, not the server)
+                log.exception("scoring failed")
+                for r in {id(s.request): s.request for s in scored}.values():
+                    self._fail_request(r, f"scoring failed: {e}")
         self._deliver(list(touched))
 
     def _fail_batch(self, samples: list[ServedSample], message: str) -> None:
@@ -203,6 +213,16 @@ class EngineLoop:
         self._pool.pending.clear()
         self._pool.reset()
         self._scoring = RequestScoring(self.engine, self.generator.decode)
+
+    def _fail_request(self, r: ServedRequest, message: str) -> None:
+        """End one request with an error: its samples leave their slots and the queue at the
+        next turn (as a client's that went away) and send nothing more."""
+        if r.cancelled:
+            return
+        r.cancelled = True
+        for s in r.samples:
+            self._finish(s, ERROR if s.reason is None else s.reason)
+        r.sink([Delta(-1, message, [], ERROR)])
 
     def _drop_cancelled_waiting(self) -> None:
         """Samples of requests whose client went away leave the queue at once (under _cv)."""
@@ -231,7 +251,13 @@ class EngineLoop:
                 elif s.last_delivery is not None:
                     self.metrics.itl.observe((now - s.last_delivery) / k)
                 s.last_delivery = now
-            delta = s.delta(self.generator.decode, self._scoring)
+            try:
+                delta = s.delta(self.generator.decode, self._scoring)
+            except Exception as e:  # noqa: BLE001  (one request's answer, not the server)
+                log.exception("delivery failed")
+                self._fail_request(r, f"internal error: {type(e).__name__}: {e}")
+                ended.append(r)
+                continue
             if s.reason is not None:
                 self._finish(s, s.reason)
                 ended.append(r)

@@ -39,8 +39,17 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": _unicode(param),
                       "code": code}}
+
+
+def _unicode(param: str | None) -> str | None:
+    """``param`` as valid Unicode: a name echoed from the request may hold a lone surrogate
+    (an unknown field's), which strict JSON parsers refuse even escaped; it is written as
+    its escape sequence's text instead."""
+    if param is None:
+        return None
+    return param.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -69,8 +69,10 @@ class Guard:
         return await self.app(scope, replay, counted)
 
     def _authorized(self, header: bytes) -> bool:
+        # latin-1 maps each byte to one character and back: the token's bytes as the client sent them
         scheme, _, token = header.decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
+                                                                  self.api_key.encode())
 
 
 async def _answer(error: APIError, send) -> None:

@@ -27,6 +27,7 @@ says "context" (it is otherwise the same as ``finish_reason``).
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -74,6 +75,17 @@ class CheckedRequest:
         return nth_seed(self.seed, choice)
 
 
+class _LongInteger(ValueError):
+    pass
+
+
+def _json_int(digits: str) -> int:
+    """A JSON integer; one longer than Python converts from text is refused by name."""
+    if len(digits.lstrip("-")) > sys.get_int_max_str_digits():
+        raise _LongInteger
+    return int(digits)
+
+
 def parse_body(raw: bytes):
     """The JSON value of a request body: strict UTF-8 (RFC 8259), or a 400 saying what is wrong."""
     try:
@@ -82,7 +94,10 @@ def parse_body(raw: bytes):
         raise bad_request(f"the request body is not valid UTF-8: byte {e.start} is {raw[e.start]:#04x} ({e.reason})",
                           code="invalid_json") from None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=_json_int)
+    except _LongInteger:
+        raise bad_request(f"the request body has an integer of more than {sys.get_int_max_str_digits()} digits",
+                          code="invalid_json") from None
     except RecursionError:
         raise bad_request("the request body is not valid JSON: it is nested too deeply", code="invalid_json") from None
     except ValueError as e:  # JSONDecodeError, and an integer of more digits than Python converts

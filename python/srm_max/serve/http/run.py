@@ -50,7 +50,26 @@ def max_batch_of(value: str, config) -> int:
     return int(value)
 
 
+def checked_options(args: argparse.Namespace) -> str | None:
+    """Refuse bad options before the model loads (GenerationError naming the option); -> the
+    API key (None: no key)."""
+    from ...errors import GenerationError
+
+    if not 0 <= args.port <= 65535:
+        raise GenerationError(f"--port must be from 0 to 65535, got {args.port}")
+    for option, value in (("--max-waiting", args.max_waiting), ("--steps-per-call", args.steps_per_call)):
+        if value < 1:
+            raise GenerationError(f"{option} must be an integer >= 1, got {value}")
+    if args.api_key is None:
+        return os.environ.get("SRM_MAX_API_KEY") or None
+    # a client sends the key in an HTTP header: printable ASCII, as every client library writes it
+    if not args.api_key or not all(33 <= ord(c) <= 126 for c in args.api_key):
+        raise GenerationError("--api-key must be a non-empty string of printable ASCII characters without spaces")
+    return args.api_key
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    api_key = checked_options(args)
     try:
         import uvicorn
 
@@ -67,11 +86,21 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.model_name or ("srm-max" if args.model is None else path.resolve().name)
     generator = Generator.from_pretrained(path, device=args.device, dtype=args.dtype,
                                           prefix_cache_mb=args.prefix_cache_mb)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SRM_MAX_API_KEY") or None
     max_batch = max_batch_of(args.max_batch, generator.config)
+
+    def engine_failed(error: BaseException) -> None:
+        # every later request would get a 503: exit instead, so that a supervisor restarts the server
+        server.should_exit = True
+
     app = create_app(generator, model_name=name, max_batch=max_batch, max_waiting=args.max_waiting,
-                     steps_per_call=args.steps_per_call, api_key=api_key, chat_template=find_chat_template(path))
+                     steps_per_call=args.steps_per_call, api_key=api_key, chat_template=find_chat_template(path),
+                     on_engine_failure=engine_failed)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     print(f"srm-max serve: {name} on http://{args.host}:{args.port}/v1 (max batch {max_batch}"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run()
+    failure = app.state.server.engine_loop.failure
+    if failure is not None:
+        print(f"srm-max serve: error: the engine loop failed: {failure}", file=sys.stderr)
+        return 1
     return 0

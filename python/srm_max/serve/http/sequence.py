@@ -79,8 +79,10 @@ class ServedSample(Sequence):
 
     def delta(self, decode: Callable[[list[int]], str | None], scoring=None) -> Delta | None:
         """Its news since the last delta, or None when there is none to send (``scoring``:
-        the loop's ``RequestScoring``, for the log-probabilities)."""
-        if self.reason == CANCELLED:
+        the loop's ``RequestScoring``, for the log-probabilities). A request whose client
+        went away gets nothing more, also when it left during the engine call that brought
+        the news: its scoring was skipped, and nobody reads the answer."""
+        if self.reason == CANCELLED or self.request.cancelled:
             return None
         if not self.request.stream:
             if self.reason is None:
