@@ -92,12 +92,13 @@ def _swap_into_place(tmp: Path, destination: Path) -> None:
 
     A new destination is one rename. An existing one is exchanged with ``tmp`` in one
     atomic step, so at every instant ``destination`` is the complete old or the complete
-    new directory; ``tmp`` then holds the old one and is removed. Where no atomic
+    new directory; ``tmp`` then holds the old one (a directory, or a symbolic link that
+    pointed at one), which ``atomic_directory`` removes. Where no atomic
     exchange exists (not Linux, or a file system without it) the old directory is first
     renamed aside: a kill between the two renames leaves ``destination`` missing and the
     old model in a hidden ``.name.old-*/old`` folder beside it.
     """
-    if not destination.exists():
+    if not os.path.lexists(destination):
         os.replace(tmp, destination)
     elif not exchange_paths(tmp, destination):
         backup = Path(tempfile.mkdtemp(prefix=f".{destination.name}.old-", dir=destination.parent))
@@ -118,8 +119,7 @@ def atomic_directory(destination: str | Path, force: bool = False) -> Iterator[P
     (``_swap_into_place``).
     """
     destination = Path(destination)
-    if destination.exists() and not force:
-        raise CheckpointError(f"{destination}: already exists (use --force to overwrite)")
+    check_replaceable(destination, force)
     destination.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
     umask = os.umask(0)
@@ -129,8 +129,34 @@ def atomic_directory(destination: str | Path, force: bool = False) -> Iterator[P
         yield tmp
         _swap_into_place(tmp, destination)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
 
 
-__all__ = ["atomic_file", "atomic_write_bytes", "atomic_write_text", "atomic_directory", "exchange_paths"]
+def check_replaceable(destination: Path, force: bool) -> None:
+    """``CheckpointError`` unless ``atomic_directory`` may write ``destination``: it is new, or
+    a directory and ``force`` is given. Anything else in its place (a file, a link to
+    nothing) is never replaced, even with ``force``: a model is a directory, so a file there
+    is most likely a path typed wrong, and not ours to delete."""
+    if not os.path.lexists(destination):
+        return
+    if not destination.is_dir():
+        raise CheckpointError(f"{destination}: exists and is not a directory; a checkpoint is a directory, so it "
+                              "is not replaced (even with --force): remove it or choose another path")
+    if not force:
+        raise CheckpointError(f"{destination}: already exists (use --force to overwrite)")
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``, a directory, file or symbolic link (never what a link points at).
+    Best effort: what is left is hidden, and never mistaken for a model."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+__all__ = ["atomic_file", "atomic_write_bytes", "atomic_write_text", "atomic_directory", "check_replaceable",
+           "exchange_paths"]

@@ -4,6 +4,7 @@ naming the problem, and convert then writes nothing."""
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -196,3 +197,72 @@ def test_cli_convert_reports_errors_cleanly(model, tmp_path, capsys):
     assert cli_main(["convert", str(src), str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- unreadable files, odd arguments
+
+
+def test_a_config_json_that_cannot_be_read_is_named_everywhere(good_dir, tmp_path, capsys):
+    from srm_max.serve.generator import Generator
+    from tests.support.tokenizers import word_tokenizer
+
+    word_tokenizer(CONFIG.vocab_size).save(str(good_dir / "tokenizer.json"))  # generate asks for one first
+    (good_dir / "config.json").unlink()
+    (good_dir / "config.json").mkdir()
+    problem = f"{good_dir / 'config.json'}: cannot read the config file (Is a directory)"
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        load_checkpoint(good_dir)
+    with pytest.raises(CheckpointError, match=re.escape(problem)):
+        Generator.from_pretrained(good_dir, warmup=False)
+    for argv in (["generate", "--model", str(good_dir), "hi"], ["compile", str(good_dir)]):
+        assert cli_main(argv) == 2
+        assert capsys.readouterr().err == f"srm-max {argv[0]}: error: {problem}\n"
+    assert cli_main(["verify", str(good_dir), "--no-engine"]) == 1
+    assert capsys.readouterr().out == f"FAIL integrity: {problem}\n"
+    src = tmp_path / "src.safetensors"
+    shutil.copyfile(good_dir / "model.safetensors", src)
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"srm-max convert: error: {tmp_path}: cannot read the config file (Is a directory)\n"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tokens", [0, -5, True, 2.5])
+def test_parity_tokens_must_be_a_positive_integer(tokens, model, tmp_path):
+    src = write_source("pt", model, tmp_path)
+    with pytest.raises(ConvertError, match=re.escape(f"--parity-tokens {tokens!r}: expected a positive integer")):
+        convert(src, tmp_path / "out", parity_tokens=tokens)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_parity_tokens_below_one_is_an_error(model, tmp_path, capsys):
+    src = write_source("pt", model, tmp_path)
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--parity-tokens", "-5"]) == 2
+    assert "error: --parity-tokens -5: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key,hint", [("junk", "known: vocab_size, d_model"), ("n_head", "did you mean 'n_heads'?")])
+def test_an_override_of_no_config_field_is_named(key, hint, model, tmp_path):
+    src = write_source("pt", model, tmp_path)
+    with pytest.raises(ConvertError, match=re.escape(f"--override: unknown config field(s) ['{key}'] (") + ".*" + hint):
+        convert(src, tmp_path / "out", overrides={key: 1})
+    save_checkpoint(tmp_path / "ours", CONFIG, {k: v.detach().numpy() for k, v in model.state_dict().items()})
+    with pytest.raises(ConvertError, match=re.escape(f"--override: unknown config field(s) ['{key}']")):
+        convert(tmp_path / "ours", tmp_path / "out", overrides={key: 1})  # its config.json read, then overridden
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key,shape,problem", [
+    ("input_layer.weight", (3, 3), "d_model 3 is not divisible by n_heads 2"),  # an invalid config
+    # a valid config (context length 7) that the other tensors disagree with
+    ("mixer_blocks.0.token_mixing_layer.mixer_heads.0.weight", (1, 7), r"has shape \[40\] but the config implies \[7\]"),
+])
+def test_a_tensor_the_config_is_inferred_from_is_named_with_its_shape(key, shape, problem, model, tmp_path):
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()} | {key: torch.zeros(shape)}
+    save_file(sd, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(ConvertError, match=problem) as raised:
+        convert(tmp_path / "odd.safetensors", tmp_path / "out")
+    assert f"{key!r} {list(shape)}" in str(raised.value).split("; the config was inferred from ")[1]
+    assert not (tmp_path / "out").exists()

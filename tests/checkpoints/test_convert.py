@@ -79,7 +79,8 @@ def test_tokenizer_is_copied_and_checked(model, tmp_path):
 
     big = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG.vocab_size + 5)}, unk_token="w0"))
     big.save(str(tmp_path / "big.json"))
-    with pytest.raises(ConvertError, match=f"big.json: tokenizer has {CONFIG.vocab_size + 5} tokens but the model's vocabulary is {CONFIG.vocab_size}"):
+    with pytest.raises(ConvertError, match=f"big.json: tokenizer has {CONFIG.vocab_size + 5} tokens with ids up to "
+                                           f"{CONFIG.vocab_size + 4}, but the model's vocabulary is {CONFIG.vocab_size}"):
         convert(src, tmp_path / "out2", tokenizer=tmp_path / "big.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConvertError, match="bad.json: not a valid tokenizer.json"):

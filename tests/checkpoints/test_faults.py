@@ -12,9 +12,12 @@ import torch
 
 from srm_max.checkpoints.convert import convert
 from srm_max.checkpoints.format import load_checkpoint
+from srm_max.cli import main as cli_main
 from srm_max.errors import ConvertError
+from srm_max.files import atomic_directory
 from srm_max.models.srm.config import SRMConfig
 from srm_max.reference.srm import SRM
+from tests.support.srm_sources import snapshot, write_source
 
 # Big enough that writing and certifying take a noticeable time, small enough for CI.
 CONFIG = SRMConfig(2048, 128, 4, 2, 256)
@@ -108,3 +111,46 @@ def test_full_disk_is_a_clear_error_and_keeps_the_old_output(source, tmp_path, m
     assert (out / "model.safetensors").read_bytes() == before
     assert visible(tmp_path) == ["out"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+def hidden(directory):
+    """What a write left behind: the hidden temporary names beside its destination."""
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_force_never_turns_a_file_into_a_checkpoint(model, tmp_path, capsys):
+    src = write_source("pt", model, tmp_path)
+    convert(src, tmp_path / "out", parity_tokens=16)
+    before = snapshot(tmp_path / "out")
+    inside = tmp_path / "out" / "model.safetensors"
+    assert cli_main(["convert", str(src), str(inside), "--force"]) == 2
+    assert capsys.readouterr().err == (f"srm-max convert: error: {inside}: exists and is not a directory; a checkpoint "
+                                       "is a directory, so it is not replaced (even with --force): remove it or "
+                                       "choose another path\n")
+    assert snapshot(tmp_path / "out") == before and hidden(tmp_path / "out") == []
+
+    (tmp_path / "f").write_text("hi")
+    with pytest.raises(ConvertError, match="f: exists and is not a directory"):
+        convert(src, tmp_path / "f", force=True)
+    assert (tmp_path / "f").read_text() == "hi"
+    assert hidden(tmp_path) == [] and visible(tmp_path) == ["f", "model.pt", "out"]
+
+
+def test_the_replaced_entry_is_removed_whatever_it_was(tmp_path):
+    """What the swap takes out of the destination's place is removed, a file (one that
+    appeared there after the check) or a symbolic link (never what it points at)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with atomic_directory(out, force=True) as tmp:
+        (tmp / "new").write_text("new")
+        out.rmdir()
+        out.write_text("raced in")
+    assert [p.name for p in out.iterdir()] == ["new"]
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "keep").write_text("keep")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with atomic_directory(tmp_path / "link", force=True) as tmp:
+        (tmp / "new").write_text("new")
+    assert not (tmp_path / "link").is_symlink() and [p.name for p in (tmp_path / "link").iterdir()] == ["new"]
+    assert (tmp_path / "real" / "keep").read_text() == "keep"
+    assert hidden(tmp_path) == [] and visible(tmp_path) == ["link", "out", "real"]

@@ -10,7 +10,9 @@ Accepted sources:
 
 The config comes from ``--config`` if given, else from a ``config.json`` of this
 project's format beside the weights, else the architecture's weight adapter infers it
-from the shapes where it can (the SRM's can; the PHA's needs a config).
+from the shapes where it can (the SRM's can; the PHA's needs a config). An inferred
+config that is invalid, or that the other tensors disagree with, is reported with the
+tensors it was read off, since one of those may be the tensor with the wrong shape.
 
 Key mapping (``normalize_keys``): ``module.`` (DDP) and ``_orig_mod.`` (torch.compile)
 prefixes are removed, in any nesting and order (``_orig_mod.module.`` is torch.compile
@@ -35,10 +37,12 @@ import numpy as np
 
 from .. import __version__
 from .format import PARITY_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights, write_checkpoint_files
+from ..files import check_replaceable
 from ..models import registry
+from ..models.config_io import unknown_fields
 from ..models.registry import config_from_dict, load_config
 from ..errors import CheckpointError, ConvertError
-from .parity import SourceForward, compute_parity, reference_class
+from .parity import SourceForward, check_parity_tokens, compute_parity, reference_class
 from ..progress import Progress
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile
 from .tokenizer import check_vocabulary, read_tokenizer
@@ -147,20 +151,55 @@ def check_supported_layout(tensors: dict[str, np.ndarray], source: str) -> None:
         arch.weight_adapter.check_supported(tensors, source)
 
 
+class _ShapeReads(dict):
+    """The source's tensors, remembering which ones were looked up (by a weight adapter
+    inferring the config), in order."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        super().__init__(tensors)
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key not in self.read:
+            self.read.append(key)
+        return super().__getitem__(key)
+
+
 def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_path: Path | None,
                   overrides: dict | None):
-    """The config to convert with: given, found beside the weights, or inferred (SRM)."""
+    """The config to convert with (given, found beside the weights, or inferred), and the
+    tensors whose shapes it was inferred from (none when it was read from a file)."""
     beside = weights_path.parent / "config.json"
     if config_path is None and beside.is_file() and _is_ours(beside):
         config_path = beside
     if config_path is None:
         arch = registry.recognize(tensors) or registry.get(registry.DEFAULT)
-        return arch.weight_adapter.infer_config(tensors, str(weights_path), overrides)
+        _check_overrides(arch.config, overrides)
+        seen = _ShapeReads(tensors)
+        try:
+            return arch.weight_adapter.infer_config(seen, str(weights_path), overrides), seen.read
+        except ConvertError as e:
+            if not seen.read:
+                raise
+            raise ConvertError(f"{e}; {_inferred_from(tensors, seen.read)}") from None
     try:
-        base = load_config(config_path).to_dict()
-        return config_from_dict(base | (overrides or {}), source=str(config_path))
+        base = load_config(config_path)
+        _check_overrides(type(base), overrides)
+        return config_from_dict(base.to_dict() | (overrides or {}), source=str(config_path)), []
     except CheckpointError as e:
         raise ConvertError(str(e)) from None
+
+
+def _check_overrides(config_class, overrides: dict | None) -> None:
+    """Refuse an ``--override`` naming no field of the config, before anything is built with it."""
+    problem = unknown_fields(config_class, overrides or {})
+    if problem:
+        raise ConvertError(f"--override: {problem}")
+
+
+def _inferred_from(tensors: dict[str, np.ndarray], keys: list[str]) -> str:
+    shapes = ", ".join(f"{key!r} {list(tensors[key].shape)}" for key in keys if key in tensors)
+    return f"the config was inferred from {shapes}; pass --config if one of these has the wrong shape"
 
 
 def _is_ours(path: Path) -> bool:
@@ -195,10 +234,13 @@ def convert(
 ) -> dict:
     """Convert, verify and write atomically. Returns the parity certificate."""
     src, dst = Path(src), Path(dst)
-    if dst.exists() and not force:
-        raise ConvertError(f"{dst}: already exists (use --force to overwrite)")
+    try:  # before any work; atomic_directory checks again when it writes
+        check_replaceable(dst, force)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
+    check_parity_tokens(parity_tokens, "--parity-tokens", ConvertError)
     tokenizer_read = read_tokenizer(tokenizer, ConvertError) if tokenizer is not None else None
     weights_path = resolve_source(src)
     if show_progress is None:
@@ -206,9 +248,12 @@ def convert(
     raw, source_dtype = read_source(weights_path, show_progress)
     tensors = normalize_keys(raw, str(weights_path))
     check_supported_layout(tensors, str(weights_path))
-    config = choose_config(tensors, weights_path, Path(config) if config else None, overrides)
+    config, inferred_from = choose_config(tensors, weights_path, Path(config) if config else None, overrides)
     try:
         check_weights(config, {k: v.shape for k, v in tensors.items()}, str(weights_path))
+    except CheckpointError as e:
+        raise ConvertError(f"{e}; {_inferred_from(tensors, inferred_from)}" if inferred_from else str(e)) from None
+    try:
         for key, value in tensors.items():
             check_finite(key, value, str(weights_path))
     except CheckpointError as e:

@@ -28,10 +28,14 @@ import numpy as np
 
 from ..models import registry
 from ..models.architecture import ModelConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SRMError
+from ..scalars import is_int, is_plain_int
 
 # float64 work, so disagreement beyond rounding means a broken model or mixer.
 RELATIVE_TOLERANCE = 1e-9
+DEFAULT_TOKENS = 256  # per sequence, capped at the model's context length
+# Far above the batch convert writes (2); it stops a hostile certificate from asking for absurd work.
+MAX_BATCH = 64
 PROVES_INTERNAL = (
     "internal consistency of the converted weights: the reference's {forms} forms give the same "
     "logits on them (max_abs_delta); every form reads the same tensors under the same names, so "
@@ -79,8 +83,9 @@ def compute_parity(config: ModelConfig, weights: dict[str, np.ndarray], tokens: 
     (``source_forward``: a dict, or null with ``source_forward_reason``)."""
     import torch
 
+    check_parity_tokens(tokens, "tokens")
     model = reference_model(config, weights)
-    length = min(config.context_length, tokens or 256)
+    length = min(config.context_length, DEFAULT_TOKENS if tokens is None else tokens)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (batch, length), generator=generator)
     arch = registry.of(config)
@@ -124,11 +129,31 @@ def _source_forward(source: SourceForward, arch, ids, form: str, converted, tole
                                "tolerance": tolerance, "passed": delta <= tolerance}}
 
 
+def check_parity_tokens(tokens, name: str, error: type[SRMError] = CheckpointError) -> None:
+    """``error`` naming ``name`` unless ``tokens`` is None (the default) or a positive integer."""
+    if tokens is not None and not (is_int(tokens) and tokens >= 1):
+        raise error(f"{name} {tokens!r}: expected a positive integer (tokens per sequence in the parity check)")
+
+
 def read_certificate(path: str | Path) -> dict:
+    """The certificate in ``path``, its run settings (tokens, batch, seed) checked, so that
+    recomputing it fails only on the weights."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        certificate = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: parity certificate not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:  # a directory in its place, no permission to read it
+        raise CheckpointError(f"{path}: corrupt parity certificate (cannot read it: {e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
         raise CheckpointError(f"{path}: corrupt parity certificate ({e})") from None
+    if not isinstance(certificate, dict):
+        raise CheckpointError(f"{path}: corrupt parity certificate (a JSON {type(certificate).__name__}, "
+                              "expected an object)")
+    settings = {"tokens": (1, None), "batch": (1, MAX_BATCH), "seed": (0, 2**63 - 1)}
+    for name, (low, high) in settings.items():
+        value = certificate.get(name, low)
+        if not is_plain_int(value) or value < low or (high is not None and value > high):
+            bounds = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+            raise CheckpointError(f"{path}: corrupt parity certificate ({name} {value!r}, expected {bounds})")
+    return certificate

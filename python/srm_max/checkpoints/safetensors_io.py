@@ -59,6 +59,8 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: file not found") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
+        except OSError as e:  # no permission to read it, an I/O error
+            raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
             header = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode

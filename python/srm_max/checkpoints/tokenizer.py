@@ -1,5 +1,5 @@
 """A checkpoint's ``tokenizer.json``: read and checked against the model's vocabulary, the
-same way wherever a tokenizer comes in (``srm-max convert``, ``Generator``)."""
+same way wherever a tokenizer comes in (``srm-max convert``, ``srm-max verify``, ``Generator``)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,27 @@ def read_tokenizer(path: str | Path, error: type[SRMError]):
         raise error(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
 
 
+def largest_id(tokenizer) -> int:
+    """The largest token id ``tokenizer`` can produce (its added tokens included); -1 for none.
+
+    Not ``get_vocab_size()``: that counts the tokens, and ids need not be dense (a WordLevel
+    vocabulary may hold the id 5000 among ten tokens)."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+
+
 def check_vocabulary(tokenizer, vocab_size: int, error: type[SRMError], where: str = "") -> None:
-    """``error`` when ``tokenizer`` has ids the model's vocabulary lacks (fewer is fine: a
-    model may reserve ids no text produces)."""
-    size = tokenizer.get_vocab_size()
-    if size > vocab_size:
-        raise error(f"{where + ': ' if where else ''}tokenizer has {size} tokens but the model's vocabulary is "
-                    f"{vocab_size}: mismatched tokenizer")
+    """``error`` when ``tokenizer`` is not a ``tokenizers.Tokenizer``, or can produce an id the
+    model's vocabulary lacks (fewer ids is fine: a model may reserve ids no text produces)."""
+    from tokenizers import Tokenizer
+
+    prefix = f"{where}: " if where else ""
+    if not isinstance(tokenizer, Tokenizer):
+        raise error(f"{prefix}tokenizer: expected a tokenizers.Tokenizer or the path of a tokenizer.json, "
+                    f"got {type(tokenizer).__name__}")
+    largest = largest_id(tokenizer)
+    if largest >= vocab_size:
+        raise error(f"{prefix}tokenizer has {tokenizer.get_vocab_size()} tokens with ids up to {largest}, but the "
+                    f"model's vocabulary is {vocab_size} (ids 0 to {vocab_size - 1}): mismatched tokenizer")
 
 
-__all__ = ["check_vocabulary", "read_tokenizer"]
+__all__ = ["check_vocabulary", "largest_id", "read_tokenizer"]

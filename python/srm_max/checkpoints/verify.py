@@ -2,9 +2,11 @@
 
 1. integrity: the checkpoint loads (every key, shape, dtype, finite values) and
    the weights' sha256 equals the one its parity certificate recorded;
-2. parity: the certificate is recomputed (naive, parallel and recurrent forms
+2. tokenizer: its tokenizer.json, if it has one, loads as ``generate`` and
+   ``serve`` load it, and produces no id outside the model's vocabulary;
+3. parity: the certificate is recomputed (naive, parallel and recurrent forms
    of the reference on the same random tokens) and must pass again;
-3. engine: MAX greedy decoding equals the PyTorch reference on a few prompts,
+4. engine: MAX greedy decoding equals the PyTorch reference on a few prompts,
    and the MAX prefill logits are within tolerance of the reference.
 Each check reports what it found; any failure makes the command exit 1.
 """
@@ -18,8 +20,9 @@ import numpy as np
 
 from .format import PARITY_FILE, WEIGHTS_FILE, load_checkpoint
 from .convert import file_sha256
-from ..errors import SRMError
+from ..errors import CheckpointError, SRMError
 from .parity import compute_parity, read_certificate, reference_model
+from .tokenizer import check_vocabulary, largest_id, read_tokenizer
 
 LOGIT_RTOL = 1e-3  # MAX float32 against the float64 reference, relative to the logit scale
 
@@ -47,6 +50,7 @@ def verify(path: str | Path, prompts: int = 3, new_tokens: int = 16, engine: boo
     checks.append(Check("integrity", recorded == actual,
                         f"{WEIGHTS_FILE} sha256 {actual[:16]}... "
                         + ("matches the certificate" if recorded == actual else f"!= certified {str(recorded)[:16]}...")))
+    checks.append(_tokenizer_check(ckpt))
 
     again = compute_parity(ckpt.config, ckpt.weights, tokens=certificate.get("tokens"),
                            batch=certificate.get("batch", 2), seed=certificate.get("seed", 0))
@@ -56,6 +60,19 @@ def verify(path: str | Path, prompts: int = 3, new_tokens: int = 16, engine: boo
     if engine:
         checks.append(_engine_check(ckpt, prompts, new_tokens))
     return checks
+
+
+def _tokenizer_check(ckpt) -> Check:
+    """The checkpoint's tokenizer.json read and held to the vocabulary as the loaders do."""
+    if ckpt.tokenizer_path is None:
+        return Check("tokenizer", True, "none (the model takes token ids)")
+    try:
+        tokenizer = read_tokenizer(ckpt.tokenizer_path, CheckpointError)
+        check_vocabulary(tokenizer, ckpt.config.vocab_size, CheckpointError, str(ckpt.tokenizer_path))
+    except CheckpointError as e:
+        return Check("tokenizer", False, str(e))
+    return Check("tokenizer", True, f"{tokenizer.get_vocab_size()} tokens, ids up to {largest_id(tokenizer)} "
+                                    f"within the vocabulary of {ckpt.config.vocab_size}")
 
 
 def _engine_check(ckpt, prompts: int, new_tokens: int) -> Check:

@@ -3,21 +3,34 @@ the file and the field."""
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Iterable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ..errors import CheckpointError
 
 
+def unknown_fields(cls, keys: Iterable[str]) -> str | None:
+    """None when every key is a field of the config dataclass ``cls``; else the unknown ones
+    named, with the nearest known field where one is close (a typo) and every known field."""
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(keys) - set(known))
+    if not unknown:
+        return None
+    close = [match for key in unknown for match in difflib.get_close_matches(key, known, n=1)]
+    hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
+    return f"unknown config field(s) {unknown} ({hint}known: {', '.join(known)})"
+
+
 def dataclass_from_dict(cls, data, source: str):
     """Build a config dataclass from JSON data, naming unknown, missing and bad fields."""
     if not isinstance(data, dict):
         raise CheckpointError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise CheckpointError(f"{source}: unknown config field(s) {unknown}")
+    problem = unknown_fields(cls, data)
+    if problem:
+        raise CheckpointError(f"{source}: {problem}")
     required = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
     if required:
         raise CheckpointError(f"{source}: missing config field(s) {required}")
@@ -33,8 +46,10 @@ def read_json(path: str | Path):
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: config file not found") from None
+    except OSError as e:  # a directory in its place, no permission to read it
+        raise CheckpointError(f"{path}: cannot read the config file ({e.strerror or e})") from None
     except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-__all__ = ["dataclass_from_dict", "read_json"]
+__all__ = ["dataclass_from_dict", "read_json", "unknown_fields"]
