@@ -126,7 +126,8 @@ def train_both(workdir: Path, shared: list[str], data: list[Path], log) -> dict:
             continue
         out.mkdir(parents=True, exist_ok=True)
         log(f"{arch}: training -> {out}")
-        procs[arch] = (subprocess.Popen([sys.executable, "-m", "srm_max.cli", "train", *argv],
+        # --force: a run with other arguments or data is replaced, not resumed
+        procs[arch] = (subprocess.Popen([sys.executable, "-m", "srm_max.cli", "train", *argv, "--force"],
                                         env=os.environ | {"OMP_NUM_THREADS": "1"}), stamp, key)
     for arch, (proc, stamp, key) in procs.items():
         if proc.wait():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from .errors import SRMError
@@ -66,10 +67,10 @@ def _eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
-def _train(args: argparse.Namespace, rest: list[str]) -> int:
+def _train(args: argparse.Namespace) -> int:
     from .train import main as train_main
 
-    return train_main(rest) or 0
+    return train_main(args.arguments) or 0
 
 
 def _show_progress(on: bool) -> None:
@@ -147,20 +148,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
     if argv and argv[0] == "train":
-        return _train(argparse.Namespace(), argv[1:])
-    args = parser.parse_args(argv)
-    _show_progress(not args.quiet)
+        # train parses its own arguments (it is also `python -m srm_max.train`); its errors are reported below
+        args = argparse.Namespace(command="train", arguments=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+        _show_progress(not args.quiet)
     try:
         return {"convert": _convert, "generate": _generate, "compile": _compile, "verify": _verify,
-                "serve": _serve, "eval": _eval}[args.command](args)
+                "serve": _serve, "eval": _eval, "train": _train}[args.command](args)
     except SRMError as e:
         print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"srm-max {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # whoever read the output went away (``... | head``): nothing to report, and the
+        # interpreter's final flush of stdout must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

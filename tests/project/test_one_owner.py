@@ -107,8 +107,7 @@ def test_the_tokenizer_is_read_and_checked_once():
     checkpoints/tokenizer.py's (convert and Generator both ask it)."""
     copy = r"get_vocab_size\(\) >|Tokenizer\.from_file"
     assert files_spelling(copy, {"a.py": "if tok.get_vocab_size() > V:", "b.py": "n = tok.get_vocab_size()"}) == ["a.py"]
-    package = {path: text for path, text in python_sources().items() if path.startswith("python/srm_max/")
-               and not path.startswith("python/srm_max/train/")}  # the trainer builds its own tokenizer
+    package = {path: text for path, text in python_sources().items() if path.startswith("python/srm_max/")}
     assert files_spelling(copy, package) == ["python/srm_max/checkpoints/tokenizer.py"]
 
 

@@ -93,3 +93,15 @@ def test_missing_bench_result_is_reported():
             "`bench/results/cpu_decode[_bf16].json`, `bench/results/`, "
             "[kept](../bench/results/soak.json)")
     assert missing_results(md, text) == ["../bench/results/no_such_run.json", "bench/results/gone.json"]
+
+
+def test_a_command_whose_reader_goes_away_ends_without_a_traceback():
+    """``srm-max ... | head``: the closed pipe ends the command with status 1, quietly."""
+    import subprocess
+    import sys
+
+    chatty = ("import sys, srm_max.cli as cli; cli._verify = lambda args: [print('x' * 80) for _ in range(100_000)];"
+              "sys.exit(cli.main(['verify', 'dir']))")
+    proc = subprocess.run(f"{shlex.quote(sys.executable)} -c {shlex.quote(chatty)} | head -c 1", shell=True,
+                          capture_output=True, cwd=ROOT, timeout=120, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert proc.stdout == b"x" and b"Traceback" not in proc.stderr, proc.stderr.decode()

@@ -144,21 +144,9 @@ def test_sample_batch_is_next_token_shifted():
         sample_batch(torch.arange(8), 1, 8, torch.Generator())
 
 
-def tiny_corpus_args(tmp_path) -> list[str]:
-    """A small tokenizer and train/val texts in tmp_path: the trainer's data arguments."""
-    from srm_max.train.tokenizer import train_bpe
-
-    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300))
-    train_bpe([text], vocab_size=300).save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "train.txt").write_text(text)
-    (tmp_path / "val.txt").write_text(text[:2000])
-    return ["--tokenizer", str(tmp_path / "tokenizer.json"), "--train-text", str(tmp_path / "train.txt"),
-            "--val-text", str(tmp_path / "val.txt")]
-
-
-def test_cli_end_to_end(tmp_path):
+def test_cli_end_to_end(tmp_path, corpus_args):
     out = tmp_path / "run"
-    rc = train_main(["--out", str(out), *tiny_corpus_args(tmp_path),
+    rc = train_main(["--out", str(out), *corpus_args,
                      "--arch", "transformer", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
                      "--context-length", "16", "--batch-size", "2", "--steps", "3", "--warmup-steps", "1",
                      "--precision", "fp32", "--quiet"])
@@ -169,7 +157,7 @@ def test_cli_end_to_end(tmp_path):
     assert (out / "model.pt").is_file()
 
 
-def test_cli_trains_pha_and_checkpoint_loads_with_same_logits(tmp_path):
+def test_cli_trains_pha_and_checkpoint_loads_with_same_logits(tmp_path, corpus_args):
     """--arch pha: loss falls, config.json says "pha", and model.pt converts into a
     checkpoint whose loader gives the reference PHA the very same logits."""
     from srm_max.checkpoints.format import load_checkpoint
@@ -179,7 +167,7 @@ def test_cli_trains_pha_and_checkpoint_loads_with_same_logits(tmp_path):
     from srm_max.reference.pha import PHA
 
     out = tmp_path / "run"
-    rc = train_main(["--out", str(out), *tiny_corpus_args(tmp_path),
+    rc = train_main(["--out", str(out), *corpus_args,
                      "--arch", "pha", "--d-model", "16", "--n-layers", "2", "--n-heads", "2",
                      "--n-kv-heads", "1", "--dss-state-size", "8", "--pha-ffn-dims", "24,8",
                      "--context-length", "16", "--batch-size", "4", "--steps", "20", "--warmup-steps", "2",

@@ -9,14 +9,17 @@
 - ``checkpoints``: the checkpoints ``--resume`` continues from
 - ``models``: the architectures ``--arch`` picks
 - ``tokenizer``: the default model's byte-level BPE
+- ``run_dir``: the output directory, and when a run may write there
+- ``errors``: ``TrainError``, the trainer's refusal of a bad argument, file or directory
 - ``cli``: the command line
 """
 
 from .cli import main, parse_args
 from .config import TrainConfig
 from .data import eval_windows, load_data, sample_batch, tokenize_documents
+from .errors import TrainError
 from .loop import evaluate, train
 from .optim import lr_at
 
-__all__ = ["TrainConfig", "train", "evaluate", "main", "parse_args", "lr_at", "sample_batch", "eval_windows",
-           "load_data", "tokenize_documents"]
+__all__ = ["TrainConfig", "TrainError", "train", "evaluate", "main", "parse_args", "lr_at", "sample_batch",
+           "eval_windows", "load_data", "tokenize_documents"]

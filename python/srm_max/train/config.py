@@ -1,8 +1,33 @@
-"""The trainer's settings: one dataclass, its defaults the CLI's defaults."""
+"""The trainer's settings: one dataclass, its defaults the CLI's defaults, and the values it accepts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from ..scalars import is_int, is_real
+from .errors import TrainError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# np.random.seed takes seeds below 2**32; with them the per-step generator seeds of
+# data.batch_generator also stay below the 2**64 torch accepts.
+MAX_SEED = 2**32 - 1
+
+# The smallest value of each integer setting.
+_INT_MINIMA = {"context_length": 1, "batch_size": 1, "steps": 1, "warmup_steps": 0, "seed": 0, "log_every": 1,
+               "eval_every": 0, "eval_max_windows": 0, "save_every": 0, "keep_checkpoints": 0, "stop_at_step": 0}
+# The finite values each real setting accepts, and how the message words them.
+_REAL_RANGES = {
+    "lr": (lambda v: v > 0, "a number > 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+    "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "grad_clip": (lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a setting: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -25,3 +50,22 @@ class TrainConfig:
     save_every: int = 250  # 0: only at the end
     keep_checkpoints: int = 2
     stop_at_step: int = 0  # stop (after checkpointing) at this step; 0: run to `steps`
+
+    def check(self) -> TrainConfig:
+        """This config, or ``TrainError`` naming the first setting out of range by its flag.
+
+        The optimizer's betas are left to ``torch.optim.AdamW``, which checks them.
+        """
+        for name, smallest in _INT_MINIMA.items():
+            value = getattr(self, name)
+            if not is_int(value) or value < smallest:
+                raise TrainError(f"{flag(name)} must be an integer >= {smallest}, got {value!r}")
+        if self.seed > MAX_SEED:
+            raise TrainError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
+        for name, (accepts, wording) in _REAL_RANGES.items():
+            value = getattr(self, name)
+            if not is_real(value) or not math.isfinite(value) or not accepts(value):
+                raise TrainError(f"{flag(name)} must be {wording}, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise TrainError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        return self

@@ -5,7 +5,8 @@ training step takes ``batch_size`` windows of ``context_length + 1`` tokens at
 random offsets; the offsets of step ``s`` come from a generator seeded with
 ``(seed, s, rank)``, so a resumed run draws exactly the batches an
 uninterrupted one would. Validation covers the stream with non-overlapping
-windows.
+windows. The readers here name the file and the flag it came from when it is
+unusable (``TrainError``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints.tokenizer import read_tokenizer
 from .corpus import END_OF_TEXT, load_plays
+from .errors import TrainError
 
 
 def batch_generator(seed: int, step: int, rank: int) -> torch.Generator:
@@ -56,6 +59,37 @@ def tokenize_documents(tokenizer, documents: Iterable[str], eot_id: int) -> torc
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def load_tokenizer(path: str | Path):
+    """The ``tokenizers.Tokenizer`` of ``--tokenizer``."""
+    file = Path(path)
+    if not file.is_file():
+        raise TrainError(f"--tokenizer {path}: {'is a directory' if file.is_dir() else 'no such file or directory'}")
+    try:
+        return read_tokenizer(file, TrainError)
+    except TrainError as e:
+        raise TrainError(f"--tokenizer {e}") from None
+
+
+def read_text(path: str | Path, flag: str) -> str:
+    """The UTF-8 text of a ``--train-text`` or ``--val-text`` file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainError(f"{flag} {path}: not valid UTF-8 text: byte {e.start} is {e.object[e.start]:#04x}") from None
+    except OSError as e:  # missing, a directory, not readable
+        reason = e.strerror or str(e)
+        raise TrainError(f"{flag} {path}: {reason[:1].lower()}{reason[1:]}") from None
+
+
+def check_windows(tokens: torch.Tensor, context_length: int, source: str) -> None:
+    """``TrainError`` unless ``tokens`` hold one window of ``context_length + 1`` tokens
+    (inputs and their next-token targets), the least a step or a validation pass reads."""
+    n = tokens.numel()
+    if n < context_length + 1:
+        raise TrainError(f"{source}: {n} token{'' if n == 1 else 's'}, too few for --context-length {context_length} "
+                         f"(a window takes {context_length + 1})")
+
+
 def load_data(tokenizer, tokenizer_name: str, train_text: str | Path | None = None,
               val_text: str | Path | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(train, validation) token streams: of the given text files, or of the corpus's splits.
@@ -65,10 +99,10 @@ def load_data(tokenizer, tokenizer_name: str, train_text: str | Path | None = No
     """
     eot = tokenizer.token_to_id(END_OF_TEXT)
     if eot is None:
-        raise SystemExit(f"error: tokenizer {tokenizer_name} has no {END_OF_TEXT} token")
+        raise TrainError(f"--tokenizer {tokenizer_name}: has no {END_OF_TEXT} token (the separator of documents)")
     if train_text:
-        train_docs = [Path(train_text).read_text(encoding="utf-8")]
-        val_docs = [Path(val_text).read_text(encoding="utf-8")] if val_text else None
+        train_docs = [read_text(train_text, "--train-text")]
+        val_docs = [read_text(val_text, "--val-text")] if val_text else None
     else:
         train_docs = load_plays("train").values()
         val_docs = load_plays("validation").values()

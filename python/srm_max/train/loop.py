@@ -35,6 +35,8 @@ from .checkpoints import Resumed, latest_checkpoint, restore_checkpoint, save_tr
 from .config import TrainConfig
 from .data import batch_generator, eval_windows, sample_batch
 from .optim import autocast_context, grad_scaler, lr_at, make_optimizer, resolve_precision
+from .run_dir import (CONFIG_FILE, FINAL_MODEL_FILE, METRICS_FILE, RESULTS_FILE, check_out, keep_metrics_through,
+                      start_over)
 
 
 @torch.no_grad()
@@ -69,20 +71,28 @@ def _default_device() -> torch.device:
 
 
 def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor | None,
-          cfg: TrainConfig, out: str | Path, model_config=None, resume: bool = False,
+          cfg: TrainConfig, out: str | Path, model_config=None, resume: bool = False, force: bool = False,
           device: str | torch.device | None = None, progress: bool = True) -> dict:
     """Train ``model`` in place; returns the results dict (also written to results.json).
 
+    ``out`` must be absent or empty unless ``resume`` (continue the run in it) or ``force``
+    (remove that run first); ``TrainError`` otherwise, before anything is written.
     Under torchrun (``WORLD_SIZE`` > 1) the process group must already be
     initialised (``cli.main`` does it); the model is wrapped in DDP here.
     """
+    cfg.check()
     out = Path(out)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     is_main = rank == 0
+    check_out(out, resume, force)
+    if world > 1:
+        torch.distributed.barrier()  # every rank has looked at out before the main one writes there
     device = torch.device(device) if device is not None else _default_device()
     precision = resolve_precision(cfg.precision, device)
     if is_main:
+        if force:
+            start_over(out)
         out.mkdir(parents=True, exist_ok=True)
 
     train_tokens = train_tokens.to(torch.int64).cpu()
@@ -98,6 +108,8 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
             before = restore_checkpoint(ckpt, model, optimizer, scaler, device)
             if is_main and progress:
                 print(f"resumed from {ckpt} at step {before.step}", file=sys.stderr)
+        if is_main:
+            keep_metrics_through(out, before.step)
     start_step = before.step
 
     ddp_model = model
@@ -106,10 +118,10 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
     if is_main and model_config is not None:
-        model_config.save(out / "config.json")
+        model_config.save(out / CONFIG_FILE)
     tokens_per_step = cfg.batch_size * cfg.context_length * world
     end_step = cfg.steps if not cfg.stop_at_step else min(cfg.steps, cfg.stop_at_step)
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = out / METRICS_FILE
 
     def log(event: dict) -> None:
         if is_main:
@@ -205,9 +217,9 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
                 print(f"final: val loss {results['val_loss']:.4f} ppl {results['val_ppl']:.2f}", file=sys.stderr)
             log({"step": final_step, **{k: results[k] for k in ("val_loss", "val_ppl", "val_tokens")}})
         if is_main:
-            save_final_model(model, out / "model.pt")
+            save_final_model(model, out / FINAL_MODEL_FILE)
     if model_config is not None:
         results["model_config"] = model_config.to_dict()
     if is_main:
-        atomic_write_text(out / "results.json", json.dumps(results, indent=2) + "\n")
+        atomic_write_text(out / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     return results

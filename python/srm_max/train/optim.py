@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import TrainConfig
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+from .config import PRECISIONS, TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
