@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 from srm_max import GenerationError, Generator
+from srm_max.serve import generator as generator_module
+from srm_max.serve.sample_many import plan
 from tests.support.graphs import graphs
 from tests.support.stand_ins import NoWork
 from tests.support.tiny import TINY
@@ -44,6 +47,13 @@ BAD = [
     ("per-prompt list too short", dict(prompts=[[1], [2]], temperature=[1.0]),
      r"temperature: expected one value or a list of 2 \(one per prompt\), got a list of 1"),
     ("stop id >= vocab", dict(prompts=[1], stop=[99]), "stop token id 99"),
+    ("id array of no rows", dict(prompts=np.zeros((0, 3), np.int64)), r"prompts is empty: .* shape \(0, 3\)"),
+    ("bytes", dict(prompts=b"w1"), r"prompts: got bytes, which is not text: decode it to str"),
+    ("bytearray", dict(prompts=bytearray(b"w1")), "prompts: got bytearray, which is not text"),
+    ("memoryview", dict(prompts=memoryview(b"w1")), "prompts: got memoryview, which is not text"),
+    ("bytes in a batch", dict(prompts=["w1", b"w2"]), "prompt 1: got bytes, which is not text"),
+    ("stop bytes", dict(prompts=[1], stop=bytearray(b"w1")), "stop: got bytearray, which is not text"),
+    ("stop bytes in a list", dict(prompts=[1], stop=["w1", b"w2"]), r"stop\[1\]: got bytes, which is not text"),
 ]
 
 
@@ -63,13 +73,58 @@ SAMPLE_MANY_BAD = [
     ("temperature list", dict(temperature=[0.5, 1.0]), "temperature: sample_many takes one value for all prompts"),
     ("top_p list", dict(top_p=[0.5]), "top_p: sample_many takes one value for all prompts"),
     ("top_k < -1", dict(top_k=-2), "top_k"),
+    ("verifier not callable", dict(verifier=5), "verifier must be callable"),
+    ("bytes prompt", dict(prompts=b"w1"), "prompts: got bytes, which is not text"),
+    ("id array of no rows", dict(prompts=np.zeros((0, 3), np.int64)), "prompts is empty"),
 ]
 
 
 @pytest.mark.parametrize("what,kwargs,message", SAMPLE_MANY_BAD, ids=[b[0] for b in SAMPLE_MANY_BAD])
 def test_sample_many_bad_input_is_named(unchecked, what, kwargs, message):
+    args = dict(prompts=[[1], [2]], n=2) | kwargs
     with pytest.raises(GenerationError, match=message):
-        unchecked.sample_many([[1], [2]], 2, **kwargs)
+        unchecked.sample_many(**args)
+
+
+def test_sample_many_takes_the_prompts_generate_takes(unchecked):
+    """One prompt, or several as a list, a tuple or a 2-D id array: the prompts ``generate`` takes."""
+    for prompts, expected in [("w1 w2", [[1, 2]]), ([1, 2], [[1, 2]]), (np.array([1, 2]), [[1, 2]]),
+                              (("w1", "w2 w3"), [[1], [2, 3]]), ([[1], "w2 w3"], [[1], [2, 3]]),
+                              (np.array([[1, 2], [3, 4]]), [[1, 2], [3, 4]])]:
+        assert plan(unchecked, prompts, 2, max_batch=2).prompts == expected
+
+
+def test_no_prompt_is_refused_however_it_comes(unchecked):
+    for nothing in ([], (), np.zeros((0, 2), np.int64)):
+        with pytest.raises(GenerationError, match="empty"):
+            unchecked.score(nothing)
+        with pytest.raises(GenerationError, match="empty"):
+            unchecked.loglikelihood_rolling(nothing)
+
+
+BAD_LOADS = [
+    ("path int", dict(path=123), r"path must be a checkpoint directory \(a str or a pathlib.Path\), got 123"),
+    ("path bytes", dict(path=b"/tmp"), r"path must be a checkpoint directory .*, got b'/tmp'"),
+    ("tokenizer int", dict(tokenizer=123), "tokenizer must be a tokenizers.Tokenizer or the path of a tokenizer.json"),
+    ("tokenizer bytes", dict(tokenizer=b"t.json"), "tokenizer must be a tokenizers.Tokenizer"),
+    ("cache inf", dict(prefix_cache_mb=float("inf")), r"prefix_cache_mb must be a finite number >= 0 .*, got inf"),
+    ("cache -inf", dict(prefix_cache_mb=-np.inf), "prefix_cache_mb must be a finite number >= 0"),
+    ("cache nan", dict(prefix_cache_mb=float("nan")), "prefix_cache_mb must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,message", BAD_LOADS, ids=[b[0] for b in BAD_LOADS])
+def test_bad_load_arguments_are_named_before_any_loading(monkeypatch, what, kwargs, message):
+    def loaded(path):
+        raise AssertionError("a checkpoint was loaded before the arguments were checked")
+
+    monkeypatch.setattr(generator_module, "load_checkpoint", loaded)
+    with pytest.raises(GenerationError, match=message):
+        Generator.from_pretrained(**kwargs)
+    engine_kwargs = {k: v for k, v in kwargs.items() if k != "path"}
+    if engine_kwargs:
+        with pytest.raises(GenerationError, match=message):
+            Generator.from_engine(NoWork(), **engine_kwargs)
 
 
 def test_device_defaults_agree():

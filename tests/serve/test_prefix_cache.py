@@ -91,7 +91,7 @@ def test_budget_zero_turns_the_cache_off():
     assert not cache.insert([1, 2, 3], state(1))
     assert cache.lookup([1, 2, 3, 4]) is None and cache.split_points(list(range(600)), 0) == []
     assert cache_of(None).budget_bytes == 64 << 20 and cache_of(0.5).budget_bytes == 1 << 19
-    for bad in (-1, "64", True):
+    for bad in (-1, "64", True, float("inf"), float("nan"), np.float32("inf")):
         with pytest.raises(GenerationError, match="prefix_cache_mb"):
             cache_of(bad)
 

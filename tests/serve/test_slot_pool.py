@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from itertools import islice
 
 import numpy as np
 import pytest
 
 from srm_max import GenerationError, Generator
-from srm_max.graphs.slots import slots_taken
 from srm_max.serve.sample_many import plan_max_batch, sample_many, sample_seed
 from srm_max.serve.scheduler import PoolStats
 from tests.support.graphs import graphs
@@ -153,6 +154,45 @@ def test_bad_arguments_raise_before_any_work(generator, what, kwargs, message):
     args = dict(prompts=[[1, 2, 3]], n=2, max_batch="auto", max_new_tokens=4) | kwargs
     with pytest.raises(GenerationError, match=message):
         sample_many(generator, args.pop("prompts"), args.pop("n"), **args)  # raises eagerly
+
+
+def test_samples_are_made_as_slots_free_up(generator, monkeypatch):
+    """The (prompt, sample) pairs are made as the pool takes them, in order, each with its own
+    seed: what a run holds is bounded by its pool, not by n."""
+    from srm_max.serve import sample_many as module
+
+    made, plain = [], module.Sequence
+
+    def counted(*args, **kwargs):
+        made.append(kwargs["tag"])
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(module, "Sequence", counted)
+    prompts = [rnd_prompt(3, 1), rnd_prompt(5, 2)]
+    kw = dict(max_new_tokens=1, temperature=1.0)
+    run = sample_many(generator, prompts, 10**5, max_batch=3, seed=7, **kw)
+    first = list(islice(run, 20))
+    run.close()
+    assert len(made) <= 20 + 2 * 3  # the pool's free slots and a pool's worth more, ahead of the samples
+    assert made[:20] == [(s.prompt_index, s.sample_index) for s in first] == [(0, i) for i in range(20)]
+    for s in first[:4]:
+        assert s.seed == sample_seed(7, 0, s.sample_index)
+        assert s.ids == generator.generate(prompts[0], seed=s.seed, **kw).ids
+    monkeypatch.undo()
+    run = generator.sample_many(prompts, 10**12, max_batch=3, seed=7, **kw)
+    assert [(s.ids, s.seed) for s in islice(run, 4)] == [(s.ids, s.seed) for s in first[:4]]
+    run.close()
+
+
+def test_a_verifier_must_return_a_number(generator):
+    for value in ("yes", None, [1.0]):
+        run = sample_many(generator, [rnd_prompt(4, 1)], 2, max_batch=2, max_new_tokens=2,
+                          verifier=lambda ids: value)
+        with pytest.raises(GenerationError, match=rf"verifier returned {re.escape(repr(value))}: it must return"):
+            next(run)
+    for value, score in ((True, 1.0), (np.float32(0.5), 0.5), (3, 3.0)):
+        [s] = sample_many(generator, [rnd_prompt(4, 1)], 1, max_new_tokens=2, verifier=lambda ids: value)
+        assert s.score == score
 
 
 def test_each_prompt_is_prefilled_once_and_its_state_forked(generator):

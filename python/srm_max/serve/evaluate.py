@@ -8,6 +8,8 @@ token unscored), every later window the next ``max_length`` after the token befo
 it, each read from a fresh state. So every token is scored once, with at most
 ``max_length`` tokens of context, as lm-eval's ``word_perplexity`` tasks (wikitext)
 and its ``hf`` model do. The numbers come from the engine's scoring (``serve.scoring``).
+A byte order mark at the start of the file is not part of the text; a text with no token
+to score is refused, not reported as a perplexity of nan.
 
     tokens       the tokens scored
     mean NLL     -(sum of their log-probabilities) / tokens, in nats
@@ -44,7 +46,8 @@ class Perplexity:
         return math.exp(self.mean_nll) if self.tokens else math.nan
 
 
-def perplexity(generator, ids: list[int], max_length: int | None = None, progress: Progress | None = None) -> Perplexity:
+def perplexity(generator, ids: list[int], max_length: int | None = None,
+               progress: Progress | None = None) -> Perplexity:
     """The perplexity of the token ids ``ids`` (module docs); ``progress`` counts tokens."""
     n = check_max_length(max_length, generator.config)
     prefix = rolling_prefix(generator)
@@ -79,15 +82,24 @@ def run_eval(args: argparse.Namespace) -> int:
     from .generator import Generator
 
     try:
-        text = Path(args.text).read_text(encoding="utf-8")
+        # utf-8-sig: a byte order mark some editors write first is not part of the text
+        text = Path(args.text).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--text {args.text}: {e}") from None
+    if not text:
+        raise GenerationError(f"--text {args.text}: the file is empty: there is no text to score")
     generator = Generator.from_pretrained(args.path, device=args.device, dtype=args.dtype)
     if generator.tokenizer is None:
         raise GenerationError(f"{args.path}: the checkpoint has no tokenizer.json, so a text cannot be scored")
     ids = generator.encode(text)
+    if not ids:
+        raise GenerationError(f"--text {args.text}: the text has no tokens (only characters the tokenizer "
+                              "drops): there is nothing to score")
     quiet = getattr(args, "quiet", False)
     scored = len(ids) - (rolling_prefix(generator) is None)  # without <|endoftext|> the first is not scored
+    if scored < 1:
+        raise GenerationError(f"--text {args.text}: the text is one token, and without an <|endoftext|> in the "
+                              "tokenizer to read before it the first token is not scored: there is nothing to score")
     with Progress(total=scored, desc="scoring", unit="tok", unit_scale=True, enabled=not quiet) as bar:
         result = perplexity(generator, ids, args.max_length, bar)
     print(f"tokens      {result.tokens}")

@@ -12,7 +12,8 @@
 Prompts are text (encoded by the checkpoint's ``tokenizer.json``) or token
 ids; a single prompt (str, or a flat sequence of ints) gives a single
 Completion, a list of prompts gives a list. Every argument is checked before
-any work; a bad one raises ``GenerationError`` naming it.
+any work; a bad one raises ``GenerationError`` naming it (``gen.check(prompts, ...)``
+raises it without running anything).
 
 A prompt plus its completion never passes the context length n: when a
 sample reaches n tokens it finishes with reason "context".
@@ -47,6 +48,7 @@ graphs alike; the first token from the graph that drew it, graphs/sampler.py;
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +69,7 @@ from . import logprobs as scoring_api
 from .logprobs import Logprobs, TokenTexts
 from . import sequence
 from .sample_many import sample_many
-from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, check_max_new_tokens, check_prompts, \
+from .sampling import DEFAULT_STEPS_PER_CALL, SamplingParams, brief_repr, check_max_new_tokens, check_prompts, \
     check_steps_per_call, check_stop, check_text, resolve_seed
 from .scheduler import SlotPool
 from .scoring import check_top_n, completion_scores
@@ -117,11 +119,27 @@ class SampleRun:
         self._samples.close()
 
 
+def _check_path(path) -> None:
+    """A GenerationError naming ``path`` unless it is one (a str or an os.PathLike), or None."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise GenerationError(f"path must be a checkpoint directory (a str or a pathlib.Path), got {brief_repr(path)}")
+
+
+def _check_tokenizer(tokenizer) -> None:
+    """A GenerationError naming ``tokenizer`` unless it is a Tokenizer, a tokenizer.json path or None."""
+    from tokenizers import Tokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, (Tokenizer, str, os.PathLike)):
+        raise GenerationError("tokenizer must be a tokenizers.Tokenizer or the path of a tokenizer.json, "
+                              f"got {brief_repr(tokenizer)}")
+
+
 def _load_tokenizer(tokenizer, config: ModelConfig):
     """A tokenizer (a Tokenizer, or a tokenizer.json path) checked against the vocabulary, or None."""
+    _check_tokenizer(tokenizer)
     if tokenizer is None:
         return None
-    if isinstance(tokenizer, (str, Path)):
+    if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = read_tokenizer(tokenizer, GenerationError)
     check_vocabulary(tokenizer, config.vocab_size, GenerationError)
     return tokenizer
@@ -174,7 +192,9 @@ class Generator:
         stored dtype (float16 checkpoints run as float32); ``tokenizer`` overrides
         the checkpoint's tokenizer.json; ``prefix_cache_mb`` as the constructor.
         """
-        cache_of(prefix_cache_mb)  # a bad budget fails here, before any loading
+        _check_path(path)  # as every argument below: refused before any loading
+        _check_tokenizer(tokenizer)
+        cache_of(prefix_cache_mb)
         resolve_device(device)
         if dtype is not None:
             resolve_dtype(dtype)
@@ -246,9 +266,16 @@ class Generator:
                                         steps_per_call, stream_text=self.tokenizer is not None, logprobs=top_n)
         return self._events(pool, top_n, self.token_texts)
 
-    def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
-              stream_text: bool = False, logprobs: int | None = None):
-        """The checked arguments as sequences (in prompt order), in a pool that holds them all."""
+    def check(self, prompts, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=None,
+              steps_per_call: int = DEFAULT_STEPS_PER_CALL, logprobs: int | None = None) -> None:
+        """Raise the GenerationError that ``generate`` and ``stream`` raise for these arguments,
+        running nothing: for a caller that must refuse them before it shows anything."""
+        self._sequences(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
+                        check_top_n(logprobs, "logprobs", allow_none=True))
+
+    def _sequences(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
+                   logprobs: int | None = None) -> tuple[list[sequence.Sequence], bool]:
+        """The checked arguments as sequences (in prompt order), and whether the prompt was a single one."""
         ids, single = check_prompts(prompts, self.config, self.encode)
         max_new = check_max_new_tokens(max_new_tokens)
         params = SamplingParams.build(len(ids), temperature, top_k, top_p, seed)
@@ -259,6 +286,13 @@ class Generator:
                                        float(params.top_p[b]), int(params.seed[b]), max_new, stop_ids,
                                        tuple(stop_strings), tag=b, logprobs=logprobs)
                      for b, p in enumerate(ids)]
+        return sequences, single
+
+    def _pool(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, steps_per_call,
+              stream_text: bool = False, logprobs: int | None = None):
+        """The checked arguments as sequences (in prompt order), in a pool that holds them all."""
+        sequences, single = self._sequences(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                                            steps_per_call, logprobs)
         pool = SlotPool(self.engine, self.decode, len(sequences), steps_per_call, stream_text=stream_text,
                         prefix_cache=self.prefix_cache)
         pool.submit(sequences)

@@ -29,6 +29,7 @@ several pools (``Generator`` calls from several threads, the server's engine loo
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GenerationError
+from ..scalars import is_int, is_real
+from .sampling import brief_repr
 
 DEFAULT_BUDGET_MB = 64
 DEFAULT_INTERVAL = 256
@@ -309,8 +312,10 @@ def _neighbours(prompts: list[list[int]]) -> list[list[list[int]]]:
 def cache_of(prefix_cache_mb: float | None) -> PrefixCache:
     """The cache for a ``prefix_cache_mb`` option: None = the default budget, 0 = off."""
     mb = DEFAULT_BUDGET_MB if prefix_cache_mb is None else prefix_cache_mb
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0:
-        raise GenerationError(f"prefix_cache_mb must be a number >= 0 (0 turns the cache off), got {mb!r}")
+    # an int of any size is a budget in bytes; a float must be finite to be one
+    if not is_real(mb) or not (is_int(mb) or math.isfinite(mb)) or not mb >= 0:
+        raise GenerationError(
+            f"prefix_cache_mb must be a finite number >= 0 (0 turns the cache off), got {brief_repr(mb)}")
     return PrefixCache(int(mb * (1 << 20)))
 
 

@@ -5,7 +5,8 @@ sample finishes (stop, length or context), its slot is refilled with the next
 pending sample at the end of that engine call: no padding to the longest
 sequence. ``steps_per_call`` (default ``DEFAULT_STEPS_PER_CALL``, as ``generate``) trades the slot-steps a
 finished sample idles until its call ends for fewer engine calls; with 1 no slot
-idles while work remains.
+idles while work remains. Samples are made as slots free up, prompt by prompt in
+order: the pool, not ``n``, bounds what a run holds.
 
 Each sample's randomness depends only on its own seed, ``sample_seed(seed,
 prompt_index, sample_index)``, and its positions, so a sample is the same
@@ -21,8 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-
-import numpy as np
+from itertools import chain, islice
 
 from ..errors import GenerationError
 from ..models import registry
@@ -92,7 +92,7 @@ def plan(generator, prompts, n: int, max_batch="auto", max_new_tokens: int = 64,
          logprobs: int | None = None) -> SamplingPlan:
     """Check a ``sample_many`` call (its errors, its defaults) without running anything."""
     seed = resolve_seed(seed)
-    ids, _ = check_prompts(prompts if isinstance(prompts, list) else [prompts], generator.config, generator.encode)
+    ids, _ = check_prompts(prompts, generator.config, generator.encode)  # a single prompt is a list of one
     if not is_int(n) or n < 1:
         raise GenerationError(f"n must be an integer >= 1, got {brief_repr(n)}")
     max_new = check_max_new_tokens(max_new_tokens)
@@ -119,34 +119,61 @@ def sample_many(generator, prompts, n: int, verifier: Callable | None = None, ma
     job = plan(generator, prompts, n, max_batch, max_new_tokens, temperature, top_k, top_p, seed, stop,
                memory_budget_bytes, logprobs)
     check_steps_per_call(steps_per_call)
-    pairs = [(p, s) for p in range(len(job.prompts)) for s in range(n)]
+    if verifier is not None and not callable(verifier):
+        raise GenerationError(f"verifier must be callable (a sample's text or ids -> a number), "
+                              f"got {brief_repr(verifier)}")
+    pairs = ((p, s) for p in range(len(job.prompts)) for s in range(n))
     return run_pairs(generator, job, pairs, verifier, stats, steps_per_call)
 
 
 def run_pairs(generator, job: SamplingPlan, pairs: Iterable[tuple[int, int]], verifier: Callable | None = None,
               stats: PoolStats | None = None, steps_per_call: int = DEFAULT_STEPS_PER_CALL) -> Iterator[Sample]:
-    """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish."""
-    sequences = [Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
-                          job.max_new_tokens, frozenset(job.stop_ids), job.stop_strings, tag=(p, s),
-                          logprobs=job.logprobs)
-                 for p, s in pairs]
-    pool = SlotPool(generator.engine, generator.decode, min(job.max_batch, max(1, len(sequences))), steps_per_call,
-                    stats=stats, prefix_cache=generator.prefix_cache)
-    pool.submit(sequences)
-    return _samples(pool, generator.decode, verifier, job.logprobs)
+    """The samples ``pairs`` (prompt index, sample index) of ``job``, as they finish; ``pairs``
+    is read as slots free up, so it may be a lazy iterable of any length."""
+    pairs = iter(pairs)
+    first = list(islice(pairs, job.max_batch))  # a pool of no more slots than samples
+    pool = SlotPool(generator.engine, generator.decode, max(1, len(first)), steps_per_call, stats=stats,
+                    prefix_cache=generator.prefix_cache)
+    stop_ids = frozenset(job.stop_ids)
+    sequences = (Sequence(job.prompts[p], job.temperature, job.top_k, job.top_p, sample_seed(job.seed, p, s),
+                          job.max_new_tokens, stop_ids, job.stop_strings, tag=(p, s), logprobs=job.logprobs)
+                 for p, s in chain(first, pairs))
+    return _samples(pool, sequences, generator.decode, verifier, job.logprobs)
 
 
-def _samples(pool: SlotPool, decode, verifier, top_n: int | None = None) -> Iterator[Sample]:
+def _top_up(pool: SlotPool, sequences: Iterator[Sequence]) -> None:
+    """Submit the next samples: enough for the pool's free slots and a pool's worth more. The
+    pool keeps seeing work waiting, so its engine calls end when a slot frees up, as if every
+    sample were submitted at once (unless a pool's worth end at their first token in one turn),
+    while at most that many samples exist before they start."""
+    pool.submit(islice(sequences, max(0, pool.free_slots + pool.max_slots - len(pool.pending))))
+
+
+def _samples(pool: SlotPool, sequences: Iterator[Sequence], decode, verifier, top_n: int | None = None
+             ) -> Iterator[Sample]:
     texts = TokenTexts(decode)
+    _top_up(pool, sequences)
     for turn in pool.run():
         scores = [None] * len(turn.finished)
         if top_n is not None and turn.finished:  # the samples of this engine call, together
             scores = completion_scores(turn.finished, top_n)
         for s, scored in zip(turn.finished, scores):
             text = s.text(decode)
-            score = None if verifier is None else float(verifier(text if text is not None else s.tokens))
+            score = None if verifier is None else _verified(verifier, text if text is not None else s.tokens)
             lp = None if scored is None else texts.logprobs(s.tokens, scored, top_n, before=s.prompt)
             yield Sample(*s.tag, list(s.tokens), text, s.reason, s.seed, score, lp)
+        _top_up(pool, sequences)  # before the pool's next turn
+
+
+def _verified(verifier: Callable, sample) -> float:
+    """The verifier's score of a sample (its text, or its ids), as a float."""
+    score = verifier(sample)
+    if not isinstance(score, (str, bytes)):  # float() would read a text of digits as a number
+        try:
+            return float(score)
+        except (TypeError, ValueError):
+            pass
+    raise GenerationError(f"verifier returned {brief_repr(score)}: it must return a number (or a bool)")
 
 
 __all__ = ["Sample", "SamplingPlan", "plan", "plan_max_batch", "run_pairs", "sample_many", "sample_seed"]

@@ -10,7 +10,8 @@ prompt its own seed. A sample's tokens depend only on its prompt, its
 parameters and its seed, never on the rest of the batch.
 
 Text (a prompt, a stop string) must be valid Unicode: a lone surrogate (the
-JSON escape ``"\\ud800"``) has no UTF-8 form, so no tokenizer can read it. A
+JSON escape ``"\\ud800"``) has no UTF-8 form, so no tokenizer can read it. Bytes are
+not text (nor token ids, although they iterate as ints): they are refused. A
 real-valued parameter must be finite and keep its meaning in the engine's
 float32: a value that overflows to inf, or a nonzero one that rounds to 0, is
 refused.
@@ -179,19 +180,29 @@ def check_text(text: str, name: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise GenerationError(
-            f"{name}: character {e.start} is a lone surrogate (U+{ord(text[e.start]):04X}), which is not "
-            "valid Unicode text (a JSON \\ud800-\\udfff escape that is not half of a pair)") from None
+        raise GenerationError(f"{name}: character {e.start} is a lone surrogate "
+                              f"(U+{ord(text[e.start]):04X}): not valid Unicode text") from None
     return text
+
+
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def refuse_bytes(value, name: str) -> None:
+    """A GenerationError naming ``name`` when ``value`` is bytes: neither text (its encoding
+    is the caller's to know) nor token ids, although it iterates as ints."""
+    if isinstance(value, _BYTES):
+        raise GenerationError(f"{name}: got {type(value).__name__}, which is not text: decode it to str "
+                              "(data.decode('utf-8')), or pass a list of token ids")
 
 
 def token_ids(p) -> list[int] | None:
     """``p`` as a new list of Python ints when it is a sequence of integers (a 1-D integer
-    array included; bools are not integers here), else None. Prompts run to thousands of
-    ids, so the common case (a list of ints) is checked by type in one pass."""
+    array included; bools and bytes are not integers here), else None. Prompts run to
+    thousands of ids, so the common case (a list of ints) is checked by type in one pass."""
     if isinstance(p, np.ndarray):
         return p.tolist() if p.ndim == 1 and p.dtype.kind in "iu" else None
-    if not isinstance(p, Sequence) or isinstance(p, (str, bytes)):
+    if not isinstance(p, Sequence) or isinstance(p, (str, *_BYTES)):
         return None
     if set(map(type, p)) <= {int}:
         return list(p)
@@ -206,6 +217,7 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     in the vocabulary and within the context length of ``config``.
     """
     single = False
+    refuse_bytes(prompts, "prompts")
     if isinstance(prompts, str):
         items, single = [prompts], True
     elif isinstance(prompts, np.ndarray):
@@ -214,6 +226,8 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
         if prompts.ndim == 1:
             items, single = [prompts.tolist()], True
         elif prompts.ndim == 2:
+            if len(prompts) == 0:  # as an empty list: no prompt to run
+                raise GenerationError(f"prompts is empty: an id array of shape {prompts.shape} holds no prompt")
             items = [row.tolist() for row in prompts]
         else:
             raise GenerationError(f"prompts: expected a 1-D or 2-D id array, got {prompts.ndim}-D")
@@ -230,6 +244,7 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
     out = []
     V, n = config.vocab_size, config.context_length
     for i, p in enumerate(items):
+        refuse_bytes(p, f"prompt {i}")
         if isinstance(p, str):
             ids = encode(check_text(p, f"prompt {i}"))
         else:
@@ -252,15 +267,17 @@ def check_stop(stop, vocab_size: int, has_tokenizer: bool) -> tuple[np.ndarray, 
     """Stop conditions (a token id, a string, or a list of them) -> (ids, strings)."""
     if stop is None:
         return np.zeros(0, np.int64), []
+    refuse_bytes(stop, "stop")
     if isinstance(stop, (str, int, np.integer)):
         items, names = [stop], ["stop"]
-    elif isinstance(stop, Iterable) and not isinstance(stop, (bytes, Mapping)):
+    elif isinstance(stop, Iterable) and not isinstance(stop, Mapping):
         items = list(stop)
         names = [f"stop[{j}]" for j in range(len(items))]
     else:
         raise GenerationError(f"stop: expected token ids and/or strings, got {brief_repr(stop)}")
     ids, strings = [], []
     for name, s in zip(names, items):
+        refuse_bytes(s, name)
         if isinstance(s, str):
             if not s:
                 raise GenerationError(f"{name}: empty stop string")
@@ -276,7 +293,7 @@ def check_stop(stop, vocab_size: int, has_tokenizer: bool) -> tuple[np.ndarray, 
     return np.array(ids, np.int64), strings
 
 
-__all__ = ["DEFAULT_STEPS_PER_CALL", "SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts", "check_real",
-           "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop", "check_temperature",
-           "check_text", "check_top_k", "check_top_p", "fresh_seed", "is_int",
-           "nth_seed", "resolve_seed", "token_ids"]
+__all__ = ["DEFAULT_STEPS_PER_CALL", "SamplingParams", "brief_repr", "check_max_new_tokens", "check_prompts",
+           "check_real", "check_scalar_sampling", "check_seed", "check_steps_per_call", "check_stop",
+           "check_temperature", "check_text", "check_top_k", "check_top_p", "fresh_seed", "is_int", "nth_seed",
+           "refuse_bytes", "resolve_seed", "token_ids"]

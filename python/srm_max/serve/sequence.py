@@ -11,24 +11,68 @@ from dataclasses import dataclass, field
 Decode = Callable[[list[int]], "str | None"]  # token ids -> text (None without a tokenizer)
 
 
-def settled(text: str, stop_strings: Seq[str]) -> int:
-    """How much of a running sample's ``text`` its stream may show.
-
-    Not a trailing U+FFFD: a byte-level tokenizer decodes the first bytes of a
-    character split across tokens as U+FFFD until its last byte arrives. Not a
-    tail that could be the start of a stop string: the sample's text would be
-    cut before it.
-    """
+def settled_end(text: str) -> int:
+    """``len(text)`` less a trailing U+FFFD: a byte-level tokenizer decodes the first bytes of a
+    character split across tokens as U+FFFD until its last byte arrives."""
     end = len(text)
     while end and text[end - 1] == "\ufffd":
         end -= 1
-    held = 0
-    for s in stop_strings:
-        for k in range(min(len(s) - 1, end), held, -1):
-            if text.startswith(s[:k], end - k):
-                held = k
-                break
-    return end - held
+    return end
+
+
+def stop_prefix(text: str, end: int, stop: str, start: int = 0) -> int:
+    """The length of the longest tail of ``text[:end]`` that begins at ``start`` or later and is
+    a proper prefix of ``stop`` (text that could still become ``stop``); 0 for none.
+
+    Only the last ``len(stop) - 1`` characters can be one; the candidates are where ``stop``'s
+    first character occurs there, the leftmost (longest) first."""
+    i = text.find(stop[0], max(start, end - len(stop) + 1), end)
+    while i != -1 and not stop.startswith(text[i:end]):
+        i = text.find(stop[0], i + 1, end)
+    return 0 if i == -1 else end - i
+
+
+def settled(text: str, stop_strings: Seq[str]) -> int:
+    """How much of a running sample's ``text`` its stream may show.
+
+    Not a trailing U+FFFD (``settled_end``). Not a tail that could be the start of a stop
+    string: the sample's text would be cut before it.
+    """
+    end = settled_end(text)
+    return end - max((stop_prefix(text, end, s) for s in stop_strings), default=0)
+
+
+class StopScan:
+    """A running sample's text against its stop strings, each call looking only at what is new.
+
+    A decode of more tokens extends the text of the last one, save for a trailing U+FFFD that
+    the split character's last byte replaces (``settled_end``). So a stop string can only be
+    found where it ends in new text, and a tail that could begin one (``settled``) can only
+    begin where the last such tail began or later. Where a tokenizer's decode rewrites earlier
+    text, the scan starts over.
+    """
+
+    def __init__(self, strings: Seq[str]):
+        self.strings = strings
+        self._searched = ""  # the settled part of the text ``first`` saw last: no stop string is in it
+        self._shown = ""  # the settled part of the text ``settled`` saw last
+        self._held = [0] * len(strings)  # per stop string: the longest tail of ``_shown`` that begins it
+
+    def first(self, text: str) -> int | None:
+        """Where the first stop string in ``text`` begins, or None; as ``min(text.find(s))``."""
+        kept = len(self._searched) if text.startswith(self._searched) else 0
+        self._searched = text[:settled_end(text)]
+        hits = [i for s in self.strings if (i := text.find(s, max(0, kept - len(s) + 1))) != -1]
+        return min(hits, default=None)
+
+    def settled(self, text: str) -> int:
+        """``settled(text, strings)``."""
+        end = settled_end(text)
+        kept = text.startswith(self._shown)
+        self._held = [stop_prefix(text, end, s, len(self._shown) - held if kept else 0)
+                      for s, held in zip(self.strings, self._held)]
+        self._shown = text[:end]
+        return end - max(self._held, default=0)
 
 
 @dataclass(eq=False)
@@ -54,6 +98,10 @@ class Sequence:
     # token's (log-probability, top ids, top log-probabilities: at least that many) from the decode
     logprobs: int | None = None
     token_scores: list[tuple] = field(default_factory=list)
+    stops: StopScan = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stops = StopScan(self.stop_strings)
 
     @property
     def cancelled(self) -> bool:
@@ -77,10 +125,9 @@ class Sequence:
             return False
         self.tokens.append(int(token))
         if self.stop_strings:
-            text = decode(self.tokens) or ""
-            hits = [text.find(s) for s in self.stop_strings if s in text]
-            if hits:
-                self.reason, self.cut = "stop", min(hits)
+            cut = self.stops.first(decode(self.tokens) or "")
+            if cut is not None:
+                self.reason, self.cut = "stop", cut
                 return True
         if len(self.tokens) >= self.max_new:
             self.reason = "length"
@@ -101,9 +148,9 @@ class Sequence:
         if self.reason is not None:
             end = len(text) if self.cut is None else self.cut
         else:
-            end = settled(text, self.stop_strings)
+            end = self.stops.settled(text)
         start, self.shown = self.shown, max(self.shown, end)
         return text[start:end]
 
 
-__all__ = ["Decode", "Sequence", "settled"]
+__all__ = ["Decode", "Sequence", "StopScan", "settled", "settled_end", "stop_prefix"]

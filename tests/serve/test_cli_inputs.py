@@ -1,0 +1,106 @@
+"""``srm-max generate`` and ``srm-max eval`` refuse bad input with one line on stderr and exit 2:
+generate before it prints anything (a checkpoint without a tokenizer before it builds an
+engine), eval a text with no token to score rather than report a perplexity of nan; and eval
+does not score a byte order mark."""
+
+from __future__ import annotations
+
+import pytest
+
+from srm_max import Generator
+from srm_max.checkpoints.format import save_checkpoint
+from srm_max.cli import main
+from tests.support.graphs import graphs
+from tests.support.stand_ins import NoWork
+from tests.support.tiny import TINY
+from tests.support.tokenizers import byte_level_tokenizer, word_tokenizer
+
+pytestmark = graphs(TINY)
+
+
+@pytest.fixture
+def unchecked(monkeypatch):
+    """``Generator.from_pretrained`` gives a generator whose engine fails if anything runs."""
+    gen = Generator.from_engine(NoWork(), tokenizer=byte_level_tokenizer())
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: gen))
+    return gen
+
+
+def refused(capsys, argv: list[str], says: str) -> None:
+    """``srm-max argv`` exits 2 with one line on stderr that ``says`` why, and prints nothing else."""
+    assert main(["--quiet", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"srm-max {argv[0]}: error: ") and says in err and err.count("\n") == 1, err
+
+
+GENERATE_BAD = [
+    (["a", "--stream", "--stop", ""], "stop[0]: empty stop string"),
+    (["a", "--temperature", "inf"], "temperature must be a finite number"),
+    (["a", "--temperature", "nan", "--stream"], "temperature must be a finite number"),
+    (["a", "--top-p", "0"], "top_p"),
+    (["a", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["a", "--seed", "-1", "--temperature", "1"], "--seed must be an integer"),
+    (["a", "b", "--stream"], "--stream takes exactly one prompt"),
+    (["\udcff\udcfe"], "prompt 0 is not valid UTF-8 text: byte 0 is 0xff"),
+    (["ok", "a\udcc3"], "prompt 1 is not valid UTF-8 text: byte 1 is 0xc3"),
+    (["a", "--stop", "\udcff"], "--stop is not valid UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("argv,says", GENERATE_BAD, ids=[says for _, says in GENERATE_BAD])
+def test_generate_refuses_every_bad_argument_before_printing_anything(unchecked, capsys, argv, says):
+    refused(capsys, ["generate", *argv], says)
+
+
+def test_generate_wants_a_tokenizer_before_building_an_engine(tmp_path, monkeypatch, capsys):
+    def built(*args, **kwargs):
+        raise AssertionError("the engine was built before the tokenizer was asked for")
+
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(built))
+    (tmp_path / "config.json").write_text("{}")
+    refused(capsys, ["generate", "hi", "--model", str(tmp_path)], f"{tmp_path} has no tokenizer.json")
+
+
+# ------------------------------------------------------------------ srm-max eval
+def evaluate(checkpoint, text, capsys) -> str:
+    assert main(["--quiet", "eval", str(checkpoint), "--text", str(text), "--device", "cpu"]) == 0
+    return capsys.readouterr().out
+
+
+def test_a_byte_order_mark_is_not_scored(checkpoint, tmp_path, capsys):
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("w3 w4 w5 w6", encoding="utf-8")
+    marked.write_text("w3 w4 w5 w6", encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    out = evaluate(checkpoint, plain, capsys)
+    assert out.startswith("tokens      4\n")
+    assert evaluate(checkpoint, marked, capsys) == out
+
+
+def test_a_text_of_whitespace_is_refused(checkpoint, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    for content in (" \n\t ", "\ufeff \n"):  # the word tokenizer drops whitespace
+        text.write_text(content, encoding="utf-8")
+        refused(capsys, ["eval", str(checkpoint), "--text", str(text), "--device", "cpu"], "the text has no tokens")
+
+
+def test_one_token_is_nothing_to_score_without_an_end_of_text_token(tiny_weights, tmp_path, capsys):
+    """Without <|endoftext|> in the tokenizer a text's first token is read, not scored."""
+    word_tokenizer(TINY.vocab_size).save(str(tmp_path / "tokenizer.json"))
+    checkpoint = save_checkpoint(tmp_path / "ckpt", TINY, tiny_weights, tokenizer=tmp_path / "tokenizer.json")
+    text = tmp_path / "text.txt"
+    text.write_text("w3")
+    refused(capsys, ["eval", str(checkpoint), "--text", str(text), "--device", "cpu"], "the text is one token")
+    text.write_text("w3 w4")
+    assert evaluate(checkpoint, text, capsys).startswith("tokens      1\n")
+
+
+def test_an_empty_file_is_refused_before_a_model_is_loaded(tmp_path, monkeypatch, capsys):
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded for an empty text")
+
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(loaded))
+    for content in (b"", b"\xef\xbb\xbf"):  # a byte order mark alone is no text either
+        (tmp_path / "empty.txt").write_bytes(content)
+        refused(capsys, ["eval", "--text", str(tmp_path / "empty.txt")], "the file is empty")
