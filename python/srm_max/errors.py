@@ -15,3 +15,7 @@ class ConvertError(SRMError, ValueError):
 
 class GenerationError(SRMError, ValueError):
     """A generation request is invalid (bad prompt, token id, sampling parameter, device)."""
+
+
+class ContextLengthError(GenerationError):
+    """A prompt does not fit the model's context length (the server's ``context_length_exceeded``)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import GenerationError
+from ..errors import ContextLengthError, GenerationError
 from ..scalars import is_int, is_real
 
 SEED_LIMIT = 1 << 64  # seeds are uint64 in the graphs
@@ -258,7 +258,7 @@ def check_prompts(prompts, config, encode: Callable[[str], list[int]]) -> tuple[
             bad = next(t for t in ids if not 0 <= t < V)
             raise GenerationError(f"prompt {i}: token id {brief_repr(bad)} is outside the vocabulary [0, {V})")
         if len(ids) > n:
-            raise GenerationError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
+            raise ContextLengthError(f"prompt {i} has {len(ids)} tokens, more than the context length {n}")
         out.append(ids)
     return out, single
 

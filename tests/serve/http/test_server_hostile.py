@@ -205,6 +205,12 @@ def test_chat_content_as_text_parts_is_read_and_other_parts_are_400(app):
                 path="/v1/chat/completions", says=("messages[0].content[0] must be a text part",))
 
 
+def test_a_prompt_longer_than_the_context_is_context_length_exceeded(app):
+    error = refused(app, json.dumps({"prompt": "a" * (TINY.context_length + 1)}), "prompt",
+                    says=(f"more than the context length {TINY.context_length}",))
+    assert error["code"] == "context_length_exceeded"
+
+
 def test_head_health_answers_as_get(app):
     assert post(app, b"", "/health", method="HEAD")[0] == post(app, b"", "/health", method="GET")[0] == 503
 

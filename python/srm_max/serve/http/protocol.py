@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ...errors import GenerationError
+from ...errors import ContextLengthError, GenerationError
 from ..sampling import brief_repr, check_prompts, check_stop, check_temperature, check_text, check_top_k, \
     check_top_p, is_int, nth_seed, resolve_seed
 from ..scoring import MAX_TOP_N
@@ -230,7 +230,8 @@ def _checked(param: str, check, *args, **kwargs):
     try:
         return check(*args, **kwargs)
     except GenerationError as e:
-        raise bad_request(str(e), param) from None
+        raise bad_request(str(e), param, "context_length_exceeded" if isinstance(e, ContextLengthError) else None) \
+            from None
 
 
 def _max_tokens(body: dict, field: str, prompts: list[list[int]], n_ctx: int) -> int:
