@@ -19,7 +19,9 @@ Engines (all randomly initialised, about the same number of parameters):
 Every torch engine is run at each of ``--threads`` (``torch.set_num_threads``) and is
 reported at its best. Throughput = generated tokens summed over the batch / wall time
 of the whole ``generate`` (prefill included); ``decode tok/s`` counts only the tokens
-after the first over the time after the first token arrived (the decode phase).
+after the first over the time after the first token arrived (the decode phase; for
+srm-max the first token's time is that of a generate of one token on the same prompts,
+and its prefix-state cache is off, so every call prefills as the other engines do).
 
 A prompt plus its completion must fit the SRM's context n: a prompt length above
 n - new_tokens is run at n - new_tokens (the JSON records the length used).
@@ -93,7 +95,8 @@ class SRMMaxRunner(Runner):
         from srm_max.serve.generator import Generator
 
         t = time.perf_counter()
-        self.gen = Generator(config, weights, dtype=dtype, device=device)
+        # no prefix cache: a repeat of the same prompts would skip their prefill, which no other engine here does
+        self.gen = Generator(config, weights, dtype=dtype, device=device, prefix_cache_mb=0)
         self.load_seconds = time.perf_counter() - t
         self.steps_per_call = steps_per_call
         self.params = config.num_parameters()
@@ -131,16 +134,20 @@ class SRMMaxRunner(Runner):
 
 
 def generate_max(gen, prompts: np.ndarray, new: int, steps_per_call: int):
-    clock = common.Clock()
+    """The whole generate's time, and the first token's as a generate of one token on the
+    same prompts: an engine turn prefills and then runs its first decode call, so no
+    callback of one generate marks where its prefill ends (and without a prefix cache
+    each call prefills in full)."""
     ids = [row.tolist() for row in prompts]
-
-    def progress(done, total):
-        clock.mark_first()
-
+    first = common.Clock()
+    first.start()
+    gen.generate(ids, max_new_tokens=1, temperature=0.0)
+    first.stop()
+    clock = common.Clock()
     clock.start()
-    outs = gen.generate(ids, max_new_tokens=new, temperature=0.0,
-                        steps_per_call=max(1, min(steps_per_call, new - 1)), progress=progress)
+    outs = gen.generate(ids, max_new_tokens=new, temperature=0.0, steps_per_call=max(1, min(steps_per_call, new - 1)))
     clock.stop()
+    clock.first = clock.t0 + min(first.total, clock.total)
     return clock, np.array([o.ids for o in outs])
 
 
@@ -155,7 +162,8 @@ def _pinned_max_child(conn, config_dict: dict, cores: int, dtype: str, steps_per
 
         config = SRMConfig(**config_dict)
         # The same seed as the parent: the same weights.
-        gen = Generator(config, cm.srm_weights(cm.build_srm_reference(config)), dtype=dtype, device="cpu")
+        gen = Generator(config, cm.srm_weights(cm.build_srm_reference(config)), dtype=dtype, device="cpu",
+                        prefix_cache_mb=0)
         conn.send(("ready",))
     except Exception as e:  # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}"))

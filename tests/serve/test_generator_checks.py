@@ -105,8 +105,8 @@ def test_no_prompt_is_refused_however_it_comes(unchecked):
 BAD_LOADS = [
     ("path int", dict(path=123), r"path must be a checkpoint directory \(a str or a pathlib.Path\), got 123"),
     ("path bytes", dict(path=b"/tmp"), r"path must be a checkpoint directory .*, got b'/tmp'"),
-    ("tokenizer int", dict(tokenizer=123), "tokenizer must be a tokenizers.Tokenizer or the path of a tokenizer.json"),
-    ("tokenizer bytes", dict(tokenizer=b"t.json"), "tokenizer must be a tokenizers.Tokenizer"),
+    ("tokenizer int", dict(tokenizer=123), "tokenizer: expected a tokenizers.Tokenizer or the path of a tokenizer"),
+    ("tokenizer bytes", dict(tokenizer=b"t.json"), "tokenizer: expected a tokenizers.Tokenizer"),
     ("cache inf", dict(prefix_cache_mb=float("inf")), r"prefix_cache_mb must be a finite number >= 0 .*, got inf"),
     ("cache -inf", dict(prefix_cache_mb=-np.inf), "prefix_cache_mb must be a finite number >= 0"),
     ("cache nan", dict(prefix_cache_mb=float("nan")), "prefix_cache_mb must be a finite number >= 0"),

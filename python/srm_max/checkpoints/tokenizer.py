@@ -26,19 +26,24 @@ def largest_id(tokenizer) -> int:
     return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
 
 
+def check_is_tokenizer(tokenizer, error: type[SRMError], where: str = "") -> None:
+    """``error`` naming the argument unless ``tokenizer`` is a ``tokenizers.Tokenizer``."""
+    from tokenizers import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise error(f"{where + ': ' if where else ''}tokenizer: expected a tokenizers.Tokenizer or the path of a "
+                    f"tokenizer.json, got {type(tokenizer).__name__}")
+
+
 def check_vocabulary(tokenizer, vocab_size: int, error: type[SRMError], where: str = "") -> None:
     """``error`` when ``tokenizer`` is not a ``tokenizers.Tokenizer``, or can produce an id the
     model's vocabulary lacks (fewer ids is fine: a model may reserve ids no text produces)."""
-    from tokenizers import Tokenizer
-
+    check_is_tokenizer(tokenizer, error, where)
     prefix = f"{where}: " if where else ""
-    if not isinstance(tokenizer, Tokenizer):
-        raise error(f"{prefix}tokenizer: expected a tokenizers.Tokenizer or the path of a tokenizer.json, "
-                    f"got {type(tokenizer).__name__}")
     largest = largest_id(tokenizer)
     if largest >= vocab_size:
         raise error(f"{prefix}tokenizer has {tokenizer.get_vocab_size()} tokens with ids up to {largest}, but the "
                     f"model's vocabulary is {vocab_size} (ids 0 to {vocab_size - 1}): mismatched tokenizer")
 
 
-__all__ = ["check_vocabulary", "largest_id", "read_tokenizer"]
+__all__ = ["check_is_tokenizer", "check_vocabulary", "largest_id", "read_tokenizer"]

@@ -57,7 +57,7 @@ import numpy as np
 
 from .. import shipped_graphs
 from ..checkpoints.format import load_checkpoint
-from ..checkpoints.tokenizer import check_vocabulary, read_tokenizer
+from ..checkpoints.tokenizer import check_is_tokenizer, check_vocabulary, read_tokenizer
 from ..embedded import model_dir
 from ..errors import GenerationError
 from ..models import registry
@@ -127,11 +127,8 @@ def _check_path(path) -> None:
 
 def _check_tokenizer(tokenizer) -> None:
     """A GenerationError naming ``tokenizer`` unless it is a Tokenizer, a tokenizer.json path or None."""
-    from tokenizers import Tokenizer
-
-    if tokenizer is not None and not isinstance(tokenizer, (Tokenizer, str, os.PathLike)):
-        raise GenerationError("tokenizer must be a tokenizers.Tokenizer or the path of a tokenizer.json, "
-                              f"got {brief_repr(tokenizer)}")
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        check_is_tokenizer(tokenizer, GenerationError)
 
 
 def _load_tokenizer(tokenizer, config: ModelConfig):
