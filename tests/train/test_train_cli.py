@@ -30,13 +30,15 @@ def snapshot(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
 
 
-def refused(capsys, argv: list[str], says: str) -> None:
-    """``srm-max train argv`` exits 2 with one line on stderr that ``says`` why, and prints nothing else."""
+def refused(capsys, argv: list[str], says: str) -> str:
+    """``srm-max train argv`` exits 2 with one line on stderr that ``says`` why, and prints nothing
+    else; -> that line."""
     assert main(["train", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("srm-max train: error: ") and says in err and err.count("\n") == 1, err
     assert "Traceback" not in err
+    return err
 
 
 def metrics(out: Path) -> list[dict]:
@@ -195,6 +197,30 @@ def test_resume_from_an_incomplete_checkpoint_is_refused(tmp_path, corpus_args, 
     (out / "checkpoints" / "latest").write_text("step-000007\n")
     refused(capsys, run(out, corpus_args, "--steps", "9", "--resume"),
             f"{out / 'checkpoints' / 'latest'} points at {out / 'checkpoints' / 'step-000007'}, which is incomplete")
+
+
+def test_resume_into_a_run_without_checkpoints_is_refused_and_leaves_it(tmp_path, corpus_args, untrained, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.pt").write_bytes(b"a finished run's model")
+    (out / "results.json").write_text("{}")
+    before = snapshot(out)
+    refused(capsys, run(out, corpus_args, "--steps", "4", "--resume"),
+            f"{out}: holds a run's files (model.pt, results.json) but no checkpoint to resume from")
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("damaged", ["model.pt", "trainer_state.pt"])
+def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_others(tmp_path, corpus_args, capsys, damaged):
+    out = tmp_path / "run"
+    assert main(["train", *run(out, corpus_args, "--steps", "4", "--save-every", "2", "--stop-at-step", "4")]) == 0
+    path = out / "checkpoints" / "step-000004" / damaged
+    path.write_bytes(path.read_bytes()[:100])  # a file cut short
+    before = snapshot(out)
+    err = refused(capsys, run(out, corpus_args, "--steps", "6", "--save-every", "2", "--resume"),
+                  f"{path}: cannot be read, damaged or not this trainer's")
+    assert "other checkpoints: step-000002" in err
+    assert snapshot(out) == before
 
 
 def test_keep_metrics_through_drops_later_and_cut_lines(tmp_path):

@@ -53,7 +53,7 @@ def save_training_state(out: Path, step: int, model: nn.Module, optimizer, scale
         "scaler": scaler.state_dict() if scaler is not None else None,
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy_rng": np.random.get_state(),
+        "numpy_rng": _numpy_rng_saved(),
         **extra,
     }
     save_atomic(state, ckpt / STATE_FILE)
@@ -95,22 +95,52 @@ class Resumed:
     tokens_seen: int = 0
 
 
+def _load(path: Path, device) -> dict:
+    """``torch.load`` of a checkpoint file (tensors and plain values only), or ``TrainError``
+    naming it when it cannot be read, with the run's other checkpoints to fall back on."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001  (torch raises many kinds for a damaged or foreign file)
+        others = sorted(p.name for p in path.parent.parent.glob("step-*") if p != path.parent)
+        fallback = (f"; other checkpoints: {', '.join(others)} (name one in {path.parent.parent / LATEST_FILE} "
+                    "to resume from it)" if others else "; use --force to start over")
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise TrainError(f"{path}: cannot be read, damaged or not this trainer's ({reason}){fallback}") from None
+    if not isinstance(state, dict):
+        raise TrainError(f"{path}: not a checkpoint of this trainer (a {type(state).__name__})")
+    return state
+
+
+def _numpy_rng_saved() -> tuple:
+    """numpy's global RNG state with its keys as a tensor: a file ``torch.load`` reads with
+    ``weights_only=True`` (no pickled numpy objects)."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached)
+
+
+def _numpy_rng_restored(saved) -> None:
+    name, keys, position, has_gauss, cached = saved
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
 def restore_checkpoint(ckpt: Path, model: nn.Module, optimizer, scaler, device: torch.device) -> Resumed:
     """Load the model, optimizer, scaler and every RNG state of ``ckpt`` in place; ``TrainError``
-    when its weights are not this model's (a run resumed with other model arguments)."""
+    when a file cannot be read or its weights are not this model's (a run resumed with other
+    model arguments)."""
+    weights = _load(ckpt / MODEL_FILE, device)
     try:
-        model.load_state_dict(torch.load(ckpt / MODEL_FILE, map_location=device, weights_only=True))
+        model.load_state_dict(weights)
     except RuntimeError as e:
         raise TrainError(f"{ckpt}: its weights do not fit this model ({_first_mismatch(e)}); "
                          f"resume with the model arguments the run started with") from None
-    state = torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=False)
+    state = _load(ckpt / STATE_FILE, "cpu")
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["torch_rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    np.random.set_state(state["numpy_rng"])
+    _numpy_rng_restored(state["numpy_rng"])
     return Resumed(int(state["step"]), float(state.get("elapsed_s", 0.0)), int(state.get("tokens_seen", 0)))
 
 

@@ -31,7 +31,8 @@ def _nearest_existing(path: Path) -> Path:
 
 def check_out(out: str | Path, resume: bool = False, force: bool = False) -> None:
     """``TrainError`` unless a run may write into ``out`` (see the module's docstring); with
-    ``resume``, also when the checkpoint it would continue from is incomplete."""
+    ``resume``, also when the checkpoint it would continue from is incomplete, or when ``out``
+    holds a run's files but no checkpoint (resuming would start a new run over them)."""
     out = Path(out)
     if resume and force:
         raise TrainError("--resume and --force exclude each other: continue the run in --out, or start it over")
@@ -48,8 +49,11 @@ def check_out(out: str | Path, resume: bool = False, force: bool = False) -> Non
         return
     if any(out.iterdir()) and not (resume or force):
         raise TrainError(f"{out}: already exists (use --force to overwrite, or --resume to continue the run in it)")
-    if resume:
-        latest_checkpoint(out)
+    if resume and latest_checkpoint(out) is None:
+        found = [name for name in RUN_FILES if (out / name).exists()]
+        if found:
+            raise TrainError(f"{out}: holds a run's files ({', '.join(found)}) but no checkpoint to resume from; "
+                             "use --force to start over")
 
 
 def start_over(out: str | Path) -> None:

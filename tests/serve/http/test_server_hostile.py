@@ -182,11 +182,13 @@ def test_an_unknown_field_named_by_a_lone_surrogate_gets_a_readable_error(app):
 
 def test_every_other_field_of_a_wrong_type_is_400(app):
     for name, value in [("stream", 1), ("stream", "yes"), ("stream_options", []),
-                        ("stream_options", {"include_usage": 1}),
+                        ("stream_options", {"include_usage": 1}), ("stream_options", {"include_usage": True}),
                         ("n", 1.0), ("n", 10**400), ("max_tokens", "3"), ("seed", 2**64), ("stop", {"a": 1}),
                         ("stop", ["a"] * 17), ("stop", ""), ("prompt", {"a": 1}), ("prompt", [[1, [2]]]),
                         ("prompt", [True]), ("prompt", None), ("max_tokens", True)]:
         refused(app, json.dumps({"prompt": "ab", name: value} if name != "prompt" else {name: value}), name)
+    refused(app, json.dumps({"prompt": "ab", "stream": True, "stream_options": {"include_usage": True, "x": 1}}),
+            "stream_options")
     body = {"messages": [{"role": "user", "content": "ab"}], "max_completion_tokens": 2, "max_tokens": -1}
     refused(app, json.dumps(body), "max_tokens", path="/v1/chat/completions")
     refused(app, json.dumps(body | {"max_tokens": 2, "parallel_tool_calls": "no"}), "parallel_tool_calls",

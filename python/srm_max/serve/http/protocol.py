@@ -205,8 +205,11 @@ def parse_job(body: dict, generator, prompts, max_samples: int, *, chat: bool = 
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be a boolean, got {brief_repr(stream)}", "stream")
     options = _given(body, "stream_options", {})
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool) or \
+            set(options) - {"include_usage"}:
         raise bad_request("stream_options must be an object like {\"include_usage\": true}", "stream_options")
+    if options and not stream:
+        raise bad_request("stream_options is only for a streamed answer (stream: true)", "stream_options")
     user = body.get("user")
     if user is not None:
         if not isinstance(user, str):
