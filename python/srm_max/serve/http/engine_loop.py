@@ -201,10 +201,7 @@ class EngineLoop:
     def _fail_batch(self, samples: list[ServedSample], message: str) -> None:
         requests = {id(s.request): s.request for s in samples}
         for r in requests.values():
-            for s in r.samples:
-                if s.reason is None:
-                    self._finish(s, ERROR)
-            r.sink([Delta(-1, message, [], ERROR)])
+            self._fail_request(r, message)
         self.flush()
         with self._cv:  # their samples still waiting go too
             self._waiting = deque(s for s in self._waiting if s.reason is None)
@@ -217,8 +214,6 @@ class EngineLoop:
     def _fail_request(self, r: ServedRequest, message: str) -> None:
         """End one request with an error: its samples leave their slots and the queue at the
         next turn (as a client's that went away) and send nothing more."""
-        if r.cancelled:
-            return
         r.cancelled = True
         for s in r.samples:
             self._finish(s, ERROR if s.reason is None else s.reason)
