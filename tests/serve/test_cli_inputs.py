@@ -5,6 +5,9 @@ does not score a byte order mark."""
 
 from __future__ import annotations
 
+import io
+import sys
+
 import pytest
 
 from srm_max import Generator
@@ -68,7 +71,7 @@ def evaluate(checkpoint, text, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_a_byte_order_mark_is_not_scored(checkpoint, tmp_path, capsys):
+def test_a_byte_order_mark_is_not_scored_in_a_file_or_on_standard_input(checkpoint, tmp_path, monkeypatch, capsys):
     plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
     plain.write_text("w3 w4 w5 w6", encoding="utf-8")
     marked.write_text("w3 w4 w5 w6", encoding="utf-8-sig")
@@ -76,6 +79,8 @@ def test_a_byte_order_mark_is_not_scored(checkpoint, tmp_path, capsys):
     out = evaluate(checkpoint, plain, capsys)
     assert out.startswith("tokens      4\n")
     assert evaluate(checkpoint, marked, capsys) == out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(marked.read_bytes())))
+    assert evaluate(checkpoint, "-", capsys) == out  # '-': standard input
 
 
 def test_a_text_of_whitespace_is_refused(checkpoint, tmp_path, capsys):

@@ -144,6 +144,9 @@ def test_loglikelihood_equals_lm_evals_rule_and_reads_each_context_once(engine, 
     read = {tuple((c + k)[-(n + 1):][:-len(k)]) for c, k in requests}
     assert len(read) == 4  # the 90-token context is cut before the 12-token continuation only
     assert sorted(counting.prefilled) == sorted(r[:-1] for r in read if len(r) > 1)
+    # token ids as integer arrays, as score takes them, give the same answers
+    as_arrays = [(np.array(c), np.array(k, np.int32)) for c, k in requests[:2]]
+    assert gen.loglikelihood(as_arrays) == results[:2]
 
 
 def test_loglikelihood_of_text_pairs_encodes_as_lm_eval(gen, ref):

@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("path", metavar="DIR", nargs="?", default=None,
                    help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--text", required=True, metavar="FILE", help="a UTF-8 text file, scored as one document")
+    p.add_argument("--text", required=True, metavar="FILE",
+                   help="a UTF-8 text file, scored as one document ('-': standard input)")
     p.add_argument("--max-length", type=int, default=None, metavar="N",
                    help="tokens predicted per rolling window (default: the model's context length)")
     add_device_arguments(p)
@@ -83,11 +84,13 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         # utf-8-sig: a byte order mark some editors write first is not part of the text
-        text = Path(args.text).read_text(encoding="utf-8-sig")
+        raw = sys.stdin.buffer.read() if args.text == "-" else Path(args.text).read_bytes()
+        text = raw.decode("utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise GenerationError(f"--text {args.text}: {e}") from None
     if not text:
-        raise GenerationError(f"--text {args.text}: the file is empty: there is no text to score")
+        source = "standard input" if args.text == "-" else "the file"
+        raise GenerationError(f"--text {args.text}: {source} is empty: there is no text to score")
     generator = Generator.from_pretrained(args.path, device=args.device, dtype=args.dtype)
     if generator.tokenizer is None:
         raise GenerationError(f"{args.path}: the checkpoint has no tokenizer.json, so a text cannot be scored")

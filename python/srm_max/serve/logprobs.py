@@ -251,7 +251,7 @@ def check_pairs(generator, requests) -> list[tuple[list[int], list[int]]]:
         if not isinstance(r, Sequence) or isinstance(r, str) or len(r) != 2:
             raise GenerationError(f"request {i}: expected a (context, continuation) pair, got {type(r).__name__}")
         context, continuation = r
-        ids = [token_ids(x) if isinstance(x, Sequence) else None for x in r]  # None for text, too
+        ids = [None if isinstance(x, str) else token_ids(x) for x in r]  # a 1-D integer array too, as score takes
         if isinstance(context, str) and isinstance(continuation, str):
             ctx, cont = encode_pair(generator, context, continuation)
         elif None not in ids:
