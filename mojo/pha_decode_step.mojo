@@ -56,6 +56,7 @@ the caches and every sum are float32.
 from std.memory import stack_allocation
 from std.math import exp, sqrt, erf, cos, sin
 from std.atomic import Atomic
+from std.time import perf_counter_ns
 from std.sys import num_physical_cores, simd_width_of, size_of
 from max.algorithm import sync_parallelize
 
@@ -162,6 +163,11 @@ comptime NEG: Float32 = -1.0e30  # below every logit (|logit| <= the logit scale
 comptime MAX_WORKERS = 8
 comptime STRIDE = 16
 comptime STEPS_PER_FORK = 64
+# bench/pha_phase_times.py turns this on in a copy of these sources: each call then
+# prints how long each kind of phase took (P_IN .. P_NORM summed over the blocks, then
+# the logits, then the choice), for where a step's time goes
+comptime PHASE_TIMES = False
+comptime TIMED_KINDS = PER_BLOCK + 2
 
 
 @fieldwise_init
@@ -879,11 +885,24 @@ def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut sc
         pass
 
 
+@always_inline
+def _timed_phase[WD: DType, kind: Int, slot: Int](
+    a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch, times: I64P
+):
+    """``_phase``, with PHASE_TIMES its wall time added to ``times``' slot (a cache line each)."""
+    comptime if PHASE_TIMES:
+        var t0 = perf_counter_ns()
+        _phase[WD, kind](a, l, counter, ws, scratch)
+        _ = Atomic[Int64].fetch_add(times.unsafe_offset(slot * STRIDE), Int64(Int(perf_counter_ns() - t0)))
+    else:
+        _phase[WD, kind](a, l, counter, ws, scratch)
+
+
 def _phases_per_step(L: Int) -> Int:
     return L * PER_BLOCK + 2
 
 
-def _worker[WD: DType, choose: Int](step: Pha, counters: I64P, first: Int, last: Int):
+def _worker[WD: DType, choose: Int](step: Pha, counters: I64P, first: Int, last: Int, times: I64P):
     var a = step
     var c = counters
     var scratch = RowScratch(a.V if choose == P_DRAW else 0)
@@ -894,11 +913,11 @@ def _worker[WD: DType, choose: Int](step: Pha, counters: I64P, first: Int, last:
         a.s = s
         for l in range(a.L):
             comptime for kind in range(PER_BLOCK):
-                _phase[WD, kind](a, l, c, wp, scratch)
+                _timed_phase[WD, kind, kind](a, l, c, wp, scratch, times)
                 c = c.unsafe_offset(STRIDE)
-        _phase[WD, P_HEAD](a, a.L - 1, c, wp, scratch)
+        _timed_phase[WD, P_HEAD, PER_BLOCK](a, a.L - 1, c, wp, scratch, times)
         c = c.unsafe_offset(STRIDE)
-        _phase[WD, choose](a, 0, c, wp, scratch)
+        _timed_phase[WD, choose, PER_BLOCK + 1](a, 0, c, wp, scratch, times)
         c = c.unsafe_offset(STRIDE)
     _ = ws^
 
@@ -913,6 +932,8 @@ def _run[WD: DType, choose: Int](step: Pha):
     var counters = List[Int64](length=per_fork * _phases_per_step(a.L) * STRIDE, fill=0)
     var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
     var workers = a.workers
+    var times = List[Int64](length=TIMED_KINDS * STRIDE, fill=0)
+    var tp = I64P(unsafe_from_address=Int(times.unsafe_ptr()))
     var first = 0
     while first < a.S:
         var last = min(a.S, first + per_fork)
@@ -920,12 +941,18 @@ def _run[WD: DType, choose: Int](step: Pha):
             for i in range(len(counters)):
                 counters[i] = 0
 
-        def work(i: Int) {var a, var cp, var first, var last}:
-            _worker[WD, choose](a, cp, first, last)
+        def work(i: Int) {var a, var cp, var first, var last, var tp}:
+            _worker[WD, choose](a, cp, first, last, tp)
 
         sync_parallelize(work, workers)
         first = last
+    comptime if PHASE_TIMES:  # nanoseconds per kind, each worker's wall time summed
+        var line = String("pha_decode_steps phase times: B=", a.B, " S=", a.S, " workers=", workers, " ns=")
+        for k in range(TIMED_KINDS):
+            line += String(times[k * STRIDE], "," if k + 1 < TIMED_KINDS else "")
+        print(line)
     _ = counters^
+    _ = times^
 
 
 def _slices(B: Int, Hkv: Int, n: Int, workers: Int) -> Int:
