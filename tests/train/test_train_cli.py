@@ -199,6 +199,16 @@ def test_resume_from_an_incomplete_checkpoint_is_refused(tmp_path, corpus_args, 
             f"{out / 'checkpoints' / 'latest'} points at {out / 'checkpoints' / 'step-000007'}, which is incomplete")
 
 
+def test_resume_starts_over_a_run_killed_before_its_first_checkpoint(tmp_path, corpus_args):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # all a run killed before its first checkpoint leaves
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 99.0}) + "\n")
+    assert main(["train", *run(out, corpus_args, "--steps", "2", "--resume")]) == 0
+    assert train_steps(out) == [1, 2] and 99.0 not in [event.get("loss") for event in metrics(out)]
+    assert json.loads((out / "results.json").read_text())["finished"]
+
+
 def test_resume_into_a_run_without_checkpoints_is_refused_and_leaves_it(tmp_path, corpus_args, untrained, capsys):
     out = tmp_path / "run"
     out.mkdir()

@@ -32,7 +32,9 @@ def _nearest_existing(path: Path) -> Path:
 def check_out(out: str | Path, resume: bool = False, force: bool = False) -> None:
     """``TrainError`` unless a run may write into ``out`` (see the module's docstring); with
     ``resume``, also when the checkpoint it would continue from is incomplete, or when ``out``
-    holds a run's files but no checkpoint (resuming would start a new run over them)."""
+    holds the results of a run but no checkpoint (resuming would start a new run over them).
+    A run killed before its first checkpoint left only its config and metrics: resuming
+    starts it over, as it would in an empty directory."""
     out = Path(out)
     if resume and force:
         raise TrainError("--resume and --force exclude each other: continue the run in --out, or start it over")
@@ -51,7 +53,7 @@ def check_out(out: str | Path, resume: bool = False, force: bool = False) -> Non
         raise TrainError(f"{out}: already exists (use --force to overwrite, or --resume to continue the run in it)")
     if resume and latest_checkpoint(out) is None:
         found = [name for name in RUN_FILES if (out / name).exists()]
-        if found:
+        if FINAL_MODEL_FILE in found or RESULTS_FILE in found:
             raise TrainError(f"{out}: holds a run's files ({', '.join(found)}) but no checkpoint to resume from; "
                              "use --force to start over")
 
