@@ -80,3 +80,21 @@ def test_group_advantages_of_degenerate_groups_are_zero(rewards):
         warnings.simplefilter("error")  # no division by zero, no degrees-of-freedom warning
         adv = group_advantages(rewards)
     assert adv.tolist() == [0.0] * len(rewards)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "1", None])
+def test_a_reward_that_is_not_a_finite_number_is_named(bad):
+    rewards = [1.0, 0.0, bad]
+    with pytest.raises(ValueError, match=r"balanced_group: reward 2 is .*, not a finite number"):
+        balanced_group(rewards, 2)
+    with pytest.raises(ValueError, match=r"group_advantages: reward 2 is .*, not a finite number"):
+        group_advantages(rewards)
+    assert sorted(balanced_group([True, False, np.float32(0.5)], 3)) == [0, 1, 2]  # a verifier's bools count
+
+
+@pytest.mark.parametrize("n, c, k", [(10.0, 3, 1), (10, 2.5, 1), (10, 3, True), (10, 3, "1")])
+def test_pass_at_k_wants_integers(n, c, k):
+    with pytest.raises(ValueError, match="must be an integer"):
+        pass_at_k(n, c, k)
+    with pytest.raises(ValueError, match="group_size must be an integer"):
+        balanced_group([1.0, 0.0], 2.0)

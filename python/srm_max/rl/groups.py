@@ -16,10 +16,29 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import math
+
 import numpy as np
+
+from ..scalars import is_int, is_real
+
+
+def _finite_rewards(rewards: Sequence[float], who: str) -> list[float]:
+    """``rewards`` as floats (a verifier's bool too), or a ValueError naming the first that is
+    not a finite number (a NaN would count as neither correct nor incorrect, and would make
+    every advantage NaN)."""
+    out = []
+    for i, r in enumerate(rewards):
+        if not (is_real(r) or isinstance(r, (bool, np.bool_))) or not math.isfinite(r):
+            raise ValueError(f"{who}: reward {i} is {r!r}, not a finite number")
+        out.append(float(r))
+    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if not is_int(value):
+            raise ValueError(f"pass_at_k: {name} must be an integer, got {value!r}")
     if not 0 <= c <= n:
         raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
     if not 1 <= k <= n:
@@ -41,8 +60,9 @@ def balanced_group(rewards: Sequence[float], group_size: int, rng: random.Random
     ones run short fills the rest with more correct ones. With fewer than G
     completions in all, every one is used (the group is smaller than G).
     """
-    if group_size < 1:
-        raise ValueError(f"balanced_group: group_size must be >= 1, got {group_size}")
+    if not is_int(group_size) or group_size < 1:
+        raise ValueError(f"balanced_group: group_size must be an integer >= 1, got {group_size!r}")
+    rewards = _finite_rewards(rewards, "balanced_group")
     rng = rng or random.Random(0)
     correct = [i for i, r in enumerate(rewards) if r > 0]
     wrong = [i for i, r in enumerate(rewards) if r <= 0]
@@ -62,7 +82,7 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-4) -> np.ndarray:
     ``std`` is the unbiased one (ddof=1), torch's default, as in the reference
     GRPO code. A group of identical rewards, or of one sample, has zero advantages.
     """
-    r = np.asarray(rewards, dtype=np.float64)
+    r = np.asarray(_finite_rewards(rewards, "group_advantages"), dtype=np.float64)
     if r.size < 2:
         return np.zeros_like(r)  # the unbiased std of one sample is undefined; it is its own mean
     return (r - r.mean()) / (r.std(ddof=1) + eps)
