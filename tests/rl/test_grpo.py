@@ -176,3 +176,13 @@ def test_a_time_budget_stops_before_the_next_iteration(monkeypatch):
     assert 1 < len(log) < 50
     assert all(e.elapsed > 0 for e in log) and [e.elapsed for e in log] == sorted(e.elapsed for e in log)
     assert log[-2].elapsed < 100 <= log[-1].elapsed + 10  # the last started within budget, the next would not
+
+
+@pytest.mark.parametrize("field, value", [("iterations", 0), ("group_size", 2.0), ("samples_per_prompt", True),
+                                          ("seed", -1), ("max_batch", 0), ("max_batch", "all"),
+                                          ("lr", 0.0), ("beta", float("nan")), ("clip_eps", -0.1),
+                                          ("temperature", float("inf")), ("max_seconds", 0), ("epochs", "2")])
+def test_a_setting_out_of_range_is_named_before_any_rollout(field, value):
+    with pytest.raises(ValueError, match=f"GRPOConfig.{field} must be"):
+        GRPOConfig(**{field: value})
+    assert GRPOConfig(max_batch="auto", max_seconds=1.5, beta=0, temperature=0).max_batch == "auto"

@@ -29,6 +29,7 @@ built once), and only the policy's own pass runs in PyTorch.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ import torch
 from ..serve.sample_many import sample_many
 from ..serve.scoring import score_continuations
 from ..serve.scheduler import PoolStats
+from ..scalars import is_int, is_real
 from .groups import balanced_group, group_advantages
 
 
@@ -165,6 +167,26 @@ class GRPOConfig:
     seed: int = 0
     max_seconds: float | None = None  # wall-clock budget: no iteration starts after it is spent
     engine_logprobs: bool = False  # old and reference log-probabilities from the MAX engines' scoring path
+
+    def __post_init__(self) -> None:
+        """A ValueError naming the first setting out of range, before any rollout."""
+        for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "group_size", "epochs",
+                     "max_new_tokens"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"GRPOConfig.{name} must be an integer >= 1, got {value!r}")
+        if not is_int(self.seed) or self.seed < 0:
+            raise ValueError(f"GRPOConfig.seed must be an integer >= 0, got {self.seed!r}")
+        if self.max_batch != "auto" and (not is_int(self.max_batch) or self.max_batch < 1):
+            raise ValueError(f"GRPOConfig.max_batch must be an integer >= 1 or 'auto', got {self.max_batch!r}")
+        for name, accepts, wording in (("lr", lambda v: v > 0, "> 0"), ("beta", lambda v: v >= 0, ">= 0"),
+                                       ("clip_eps", lambda v: v > 0, "> 0"),
+                                       ("temperature", lambda v: v >= 0, ">= 0")):
+            value = getattr(self, name)
+            if not is_real(value) or not math.isfinite(value) or not accepts(value):
+                raise ValueError(f"GRPOConfig.{name} must be a finite number {wording}, got {value!r}")
+        if self.max_seconds is not None and (not is_real(self.max_seconds) or not self.max_seconds > 0):
+            raise ValueError(f"GRPOConfig.max_seconds must be None or a number > 0, got {self.max_seconds!r}")
 
 
 @dataclass
