@@ -186,3 +186,14 @@ def test_a_setting_out_of_range_is_named_before_any_rollout(field, value):
     with pytest.raises(ValueError, match=f"GRPOConfig.{field} must be"):
         GRPOConfig(**{field: value})
     assert GRPOConfig(max_batch="auto", max_seconds=1.5, beta=0, temperature=0).max_batch == "auto"
+
+
+def test_arithmetic_problems_never_hold_an_excluded_one_even_when_they_must_repeat():
+    held = set(arithmetic.problems(20, 1, 1, seed=3))
+    many = arithmetic.problems(150, 1, 1, seed=4, exclude=held)  # 100 one-digit problems exist: 80 not held
+    assert len(many) == 150 and not set(many) & held and len(set(many)) == 80
+    every = {arithmetic.Problem(a, b) for a in range(10) for b in range(10)}
+    with pytest.raises(ValueError, match="every one of the 100 problems of 1-1 digit operands is excluded"):
+        arithmetic.problems(1, 1, 1, exclude=every)
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        arithmetic.problems(-1)

@@ -82,18 +82,29 @@ def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
 
 def problems(count: int, min_digits: int = 1, max_digits: int = 2, seed: int = 0,
              exclude: set | None = None) -> list[Problem]:
-    """``count`` problems, operands of min..max digits, never in ``exclude`` (for held-out sets)."""
+    """``count`` problems, operands of min..max digits, never one in ``exclude`` (a held-out
+    set); distinct while the draws find new ones (100 tries per problem), then repeating
+    chosen ones where fewer problems than ``count`` exist."""
     if not 1 <= min_digits <= max_digits:
         raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    excluded = set(exclude or ())
+    digits = range(min_digits, max_digits + 1)
+    operands = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in digits)
+    drawable = {p for p in excluded if isinstance(p, Problem) and len(str(p.a)) in digits and len(str(p.b)) in digits}
+    if count and len(drawable) >= operands ** 2:
+        raise ValueError(f"every one of the {operands ** 2} problems of {min_digits}-{max_digits} digit operands "
+                         "is excluded")
     rng = random.Random(seed)
-    out, seen = [], set(exclude or ())
+    out, chosen = [], set()
     tries = 0
     while len(out) < count:
         p = Problem(_operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits))
         tries += 1
-        if p in seen and tries < 100 * count:
+        if p in excluded or (p in chosen and tries < 100 * count):
             continue
-        seen.add(p)
+        chosen.add(p)
         out.append(p)
     return out
 
