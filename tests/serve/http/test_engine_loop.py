@@ -104,10 +104,11 @@ def test_an_answer_that_fails_to_build_ends_only_its_request(loop, monkeypatch):
     monkeypatch.setattr(ServedSample, "delta", broken)
     loop.submit(r)
     assert inbox.ended.wait(WAIT)
+    served_after(loop, stream=True)  # with the fault still there: it is that request's only
     monkeypatch.undo()
+    # one error, whichever of its samples failed first, and nothing after it
     error = [d for d in inbox.deltas if d.finish_reason == ERROR]
-    assert len(error) == 1 and "KeyError" in error[0].text
-    served_after(loop, stream=True)
+    assert len(error) == 1 and "KeyError" in error[0].text and inbox.deltas[-1] is error[0]
 
 
 def test_a_dead_loop_tells_its_owner(engine, monkeypatch):

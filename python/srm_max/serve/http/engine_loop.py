@@ -249,9 +249,10 @@ class EngineLoop:
             try:
                 delta = s.delta(self.generator.decode, self._scoring)
             except Exception as e:  # noqa: BLE001  (one request's answer, not the server)
-                log.exception("delivery failed")
-                self._fail_request(r, f"internal error: {type(e).__name__}: {e}")
-                ended.append(r)
+                if not r.cancelled:  # a request ends once, whichever of its samples fails first
+                    log.exception("delivery failed")
+                    self._fail_request(r, f"internal error: {type(e).__name__}: {e}")
+                    ended.append(r)
                 continue
             if s.reason is not None:
                 self._finish(s, s.reason)
@@ -260,7 +261,8 @@ class EngineLoop:
                 by_request.setdefault(r.id, (r, []))[1].append(delta)
         self.metrics.generated_tokens.inc(generated)
         for r, deltas in by_request.values():
-            r.sink(deltas)
+            if not r.cancelled:  # nothing after a request's error, nor to a client that has gone
+                r.sink(deltas)
         self.flush()
         self._retire(ended)
 
