@@ -13,10 +13,9 @@ rarely all zero.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-
-import math
 
 import numpy as np
 

@@ -38,10 +38,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ..scalars import is_int, is_real
 from ..serve.sample_many import sample_many
 from ..serve.scoring import score_continuations
 from ..serve.scheduler import PoolStats
-from ..scalars import is_int, is_real
 from .groups import balanced_group, group_advantages
 
 

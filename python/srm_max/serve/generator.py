@@ -337,9 +337,10 @@ class Generator:
         Pairs are texts, tokenized as lm-eval's causal models do (the context's trailing
         spaces move to the continuation, context + continuation is encoded whole and split
         after the context's tokens; an empty context is the end-of-text token), or token
-        ids (lists or 1-D integer arrays). As lm-eval, the model reads the last ``max_length`` tokens of context
-        and continuation. A context shared by several continuations is read once and its
-        state forked; ``progress(done, total)`` is called after each engine batch.
+        ids (lists or 1-D integer arrays). As lm-eval, the model reads the last
+        ``max_length`` tokens of context and continuation. A context shared by several
+        continuations is read once and its state forked; ``progress(done, total)`` is
+        called after each engine batch.
         """
         return scoring_api.loglikelihood(self, requests, max_length, progress)
 
