@@ -18,10 +18,11 @@ A step whose phases run at their bounds, one after the other, takes the sum of t
 (``sum_of_bounds_us``); a faster step needs the memory-bound and the compute-bound phases
 to overlap. Each timing is the best of ``--repeats`` calls of ``--steps`` greedy steps from
 position n - steps - 1 into the states (as the slot pool decodes), after a warm-up call.
-The switched-on op is compiled once per context (the KV cache length is a static shape).
+The switched-on op is compiled once per context and dtype (the KV cache length is a static shape).
 
     python -m bench.pha_phase_times                          # pha, pha-attn; 512 2048 8192; batch 1, 16
     python -m bench.pha_phase_times --models pha --contexts 512 --batches 16
+    python -m bench.pha_phase_times --dtypes float32 bfloat16     # bfloat16 matrices beside float32
 Writes bench/results/pha_phase_times.json (``--append`` keeps the earlier runs).
 """
 
@@ -119,14 +120,16 @@ def captured_stdout():
             box["out"] = f.read().decode(errors="replace")
 
 
-def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float, peak: float) -> list[dict]:
-    from bench.pha_long_context import configs, engine_of, matrix_bytes, reread_bytes_per_s, sample_bytes
+def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float, peak: float,
+            dtype: str = "float32") -> list[dict]:
+    from bench.pha_long_context import (configs, engine_of, matrix_bytes, reread_bytes_per_s, sample_bytes,
+                                        weight_bytes_of)
     from srm_max.runtime.call_types import SamplingArrays
 
     config = configs(name, n, False)
-    engine = engine_of(name, config, "op")
+    engine = engine_of(name, config, "op", dtype)
     start = n - steps - 1
-    mats = matrix_bytes(name, config, 4)
+    mats = matrix_bytes(name, config, weight_bytes_of(dtype))
     reread = reread_bytes_per_s(mats)
     rows = []
     for B in batches:
@@ -141,9 +144,9 @@ def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float,
         best = min(calls, key=lambda c: sum(c.values()))
         per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
         cell = summarize(best, B * per_sample, 2.0 * B * matrix_bytes(name, config, 1), mats, stream, peak, reread)
-        rows.append({"model": name, "context": n, "batch": B, "reread_bytes_per_s": reread, **cell,
+        rows.append({"model": name, "dtype": dtype, "context": n, "batch": B, "reread_bytes_per_s": reread, **cell,
                      "step_us_runs": [sum(c.values()) for c in calls]})
-        print(f"{name:9s} n={n:5d} B={B:3d}: step {cell['step_us']:7.1f} us = cache {cell['cache_us']:7.1f} "
+        print(f"{name:9s} {dtype:8s} n={n:5d} B={B:3d}: step {cell['step_us']:7.1f} us = cache {cell['cache_us']:7.1f} "
               f"({cell['cache_percent_of_streaming']:.0f} % of streaming) + products {cell['product_us']:7.1f} "
               f"({cell['product_percent_of_bound']:.0f} % of their bound) + rest {cell['rest_us']:5.1f}; "
               f"sum of bounds {cell['sum_of_bounds_us']:.1f} us", flush=True)
@@ -155,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", default=["pha", "pha-attn"], choices=["pha", "pha-attn", "pha-gss"])
     ap.add_argument("--contexts", type=int, nargs="*", default=[512, 2048, 8192])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--dtypes", nargs="*", default=["float32"], choices=["float32", "bfloat16"],
+                    help="the matrices' dtype (the states stay float32)")
     ap.add_argument("--steps", type=int, default=16, help="decode tokens per call")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -175,7 +180,9 @@ def main(argv=None) -> int:
         for n in args.contexts:
             stream = stream_bytes_per_s()
             for name in args.models:
-                run["rows"] += measure(name, n, args.batches, args.steps, args.repeats, stream, peak["flops"])
+                for dtype in args.dtypes:
+                    run["rows"] += measure(name, n, args.batches, args.steps, args.repeats, stream, peak["flops"],
+                                           dtype)
             stream = max(stream, stream_bytes_per_s())  # the best of before and after, as pha_long_context
             run["stream_bytes_per_s"][str(n)] = stream
             for row in run["rows"]:  # the context's cells against the best bandwidth
