@@ -29,7 +29,6 @@ built once), and only the policy's own pass runs in PyTorch.
 from __future__ import annotations
 
 import copy
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..scalars import is_int, is_real
+from ..scalars import is_int, is_real, out_of_range
 from ..serve.sample_many import sample_many
 from ..serve.scoring import score_continuations
 from ..serve.scheduler import PoolStats
@@ -150,6 +149,14 @@ def grpo_step(policy, reference, optimizer, prompts, completions, advantages, ep
 
 
 # ------------------------------------------------------------------ the loop
+# The smallest value of each of GRPOConfig's integer settings, and the finite values each real one accepts.
+_INT_MINIMA = {"iterations": 1, "prompts_per_iter": 1, "samples_per_prompt": 1, "group_size": 1, "epochs": 1,
+               "max_new_tokens": 1, "seed": 0}
+_REAL_RANGES = {"lr": (lambda v: v > 0, "a finite number > 0"), "beta": (lambda v: v >= 0, "a finite number >= 0"),
+                "clip_eps": (lambda v: v > 0, "a finite number > 0"),
+                "temperature": (lambda v: v >= 0, "a finite number >= 0")}
+
+
 @dataclass
 class GRPOConfig:
     iterations: int = 20
@@ -170,23 +177,16 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         """A ValueError naming the first setting out of range, before any rollout."""
-        for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "group_size", "epochs",
-                     "max_new_tokens"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"GRPOConfig.{name} must be an integer >= 1, got {value!r}")
-        if not is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"GRPOConfig.seed must be an integer >= 0, got {self.seed!r}")
-        if self.max_batch != "auto" and (not is_int(self.max_batch) or self.max_batch < 1):
-            raise ValueError(f"GRPOConfig.max_batch must be an integer >= 1 or 'auto', got {self.max_batch!r}")
-        for name, accepts, wording in (("lr", lambda v: v > 0, "> 0"), ("beta", lambda v: v >= 0, ">= 0"),
-                                       ("clip_eps", lambda v: v > 0, "> 0"),
-                                       ("temperature", lambda v: v >= 0, ">= 0")):
-            value = getattr(self, name)
-            if not is_real(value) or not math.isfinite(value) or not accepts(value):
-                raise ValueError(f"GRPOConfig.{name} must be a finite number {wording}, got {value!r}")
-        if self.max_seconds is not None and (not is_real(self.max_seconds) or not self.max_seconds > 0):
-            raise ValueError(f"GRPOConfig.max_seconds must be None or a number > 0, got {self.max_seconds!r}")
+        bad = out_of_range(self, int_minima=_INT_MINIMA)
+        if bad is None and self.max_batch != "auto" and (not is_int(self.max_batch) or self.max_batch < 1):
+            bad = "max_batch", "an integer >= 1 or 'auto'", self.max_batch
+        bad = bad or out_of_range(self, real_ranges=_REAL_RANGES)
+        if bad is None and self.max_seconds is not None and (not is_real(self.max_seconds)
+                                                             or not self.max_seconds > 0):
+            bad = "max_seconds", "None or a number > 0", self.max_seconds
+        if bad is not None:
+            name, wording, value = bad
+            raise ValueError(f"GRPOConfig.{name} must be {wording}, got {value!r}")
 
 
 @dataclass

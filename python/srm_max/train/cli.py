@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..models import registry
+from ..scalars import out_of_range
 from .config import PRECISIONS, TrainConfig, flag
 from .data import check_windows, load_data, load_tokenizer
 from .errors import TrainError
@@ -144,9 +145,10 @@ def check_arguments(args: argparse.Namespace) -> TrainConfig:
     """The training config of ``args``, or ``TrainError`` naming the first argument that is out of
     range or unusable: the checks that need no file read, made before any work."""
     cfg = train_config_from_args(args).check()
-    for name, smallest in _SIZE_MINIMA.items():
-        if getattr(args, name) < smallest:
-            raise TrainError(f"{flag(name)} must be an integer >= {smallest}, got {getattr(args, name)}")
+    bad = out_of_range(args, int_minima=_SIZE_MINIMA)
+    if bad is not None:
+        name, wording, value = bad
+        raise TrainError(f"{flag(name)} must be {wording}, got {value}")
     if args.val_text and not args.train_text:
         raise TrainError("--val-text needs --train-text (without it the corpus's own validation split is used)")
     checked_device(args.device)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ..scalars import is_int, is_real
+from ..scalars import out_of_range
 from .errors import TrainError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -56,16 +55,13 @@ class TrainConfig:
 
         The optimizer's betas are left to ``torch.optim.AdamW``, which checks them.
         """
-        for name, smallest in _INT_MINIMA.items():
-            value = getattr(self, name)
-            if not is_int(value) or value < smallest:
-                raise TrainError(f"{flag(name)} must be an integer >= {smallest}, got {value!r}")
-        if self.seed > MAX_SEED:
-            raise TrainError(f"--seed must be an integer from 0 to {MAX_SEED}, got {self.seed}")
-        for name, (accepts, wording) in _REAL_RANGES.items():
-            value = getattr(self, name)
-            if not is_real(value) or not math.isfinite(value) or not accepts(value):
-                raise TrainError(f"{flag(name)} must be {wording}, got {value!r}")
+        bad = out_of_range(self, int_minima=_INT_MINIMA)
+        if bad is None and self.seed > MAX_SEED:
+            bad = "seed", f"an integer from 0 to {MAX_SEED}", self.seed
+        bad = bad or out_of_range(self, real_ranges=_REAL_RANGES)
+        if bad is not None:
+            name, wording, value = bad
+            raise TrainError(f"{flag(name)} must be {wording}, got {value!r}")
         if self.precision not in PRECISIONS:
             raise TrainError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         return self
