@@ -32,16 +32,6 @@ def stop_prefix(text: str, end: int, stop: str, start: int = 0) -> int:
     return 0 if i == -1 else end - i
 
 
-def settled(text: str, stop_strings: Seq[str]) -> int:
-    """How much of a running sample's ``text`` its stream may show.
-
-    Not a trailing U+FFFD (``settled_end``). Not a tail that could be the start of a stop
-    string: the sample's text would be cut before it.
-    """
-    end = settled_end(text)
-    return end - max((stop_prefix(text, end, s) for s in stop_strings), default=0)
-
-
 class StopScan:
     """A running sample's text against its stop strings, each call looking only at what is new.
 
@@ -66,7 +56,9 @@ class StopScan:
         return min(hits, default=None)
 
     def settled(self, text: str) -> int:
-        """``settled(text, strings)``."""
+        """How much of a running sample's ``text`` its stream may show: not a trailing U+FFFD
+        (``settled_end``), nor a tail that could be the start of a stop string (the sample's
+        text would be cut before it)."""
         end = settled_end(text)
         kept = text.startswith(self._shown)
         self._held = [stop_prefix(text, end, s, len(self._shown) - held if kept else 0)
@@ -153,4 +145,4 @@ class Sequence:
         return text[start:end]
 
 
-__all__ = ["Decode", "Sequence", "StopScan", "settled", "settled_end", "stop_prefix"]
+__all__ = ["Decode", "Sequence", "StopScan", "settled_end", "stop_prefix"]
