@@ -17,7 +17,8 @@ kernel sources), per model, context and batch, beside what each kind must move o
 A step whose phases run at their bounds, one after the other, takes the sum of the bounds
 (``sum_of_bounds_us``); a faster step needs the memory-bound and the compute-bound phases
 to overlap. Each timing is the best of ``--repeats`` calls of ``--steps`` greedy steps from
-position n - steps - 1 into the states (as the slot pool decodes), after a warm-up call.
+position n - steps - 1 into the states (as the slot pool decodes), after a warm-up call;
+every call's step time is kept, with their spread (slowest / fastest - 1).
 The switched-on op is compiled once per context and dtype (the KV cache length is a static shape).
 
     python -m bench.pha_phase_times                          # pha, pha-attn; 512 2048 8192; batch 1, 16
@@ -122,7 +123,7 @@ def captured_stdout():
 
 def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float, peak: float,
             dtype: str = "float32") -> list[dict]:
-    from bench.pha_long_context import (configs, engine_of, matrix_bytes, reread_bytes_per_s, sample_bytes,
+    from bench.pha_long_context import (configs, engine_of, matrix_bytes, reread_bytes_per_s, sample_bytes, spread,
                                         weight_bytes_of)
     from srm_max.runtime.call_types import SamplingArrays
 
@@ -144,8 +145,9 @@ def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float,
         best = min(calls, key=lambda c: sum(c.values()))
         per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
         cell = summarize(best, B * per_sample, 2.0 * B * matrix_bytes(name, config, 1), mats, stream, peak, reread)
+        runs = [sum(c.values()) for c in calls]
         rows.append({"model": name, "dtype": dtype, "context": n, "batch": B, "reread_bytes_per_s": reread, **cell,
-                     "step_us_runs": [sum(c.values()) for c in calls]})
+                     "step_us_runs": runs, "spread": spread(runs)})
         print(f"{name:9s} {dtype:8s} n={n:5d} B={B:3d}: step {cell['step_us']:7.1f} us = cache {cell['cache_us']:7.1f} "
               f"({cell['cache_percent_of_streaming']:.0f} % of streaming) + products {cell['product_us']:7.1f} "
               f"({cell['product_percent_of_bound']:.0f} % of their bound) + rest {cell['rest_us']:5.1f}; "
