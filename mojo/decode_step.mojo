@@ -77,6 +77,7 @@ from max.gpu.host import DeviceContext
 
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
+from .tiled_product import load_weights, store_sums
 
 comptime F32 = DType.float32
 comptime W = simd_width_of[F32]()
@@ -225,8 +226,7 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
                 prefetch[PrefetchOptions().for_read().low_locality().to_data_cache()](
                     ahead.unsafe_offset((k + kk) * LINE)
                 )
-            comptime for v in range(NVT):
-                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
+            load_weights[NVT, WD](wv, wp)
             comptime for r in range(R):
                 var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k + kk])
                 comptime for v in range(NVT):
@@ -234,18 +234,14 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
                     acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
         k += KU
     while k < K:
-        var wp = p.unsafe_offset(k * ps)
+        load_weights[NVT, WD](wv, p.unsafe_offset(k * ps))
         comptime for r in range(R):
             var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
             comptime for v in range(NVT):
                 comptime a = (r * NVT + v) * W
-                acc.unsafe_store(
-                    a, xb.fma(wp.unsafe_load[width=W](v * W).cast[F32](), acc.unsafe_load[width=W](a))
-                )
+                acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
         k += 1
-    comptime for r in range(R):
-        comptime for v in range(NVT):
-            t.unsafe_store(r * PANEL + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
+    store_sums[R, NVT, WD](t, PANEL, acc)
 
 
 @no_inline

@@ -161,6 +161,7 @@ comptime ROWS_PER_SLICE = 64  # the fewest cached rows worth a slice of their ow
 comptime BLOCK = 32  # cached rows per block of the online softmax
 comptime NEG: Float32 = -1.0e30  # below every logit (|logit| <= the logit scale's bound)
 comptime MAX_WORKERS = 8
+comptime CLAIM_SHARE = 1  # a claim takes 1 / (workers * CLAIM_SHARE) of the units left
 comptime STRIDE = 16
 comptime STEPS_PER_FORK = 64
 # bench/pha_phase_times.py turns this on in a copy of these sources: each call then
@@ -870,17 +871,43 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
             left -= n
 
 
+@always_inline
+def _claim(counter: I64P, n: Int, share: Int) -> Tuple[Int, Int]:
+    """The next run of consecutive units [first, end) of n for this worker (first >= n:
+    none left): one unit, or with ``share`` > 0 1 / share of the units left (guided
+    self-scheduling; the runs shrink to one unit towards the end, so the workers still
+    finish together)."""
+    if share == 0:
+        var first = Int(Atomic[Int64].fetch_add(counter, 1))
+        return (first, first + 1)
+    var seen = Int(Atomic[Int64].load(counter))  # may be stale: it only sizes the run
+    var run = max(1, (n - seen) // share)
+    var first = Int(Atomic[Int64].fetch_add(counter, Int64(run)))
+    return (first, min(n, first + run))
+
+
 def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch):
     """Claim and run units of one phase until none is left, then wait for the units
-    other workers claimed (counter: claimed; counter + 8: done)."""
+    other workers claimed (counter: claimed; counter + 8: done). The units of a product
+    phase with fewer batch rows than a register tile are claimed in runs: such a unit
+    is one panel read once, in a fraction of a microsecond, and a claim per unit made
+    the counter's cache line travel between the cores for each and gave the workers
+    alternate panels, which breaks the streams the prefetchers follow
+    (bench/product_read_rate.py). Larger units are claimed one at a time: claimed in
+    runs, the products at 16 rows ran slower (bench/pha_phase_times.py)."""
     var n = _units(a, kind, l)
+    var share = 0
+    comptime if kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD:
+        if a.B < MR:
+            share = a.workers * CLAIM_SHARE
     var done = counter.unsafe_offset(8)
     while True:
-        var u = Int(Atomic[Int64].fetch_add(counter, 1))
-        if u >= n:
+        var first, end = _claim(counter, n, share)
+        if first >= n:
             break
-        _run_unit[WD, kind](a, l, u, ws, scratch)
-        _ = Atomic[Int64].fetch_add(done, 1)
+        for u in range(first, end):
+            _run_unit[WD, kind](a, l, u, ws, scratch)
+        _ = Atomic[Int64].fetch_add(done, Int64(end - first))
     while Int(Atomic[Int64].load(done)) < n:
         pass
 

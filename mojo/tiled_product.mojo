@@ -1,9 +1,11 @@
-"""The register-tiled matrix product the CPU ops share (no op here: score_head.mojo and
-linear.mojo call it).
+"""The register-tiled matrix product the CPU ops share (no op here: score_head.mojo,
+linear.mojo and the decode ops call it).
 
     pack_panel(packed, m, panel, N, K)      one panel of a row-major m [N, K], transposed (float32)
     tile_product(t, ldt, x, ldx, p, K, ldp) MR rows of x times one packed panel (rows ldp apart;
                                             float32, or bfloat16 widened as it is loaded)
+    load_weights(wv, wp), store_sums(...)   a tile's row of weights widened to float32, and its
+                                            sums stored in column order (for tiles of any shape)
 
 The matrix on the right, m [N, K] (one row per output column, as a checkpoint stores a
 weight), is packed into panels of NB = NV * W columns, each panel [K, NB] (k-major, zero
@@ -13,7 +15,7 @@ registers (MR x NV per SIMD width: 5 x 2 with AVX2's 16 registers, 6 x 4 with AV
 A panel's rows may also lie ldp floats apart inside a wider row-major matrix [K, ldp] (NB
 of its columns: no packing where the matrix is stored k-major already).
 """
-from std.memory import stack_allocation
+from std.memory import bitcast, stack_allocation
 from std.sys import simd_width_of
 
 comptime F32 = DType.float32
@@ -26,6 +28,47 @@ comptime NV = 2 if W == 8 else 4
 comptime MR = 5 if W == 8 else 6
 comptime NB = NV * W  # columns per packed panel
 comptime KU = 4  # k unrolled
+
+
+@always_inline
+def _pairs[NVT: Int, WD: DType]() -> Int:
+    """Vectors of a tile's row of weights widened two at a time: bfloat16 pairs of
+    vectors load as one vector of 32-bit words, each the bits of two neighbouring
+    columns."""
+    return NVT // 2 if WD == DType.bfloat16 else 0
+
+
+@always_inline
+def load_weights[NVT: Int, WD: DType](wv: F32P, wp: Pointer[Scalar[WD], MutUntrackedOrigin]):
+    """wv = NVT vectors of one row of a panel, widened to float32. A bfloat16 is the
+    upper half of a float32's bits, so a word of two columns widens by a shift (the
+    even column, in its lower half) and a mask (the odd one): two cheap instructions per
+    two vectors, where widening each vector alone takes a cross-lane shuffle and a
+    shift: more than a tile of one batch row has time for while its panel streams in
+    (bench/tile_read_rate.py). The pair's vectors hold the even and the odd columns of 2 W; ``store_sums``
+    puts their sums back in order."""
+    comptime PAIRS = _pairs[NVT, WD]()
+    comptime for j in range(PAIRS):
+        var words = Pointer[UInt32, MutUntrackedOrigin](unsafe_from_address=Int(wp.unsafe_offset(2 * j * W)))
+        var two = words.unsafe_load[width=W](0)
+        wv.unsafe_store(2 * j * W, bitcast[F32, W](two << 16))
+        wv.unsafe_store((2 * j + 1) * W, bitcast[F32, W](two & SIMD[DType.uint32, W](0xFFFF0000)))
+    comptime for v in range(2 * PAIRS, NVT):
+        wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
+
+
+@always_inline
+def store_sums[R: Int, NVT: Int, WD: DType](t: F32P, ldt: Int, acc: F32P):
+    """t[r, 0 .. NVT W) = the tile's sums in column order (a widened pair's even and
+    odd columns interleaved)."""
+    comptime PAIRS = _pairs[NVT, WD]()
+    comptime for r in range(R):
+        comptime for j in range(PAIRS):
+            comptime a = (r * NVT + 2 * j) * W
+            var even = acc.unsafe_load[width=W](a)
+            t.unsafe_store(r * ldt + 2 * j * W, even.interleave(acc.unsafe_load[width=W](a + W)))
+        comptime for v in range(2 * PAIRS, NVT):
+            t.unsafe_store(r * ldt + v * W, acc.unsafe_load[width=W]((r * NVT + v) * W))
 
 
 @always_inline
@@ -42,9 +85,7 @@ def tile_product[PD: DType](t: F32P, ldt: Int, x: F32P, ldx: Int, p: Pointer[Sca
     var k = 0
     while k + KU <= K:
         comptime for kk in range(KU):
-            var wp = p.unsafe_offset((k + kk) * ldp)
-            comptime for v in range(NV):
-                wv.unsafe_store(v * W, wp.unsafe_load[width=W](v * W).cast[F32]())
+            load_weights[NV, PD](wv, p.unsafe_offset((k + kk) * ldp))
             comptime for r in range(MR):
                 var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k + kk])
                 comptime for v in range(NV):
@@ -52,16 +93,14 @@ def tile_product[PD: DType](t: F32P, ldt: Int, x: F32P, ldx: Int, p: Pointer[Sca
                     acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
         k += KU
     while k < K:
-        var wp = p.unsafe_offset(k * ldp)
+        load_weights[NV, PD](wv, p.unsafe_offset(k * ldp))
         comptime for r in range(MR):
             var xb = SIMD[F32, W](x[unsafe_offset=r * ldx + k])
             comptime for v in range(NV):
                 comptime a = (r * NV + v) * W
-                acc.unsafe_store(a, xb.fma(wp.unsafe_load[width=W](v * W).cast[F32](), acc.unsafe_load[width=W](a)))
+                acc.unsafe_store(a, xb.fma(wv.unsafe_load[width=W](v * W), acc.unsafe_load[width=W](a)))
         k += 1
-    comptime for r in range(MR):
-        comptime for v in range(NV):
-            t.unsafe_store(r * ldt + v * W, acc.unsafe_load[width=W]((r * NV + v) * W))
+    store_sums[MR, NV, PD](t, ldt, acc)
 
 
 def pack_panel[MD: DType](packed: F32P, m: Pointer[Scalar[MD], MutUntrackedOrigin], panel: Int, N: Int, K: Int):

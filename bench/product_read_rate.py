@@ -1,0 +1,109 @@
+"""How fast the decode ops' one-row product reads its matrices: the op's register tile
+against a plain read of the same bytes, the bfloat16 widening before and after
+``load_weights``, and the PHA op's ways of sharing a phase between the workers
+(bench/product_read_rate.mojo, built against ``mojo/``).
+
+    python -m bench.product_read_rate [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
+
+A batch-1 decode step multiplies one row by every matrix, phase after phase, each phase
+ending when every worker is done with it. The driver runs such phases of 2 MiB of packed
+panels (K 256), cycling through a total of 12 MiB (about the bench PHA's bfloat16 matrices,
+12.7 MB) or 28 MiB (its float32 ones, 29.6 MB), in float32 and bfloat16. Modes:
+``stream`` (a plain read), ``tile`` (the op's tile, each worker a contiguous share),
+``per_unit`` (the tile, a panel per claim), ``claimed`` (the tile, runs of panels per claim
+as the PHA op claims at batch 1) and, for bfloat16, ``widen_each`` (each vector of weights
+widened alone, as before ``load_weights``). Each cell is the median of ``--rounds``
+interleaved rounds (every round runs every cell once, so the machine's drift falls on all
+of them alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from bench.common import command_line, machine_info, write_json
+from bench.decode_op_ab import ROOT, build, link_ops, value_after
+
+DRIVER = Path(__file__).with_name("product_read_rate.mojo")
+OUT = Path(__file__).with_name("results") / "product_read_rate.json"
+PHASE_MIB = 2
+TOTALS_MIB = (12, 28)
+PHASES = 1000
+DTYPES = ("float32", "bfloat16")
+MODES = ("stream", "tile", "per_unit", "claimed", "widen_each")
+
+
+def modes_for(dtype: str) -> tuple[str, ...]:
+    return MODES if dtype == "bfloat16" else tuple(m for m in MODES if m != "widen_each")
+
+
+def parse_run(output: str) -> float:
+    """The GB/s a run of the driver printed."""
+    return value_after(output, "mode", "gbps")
+
+
+def run_cell(binary: Path, mode: str, dtype: str, total_mib: int, workers: int) -> float:
+    done = subprocess.run([str(binary), mode, dtype, str(PHASE_MIB), str(total_mib), str(workers), str(PHASES)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"product_read_rate: the driver failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return parse_run(done.stdout)
+
+
+def summarize(cells: dict[str, list[float]]) -> dict:
+    """Each mode's median GB/s, and the ratios that say what sets the rate: the tile
+    against a plain read, claims in runs against a claim per panel, and (bfloat16) the
+    pairwise widening against widening each vector alone."""
+    med = {mode: statistics.median(values) for mode, values in cells.items()}
+    out = {f"{mode}_gbps": round(v, 2) for mode, v in med.items()}
+    out["tile_over_stream"] = round(med["tile"] / med["stream"], 3)
+    out["claimed_over_per_unit"] = round(med["claimed"] / med["per_unit"], 3)
+    if "widen_each" in med:
+        out["tile_over_widen_each"] = round(med["tile"] / med["widen_each"], 3)
+    out["rounds_gbps"] = {mode: [round(v, 2) for v in values] for mode, values in cells.items()}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.workers < 1:
+        p.error("--rounds and --workers must be positive")
+    keys = [(dtype, total) for dtype in DTYPES for total in TOTALS_MIB]
+    cells = {key: {mode: [] for mode in modes_for(key[0])} for key in keys}
+    with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
+        binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_read_rate", args.cpu_target, DRIVER)
+        for _ in range(args.rounds):
+            for dtype, total in keys:
+                for mode in modes_for(dtype):
+                    cells[(dtype, total)][mode].append(run_cell(binary, mode, dtype, total, args.workers))
+    rows = []
+    for dtype, total in keys:
+        row = {"dtype": dtype, "total_mib": total, **summarize(cells[(dtype, total)])}
+        rows.append(row)
+        line = ", ".join(f"{mode} {row[f'{mode}_gbps']}" for mode in modes_for(dtype))
+        print(f"{dtype:8s} {total:3d} MiB: {line} GB/s; tile / stream {row['tile_over_stream']}, "
+              f"claimed / per_unit {row['claimed_over_per_unit']}"
+              + (f", tile / widen_each {row['tile_over_widen_each']}" if "tile_over_widen_each" in row else ""))
+    write_json(args.out, {
+        "what": "the decode ops' one-row product tile (bench/product_read_rate.mojo) against a plain read of "
+                "the same panels, the bfloat16 widening before and after load_weights, and a claim per panel "
+                "against claims in runs; phases of 2 MiB, medians of interleaved rounds",
+        "panel_rows": 256, "phase_mib": PHASE_MIB, "phases_per_run": PHASES, "workers": args.workers,
+        "rounds": args.rounds, "cpu_target": args.cpu_target or "host", "command": command_line(),
+        "machine": machine_info(), "rows": rows})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""bench/product_read_rate.py: its parsing and summary, and that the driver imports what
+the decode ops define (building and timing it is the benchmark: not here)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import product_read_rate as prr
+from tests.support.paths import REPO_ROOT
+
+
+def test_parse_run_reads_the_drivers_line():
+    out = "mode tile dtype bfloat16 phase_mib 2 total_mib 12 workers 2 bytes 2097152000 best_s 0.0135 gbps 155.3\n"
+    assert prr.parse_run(out) == 155.3
+    with pytest.raises(ValueError, match="no 'mode ... gbps' line"):
+        prr.parse_run("Illegal instruction\n")
+
+
+def test_widen_each_is_a_bfloat16_mode_only():
+    assert "widen_each" in prr.modes_for("bfloat16")
+    assert "widen_each" not in prr.modes_for("float32")
+
+
+def test_summary_takes_medians_and_the_ratios_that_locate_the_limit():
+    cells = {"stream": [100.0, 90.0, 110.0], "tile": [80.0, 90.0, 85.0], "per_unit": [60.0, 50.0, 70.0],
+             "claimed": [90.0, 90.0, 90.0], "widen_each": [45.0, 40.0, 50.0]}
+    s = prr.summarize(cells)
+    assert s["stream_gbps"] == 100.0 and s["tile_gbps"] == 85.0 and s["per_unit_gbps"] == 60.0
+    assert s["tile_over_stream"] == 0.85
+    assert s["claimed_over_per_unit"] == 1.5
+    assert s["tile_over_widen_each"] == 1.889
+    assert s["rounds_gbps"]["per_unit"] == [60.0, 50.0, 70.0]
+    no_bf16 = prr.summarize({m: cells[m] for m in prr.modes_for("float32")})
+    assert "tile_over_widen_each" not in no_bf16
+
+
+def test_the_driver_imports_names_the_ops_define():
+    driver = prr.DRIVER.read_text()
+    for module in ("decode_step", "pha_decode_step"):
+        imported = re.search(rf"from ops\.{module} import (.+)", driver).group(1)
+        source = (REPO_ROOT / "mojo" / f"{module}.mojo").read_text()
+        for name in (n.strip() for n in imported.split(",")):
+            assert re.search(rf"^(def|comptime) {name}\b", source, re.M), f"{name} is not defined in {module}.mojo"
