@@ -128,7 +128,9 @@ def _run[WD: DType](mode: String, phase_mib: Int, total_mib: Int, workers: Int, 
             counts[i] = 0
         var t0 = perf_counter_ns()
 
-        def work(w: Int) {var mode, var base, var per_phase, var slices, var workers, var phases, var cp, var tp, var x}:
+        def work(w: Int) {
+            var mode, var base, var per_phase, var slices, var workers, var phases, var cp, var tp, var x
+        }:
             for ph in range(phases):
                 var slice = base.unsafe_offset((ph % slices) * per_phase * K * PANEL)
                 _phase[WD](mode, slice, per_phase, w, workers, cp.unsafe_offset(ph * STRIDE),

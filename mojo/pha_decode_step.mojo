@@ -893,8 +893,9 @@ def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut sc
     is one panel read once, in a fraction of a microsecond, and a claim per unit made
     the counter's cache line travel between the cores for each and gave the workers
     alternate panels, which breaks the streams the prefetchers follow
-    (bench/product_read_rate.py). Larger units are claimed one at a time: claimed in
-    runs, the products at 16 rows ran slower (bench/pha_phase_times.py)."""
+    (bench/product_read_rate.py). Larger units (a panel times up to 48 rows, computing
+    more than reading) are claimed one at a time: a claim is small beside them, and
+    runs were no faster at 16 rows (bench/pha_phase_times.py, run A/B)."""
     var n = _units(a, kind, l)
     var share = 0
     comptime if kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD:

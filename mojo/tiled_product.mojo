@@ -44,9 +44,9 @@ def load_weights[NVT: Int, WD: DType](wv: F32P, wp: Pointer[Scalar[WD], MutUntra
     upper half of a float32's bits, so a word of two columns widens by a shift (the
     even column, in its lower half) and a mask (the odd one): two cheap instructions per
     two vectors, where widening each vector alone takes a cross-lane shuffle and a
-    shift: more than a tile of one batch row has time for while its panel streams in
-    (bench/tile_read_rate.py). The pair's vectors hold the even and the odd columns of 2 W; ``store_sums``
-    puts their sums back in order."""
+    shift, more than a tile of one batch row has time for while its panel streams in
+    from the cache (bench/product_read_rate.py). The pair's vectors hold the even and
+    the odd columns of 2 W; ``store_sums`` puts their sums back in order."""
     comptime PAIRS = _pairs[NVT, WD]()
     comptime for j in range(PAIRS):
         var words = Pointer[UInt32, MutUntrackedOrigin](unsafe_from_address=Int(wp.unsafe_offset(2 * j * W)))
