@@ -13,7 +13,8 @@ best of 3 runs is reported. MODE:
 
 - ``stream``: the phase's bytes summed, each worker a contiguous share, nothing else;
 - ``tile``: the op's tile over each panel, each worker a contiguous share;
-- ``per_unit``: the op's tile, the workers claiming one panel at a time from a counter;
+- ``per_unit``: the op's tile, the workers claiming one panel at a time from a counter
+  (``_claim`` without a share, as the op claims larger units);
 - ``claimed``: the op's tile, the workers claiming runs of panels as the PHA op does
   (mojo/pha_decode_step.mojo ``_claim``);
 - ``widen_each`` (bfloat16): a one-row tile that widens each vector of weights alone
@@ -83,17 +84,11 @@ def _phase[WD: DType](mode: String, base: Pointer[Scalar[WD], MutUntrackedOrigin
     var done = counter.unsafe_offset(8)
     var step = K * PANEL
     if mode == "per_unit" or mode == "claimed":
+        var share = workers * CLAIM_SHARE if mode == "claimed" else 0  # 0: a panel per claim
         while True:
-            var first: Int
-            var end: Int
-            if mode == "claimed":
-                first, end = _claim(counter, panels, workers * CLAIM_SHARE)
-            else:
-                first = Int(Atomic[Int64].fetch_add(counter, 1))
-                end = first + 1
+            var first, end = _claim(counter, panels, share)
             if first >= panels:
                 break
-            end = min(end, panels)
             for q in range(first, end):
                 _panel[WD](mode, t, x, base.unsafe_offset(q * step))
             _ = Atomic[Int64].fetch_add(done, Int64(end - first))
