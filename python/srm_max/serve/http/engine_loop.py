@@ -213,11 +213,13 @@ class EngineLoop:
 
     def _fail_request(self, r: ServedRequest, message: str) -> None:
         """End one request with an error: its samples leave their slots and the queue at the
-        next turn (as a client's that went away) and send nothing more."""
-        r.cancelled = True
+        next turn (as a client's that went away) and send nothing more. A request ends once:
+        one that already ended (an earlier error, or its client gone) is sent no error."""
         for s in r.samples:
             self._finish(s, ERROR if s.reason is None else s.reason)
-        r.sink([Delta(-1, message, [], ERROR)])
+        if not r.cancelled:
+            r.cancelled = True
+            r.sink([Delta(-1, message, [], ERROR)])
 
     def _drop_cancelled_waiting(self) -> None:
         """Samples of requests whose client went away leave the queue at once (under _cv)."""
@@ -249,10 +251,9 @@ class EngineLoop:
             try:
                 delta = s.delta(self.generator.decode, self._scoring)
             except Exception as e:  # noqa: BLE001  (one request's answer, not the server)
-                if not r.cancelled:  # a request ends once, whichever of its samples fails first
-                    log.exception("delivery failed")
-                    self._fail_request(r, f"internal error: {type(e).__name__}: {e}")
-                    ended.append(r)
+                log.exception("delivery failed")
+                self._fail_request(r, f"internal error: {type(e).__name__}: {e}")
+                ended.append(r)
                 continue
             if s.reason is not None:
                 self._finish(s, s.reason)
