@@ -84,6 +84,8 @@ def main() raises:
         _i64(positions), _i64(tokens), STEPS, 0,
         # the draw's parameters, unread by a greedy call
         x, _i64(clamped), x, U64P(unsafe_from_address=Int(clamped.unsafe_ptr())), False,
+        # no log-probabilities: their outputs are unwritten
+        False, x, 0, x, _i64(clamped),
     )
     var times = List[Int]()
     for _ in range(calls):
