@@ -16,7 +16,7 @@ best of 3 runs is reported. MODE:
 - ``per_unit``: the op's tile, the workers claiming one panel at a time from a counter
   (``_claim`` without a share, as the op claims larger units);
 - ``claimed``: the op's tile, the workers claiming runs of panels as the PHA op does
-  (mojo/pha_decode_step.mojo ``_claim``);
+  (mojo/decode_step.mojo ``_claim``);
 - ``widen_each`` (bfloat16): a one-row tile that widens each vector of weights alone
   (a cross-lane shuffle and a shift per vector), each worker a contiguous share: the
   widening the ops used before ``load_weights`` widened two vectors from one load.
@@ -30,7 +30,7 @@ from std.time import perf_counter_ns
 from max.algorithm import sync_parallelize
 
 from ops.decode_step import NV1, PANEL, _tile_here
-from ops.pha_decode_step import CLAIM_SHARE, F32P, I64P, W, _claim
+from ops.decode_step import CLAIM_SHARE, F32P, I64P, W, _claim
 
 comptime K = 256  # rows of a panel: the bench models' width
 comptime BF16 = DType.bfloat16

@@ -118,6 +118,7 @@ comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
 comptime MAX_WORKERS = 8
 comptime STRIDE = 16  # int64 slots between phase counters (separate cache lines)
 comptime STEPS_PER_FORK = 64  # steps per fork-join: bounds the counters' memory
+comptime CLAIM_SHARE = 1  # a claim in runs takes 1 / (workers * CLAIM_SHARE) of the units left
 
 # phases of a layer, then the logits
 comptime LN_C = 0
@@ -558,25 +559,56 @@ def _units[kind: Int](a: Step) -> Int:
         return _panels(_width[kind](a)) * _chunks(a.B)
 
 
+@always_inline
+def _claim(counter: I64P, n: Int, share: Int) -> Tuple[Int, Int]:
+    """The next run of consecutive units [first, end) of n for this worker (first >= n:
+    none left): one unit, or with ``share`` > 0 1 / share of the units left (guided
+    self-scheduling; the runs shrink to one unit towards the end, so the workers still
+    finish together)."""
+    if share == 0:
+        var first = Int(Atomic[Int64].fetch_add(counter, 1))
+        return (first, first + 1)
+    var seen = Int(Atomic[Int64].load(counter))  # may be stale: it only sizes the run
+    var run = max(1, (n - seen) // share)
+    var first = Int(Atomic[Int64].fetch_add(counter, Int64(run)))
+    return (first, min(n, first + run))
+
+
+def _claim_share(rows: Int, workers: Int) -> Int:
+    """How a product phase with ``rows`` batch rows is claimed (``_claim``'s share). With
+    fewer rows than a register tile a unit is one panel read once, in a fraction of a
+    microsecond, and a claim per unit made the counter's cache line travel between the
+    cores for each and gave the workers alternate panels, which breaks the streams the
+    prefetchers follow (bench/product_read_rate.py): such phases are claimed in runs.
+    Larger units (a panel times several tiles of rows, computing more than reading) are
+    claimed one at a time, which keeps the next-panel prefetch's guess of a worker's
+    next unit right."""
+    return workers * CLAIM_SHARE if rows < MR else 0
+
+
 def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P, mut scratch: RowScratch):
     """Claim and run units of one phase until none is left, then wait for the
     units other workers claimed (counter: claimed; counter + 8: done). ``scratch``: the
     worker's for drawing tokens."""
     var n = _units[kind](a)
+    var share = 0
+    comptime if kind == FC1 or kind == FC2 or kind == PROJ or kind == OUT or kind == HEAD:
+        share = _claim_share(a.B, a.workers)
     var done = counter.unsafe_offset(8)
     while True:
-        var u = Int(Atomic[Int64].fetch_add(counter, 1))
-        if u >= n:
+        var first, end = _claim(counter, n, share)
+        if first >= n:
             break
-        comptime if kind == LN_C or kind == LN_T:
-            _norm_unit[kind, WD](a, l, u)
-        elif kind == ARGMAX:
-            _argmax_unit[WD](a, u)
-        elif kind == DRAW:
-            _draw_unit[WD](a, u, scratch)
-        else:
-            _product_unit[kind, WD](a, l, u)
-        _ = Atomic[Int64].fetch_add(done, 1)
+        for u in range(first, end):
+            comptime if kind == LN_C or kind == LN_T:
+                _norm_unit[kind, WD](a, l, u)
+            elif kind == ARGMAX:
+                _argmax_unit[WD](a, u)
+            elif kind == DRAW:
+                _draw_unit[WD](a, u, scratch)
+            else:
+                _product_unit[kind, WD](a, l, u)
+        _ = Atomic[Int64].fetch_add(done, Int64(end - first))
     while Int(Atomic[Int64].load(done)) < n:
         pass
 

@@ -67,7 +67,8 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    MR, NV, NV1, PANEL, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded, _layer_norm, _rnd,
+    MR, NV, NV1, PANEL, _claim, _claim_share, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded,
+    _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -161,7 +162,6 @@ comptime ROWS_PER_SLICE = 64  # the fewest cached rows worth a slice of their ow
 comptime BLOCK = 32  # cached rows per block of the online softmax
 comptime NEG: Float32 = -1.0e30  # below every logit (|logit| <= the logit scale's bound)
 comptime MAX_WORKERS = 8
-comptime CLAIM_SHARE = 1  # a claim takes 1 / (workers * CLAIM_SHARE) of the units left
 comptime STRIDE = 16
 comptime STEPS_PER_FORK = 64
 # bench/pha_phase_times.py turns this on in a copy of these sources: each call then
@@ -871,36 +871,16 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
             left -= n
 
 
-@always_inline
-def _claim(counter: I64P, n: Int, share: Int) -> Tuple[Int, Int]:
-    """The next run of consecutive units [first, end) of n for this worker (first >= n:
-    none left): one unit, or with ``share`` > 0 1 / share of the units left (guided
-    self-scheduling; the runs shrink to one unit towards the end, so the workers still
-    finish together)."""
-    if share == 0:
-        var first = Int(Atomic[Int64].fetch_add(counter, 1))
-        return (first, first + 1)
-    var seen = Int(Atomic[Int64].load(counter))  # may be stale: it only sizes the run
-    var run = max(1, (n - seen) // share)
-    var first = Int(Atomic[Int64].fetch_add(counter, Int64(run)))
-    return (first, min(n, first + run))
-
-
 def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch):
     """Claim and run units of one phase until none is left, then wait for the units
-    other workers claimed (counter: claimed; counter + 8: done). The units of a product
-    phase with fewer batch rows than a register tile are claimed in runs: such a unit
-    is one panel read once, in a fraction of a microsecond, and a claim per unit made
-    the counter's cache line travel between the cores for each and gave the workers
-    alternate panels, which breaks the streams the prefetchers follow
-    (bench/product_read_rate.py). Larger units (a panel times up to 48 rows, computing
-    more than reading) are claimed one at a time: a claim is small beside them, and
-    runs were no faster at 16 rows (bench/pha_phase_times.py, run A/B)."""
+    other workers claimed (counter: claimed; counter + 8: done). Product phases are
+    claimed as decode_step.mojo's ``_claim_share`` says: in runs with fewer batch rows
+    than a register tile, a unit at a time above (runs were no faster at 16 rows:
+    bench/pha_phase_times.py, run A/B)."""
     var n = _units(a, kind, l)
     var share = 0
     comptime if kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD:
-        if a.B < MR:
-            share = a.workers * CLAIM_SHARE
+        share = _claim_share(a.B, a.workers)
     var done = counter.unsafe_offset(8)
     while True:
         var first, end = _claim(counter, n, share)

@@ -80,4 +80,4 @@ def score_token(row: F32P, V: Int, token: Int, n: Int, logprob: F32P, top_values
     """logprob[0] = the raw log-probability of ``token`` in ``row``, and the top n (see the
     module doc)."""
     var m_lse = log_normalizer(row, V, n, top_values, top_ids)
-    logprob[0] = (row[unsafe_offset=token] - m_lse[0]) - m_lse[1]
+    logprob[unsafe_offset=0] = (row[unsafe_offset=token] - m_lse[0]) - m_lse[1]
