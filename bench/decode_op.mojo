@@ -1,8 +1,8 @@
 """The CPU decode op (mojo/decode_step.mojo) alone: greedy calls of 32 steps on
 bench/cpu_decode.py's model (d 256, 8 layers, 4 heads, n 1024, vocab 4096, ffn 1024),
-random weights, no MAX graph around it.
+random weights (float32, or bfloat16 matrices and embedding), no MAX graph around it.
 
-    decode_op BATCH CALLS [WORKERS]
+    decode_op BATCH CALLS [WORKERS [DTYPE]]
     -> batch BATCH median_tok_s ... best_tok_s ...
 
 Built by bench/decode_op_ab.py against two versions of mojo/ (imported as the package
@@ -43,13 +43,40 @@ def _i64(v: List[Int64]) -> I64P:
     return I64P(unsafe_from_address=Int(v.unsafe_ptr()))
 
 
+def _as[WD: DType](v: List[Float32]) -> List[Scalar[WD]]:
+    """v in the matrices' dtype (rounded to the nearest for bfloat16)."""
+    var out = List[Scalar[WD]](length=len(v), fill=0)
+    for i in range(len(v)):
+        out[i] = v[i].cast[WD]()
+    return out^
+
+
 def main() raises:
     var args = argv()
     if len(args) < 3:
-        raise Error("usage: decode_op BATCH CALLS [WORKERS]")
+        raise Error("usage: decode_op BATCH CALLS [WORKERS [DTYPE]]")
     var B = Int(args[1])
     var calls = Int(args[2])
     var workers = Int(args[3]) if len(args) > 3 else _workers()
+    var dtype = String(args[4]) if len(args) > 4 else String("float32")
+    var times: List[Int]
+    if dtype == "float32":
+        times = _timed_calls[DType.float32](B, calls, workers)
+    elif dtype == "bfloat16":
+        times = _timed_calls[DType.bfloat16](B, calls, workers)
+    else:
+        raise Error("unknown dtype: " + dtype)
+    sort(times)
+    var tokens_per_call = Float64(B * STEPS)
+    print(
+        "batch", B,
+        "median_tok_s", tokens_per_call / (Float64(times[len(times) // 2]) / 1e9),
+        "best_tok_s", tokens_per_call / (Float64(times[0]) / 1e9),
+    )
+
+
+def _timed_calls[WD: DType](B: Int, calls: Int, workers: Int) -> List[Int]:
+    """The wall time in ns of each of ``calls`` greedy calls of STEPS steps."""
     comptime d = D
     comptime f = FFN
     comptime V = VOCAB
@@ -67,12 +94,12 @@ def main() raises:
     var w = _random(L * HEADS * CONTEXT, 1.0)
     var beta = _random(L * HEADS * CONTEXT, 0.1)
     var lam = _random(L * HEADS, 1.0)
-    var fc1 = _random(L * f * d, 0.1)
-    var fc2 = _random(L * d * f, 0.05)
-    var proj = _random(L * d * d, 0.1)
-    var out = _random(L * d * d, 0.1)
-    var head = _random(V * d, 0.1)
-    var embedding = _random(V * d, 1.0)
+    var fc1 = _as[WD](_random(L * f * d, 0.1))
+    var fc2 = _as[WD](_random(L * d * f, 0.05))
+    var proj = _as[WD](_random(L * d * d, 0.1))
+    var out = _as[WD](_random(L * d * d, 0.1))
+    var head = _as[WD](_random(V * d, 0.1))
+    var embedding = _as[WD](_random(V * d, 1.0))
     var step = Step(
         B, d, f, V, HEADS, d // HEADS, CONTEXT, L, 1e-5,
         x, x.unsafe_offset(B * d), x.unsafe_offset(2 * B * d), x.unsafe_offset(3 * B * d),
@@ -90,15 +117,8 @@ def main() raises:
     var times = List[Int]()
     for _ in range(calls):
         var t0 = perf_counter_ns()
-        _run[DType.float32, ARGMAX](step)
+        _run[WD, ARGMAX](step)
         times.append(Int(perf_counter_ns() - t0))
-    sort(times)
-    var tokens_per_call = Float64(B * STEPS)
-    print(
-        "batch", B,
-        "median_tok_s", tokens_per_call / (Float64(times[len(times) // 2]) / 1e9),
-        "best_tok_s", tokens_per_call / (Float64(times[0]) / 1e9),
-    )
     # the op reads these through raw addresses: keep them alive until it has run
     _ = scratch^
     _ = states_in^
@@ -118,3 +138,4 @@ def main() raises:
     _ = out^
     _ = head^
     _ = embedding^
+    return times^

@@ -2,10 +2,10 @@
 working tree's (B), in interleaved rounds.
 
     python -m bench.decode_op_ab [--base HEAD] [--cpu-target x86-64-v3] [--batches 1 16 64 256]
-                                 [--workers 2] [--rounds 8] [--calls 5] [--out PATH]
+                                 [--dtype float32] [--workers 2] [--rounds 8] [--calls 5] [--out PATH]
 
 Builds bench/decode_op.mojo (the op alone on bench/cpu_decode.py's model, greedy calls of 32
-steps) against ``mojo/`` at ``--base`` and against the working tree's ``mojo/``, for this
+steps, float32 or bfloat16 matrices) against ``mojo/`` at ``--base`` and against the working tree's ``mojo/``, for this
 host's CPU or for ``--cpu-target`` (an LLVM CPU name: ``x86-64-v3`` builds the AVX2 code on
 an AVX-512 host). Then, per batch, ``--rounds`` rounds of one run of each binary (the order
 alternating), each run the median tokens/s of ``--calls`` calls. A round's ratio B/A compares
@@ -48,6 +48,12 @@ def export_ops(revision: str, into: Path) -> Path:
     return into
 
 
+def commit_of(revision: str) -> str:
+    """The commit a revision names (the JSON keeps it: HEAD moves on)."""
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", revision], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def link_ops(source: Path, into: Path) -> Path:
     """The working tree's ``mojo/`` as the package directory ``into/ops``."""
     into.mkdir(parents=True, exist_ok=True)
@@ -84,8 +90,8 @@ def parse_run(output: str) -> float:
     return value_after(output, "batch", "median_tok_s")
 
 
-def run_binary(binary: Path, batch: int, calls: int, workers: int) -> float:
-    done = subprocess.run([str(binary), str(batch), str(calls), str(workers)], capture_output=True, text=True)
+def run_binary(binary: Path, batch: int, calls: int, workers: int, dtype: str = "float32") -> float:
+    done = subprocess.run([str(binary), str(batch), str(calls), str(workers), dtype], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"decode_op_ab: {binary.name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return parse_run(done.stdout)
@@ -112,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--base", default="HEAD", help="git revision of A's mojo/ (default HEAD)")
     p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the matrices' dtype")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=5, help="calls per run; a run reports their median")
@@ -129,11 +136,11 @@ def main(argv=None) -> int:
             rounds = []
             for i in range(args.rounds):
                 if i % 2 == 0:
-                    ta = run_binary(a, batch, args.calls, args.workers)
-                    tb = run_binary(b, batch, args.calls, args.workers)
+                    ta = run_binary(a, batch, args.calls, args.workers, args.dtype)
+                    tb = run_binary(b, batch, args.calls, args.workers, args.dtype)
                 else:
-                    tb = run_binary(b, batch, args.calls, args.workers)
-                    ta = run_binary(a, batch, args.calls, args.workers)
+                    tb = run_binary(b, batch, args.calls, args.workers, args.dtype)
+                    ta = run_binary(a, batch, args.calls, args.workers, args.dtype)
                 rounds.append((ta, tb))
             row = {"batch": batch, **summarize(rounds), "pairs_tok_s": rounds}
             rows.append(row)
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
         write_json(args.out, {
             "what": "the CPU decode op alone (bench/decode_op.mojo): mojo/ at a revision (A) against the "
                     "working tree (B), interleaved rounds",
-            "base": args.base, "cpu_target": args.cpu_target or "host", "workers": args.workers,
+            "base": args.base, "base_commit": commit_of(args.base), "dtype": args.dtype,
+            "cpu_target": args.cpu_target or "host", "workers": args.workers,
             "calls_per_run": args.calls, "command": command_line(), "machine": machine_info(), "rows": rows,
         })
         print(f"wrote {args.out}")

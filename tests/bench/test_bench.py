@@ -243,21 +243,18 @@ def test_decode_op_ab_parses_runs_and_summarizes_rounds():
     assert (s["a_median_tok_s"], s["b_median_tok_s"]) == (100.0, 110.0)
 
 
-def test_decode_op_ab_exports_the_op_package_and_the_driver_imports_exist(tmp_path):
-    """The A side is mojo/ at a revision, as a package the driver imports by the name it uses;
-    the names the driver imports exist in the op (a rename fails here, not after a build)."""
-    import re
+def test_decode_op_ab_exports_the_op_package_at_a_revision(tmp_path):
+    """The A side is mojo/ at a revision, as a package the driver imports by the name it uses
+    (that the driver builds against it: test_bench_drivers.py); the JSON names the commit."""
+    import subprocess
 
     from bench import decode_op_ab
 
     package = decode_op_ab.export_ops("HEAD", tmp_path) / decode_op_ab.PACKAGE
     assert (package / "__init__.mojo").is_file() and (package / "decode_step.mojo").is_file()
-    driver = decode_op_ab.DRIVER.read_text()
-    imported = re.search(rf"from {decode_op_ab.PACKAGE}\.decode_step import (.+)", driver)
-    assert imported, "the driver no longer imports the op's package by its name"
-    op = (ROOT / "mojo" / "decode_step.mojo").read_text()
-    for name in (n.strip() for n in imported.group(1).split(",")):
-        assert re.search(rf"^(comptime|def|struct) {name}\b", op, re.M), f"decode_step.mojo has no {name}"
+    assert f"from {decode_op_ab.PACKAGE}.decode_step import" in decode_op_ab.DRIVER.read_text()
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert decode_op_ab.commit_of("HEAD") == head and len(head) == 40
     with pytest.raises(SystemExit, match="cannot read mojo/"):
         decode_op_ab.export_ops("no-such-revision", tmp_path / "x")
 
