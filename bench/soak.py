@@ -46,14 +46,14 @@ class CheckedEngine:
         if not np.isfinite(self._engine.host(buffer)).all():
             self.nonfinite.append(f"{what} after decode call {self.decode_calls}")
 
-    def prefill(self, prompts, sampling=None):
-        result = self._engine.prefill(prompts, sampling)
+    def prefill(self, prompts, sampling=None, **options):
+        result = self._engine.prefill(prompts, sampling, **options)
         self._check("prefill logits", result.logits)
         self._check("prefill states", result.states)
         return result
 
-    def decode(self, ids, positions, states, sampling, steps=1):
-        result = self._engine.decode(ids, positions, states, sampling, steps)
+    def decode(self, ids, positions, states, sampling, steps=1, **options):
+        result = self._engine.decode(ids, positions, states, sampling, steps, **options)
         self.decode_calls += 1
         if self.decode_calls % self._check_every == 0:
             self._check("decode states", result.states)

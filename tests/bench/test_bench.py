@@ -309,3 +309,33 @@ def test_the_benchmarks_srm_engines_hold_every_weight_their_graphs_bind():
         for kind in ("prefill", *engine.graph_kinds()):
             missing = engine.graph_job(kind).weights() - set(engine.weights)
             assert not missing, f"{type(engine).__name__} {kind}: {sorted(missing)}"
+
+
+def test_soak_checks_the_engine_without_changing_its_calls():
+    """bench/soak.py's wrapper passes the scheduler's options (donated states, log-probabilities)
+    through to the engine, and counts a non-finite state."""
+    import types
+
+    import numpy as np
+
+    from bench.soak import CheckedEngine
+
+    calls = []
+
+    class Engine:
+        def host(self, buffer):
+            return buffer
+
+        def prefill(self, prompts, sampling=None, **options):
+            calls.append(("prefill", options))
+            return types.SimpleNamespace(logits=np.zeros(2), states=np.zeros(2))
+
+        def decode(self, ids, positions, states, sampling, steps=1, **options):
+            calls.append(("decode", steps, options))
+            return types.SimpleNamespace(states=np.array([np.nan]))
+
+    checked = CheckedEngine(Engine(), check_every=1)
+    checked.prefill([[1]], None, logprobs=2)
+    checked.decode([1], [0], None, None, 4, donate_states=True, logprobs=None)
+    assert calls == [("prefill", {"logprobs": 2}), ("decode", 4, {"donate_states": True, "logprobs": None})]
+    assert checked.nonfinite == ["decode states after decode call 1"]
