@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=256, help="rows of each kind")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS / "row_sampler.json")
     args = ap.parse_args(argv)
     from max.driver import Buffer
 
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
             results.append({"rows": kind, "case": name, "us_per_row": round(us, 2)})
             table.append([kind, name, f"{us:.1f}"])
     print(markdown_table(["rows", "case", "us per row"], table))
-    out = write_json(RESULTS / "row_sampler.json", {
+    out = write_json(args.out, {
         "command": command_line(), "machine": machine_info(), "cpu_target": current(), "vocab_size": V,
         "rows_per_kind": args.rows, "repeats": args.repeats,
         "cases": {k: {"temperature": v[0], "top_k": v[1], "top_p": v[2]} for k, v in CASES.items()},

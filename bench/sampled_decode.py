@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--no-loop", action="store_true", help="leave out the decode graph's loop")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default bench/results/sampled_decode.json (_bf16.json with --dtype bfloat16)")
     args = ap.parse_args(argv)
 
     from srm_max.models.srm.engine import Engine
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
             table.append([B, name, f"{tps:,.0f}", f"{best_ratio:.2f}x", f"{round_ratio:.2f}x"])
     print(markdown_table(["batch", "row", "tokens/s (best)", "over greedy (best of each)",
                           "over greedy (median of rounds)"], table))
-    out = RESULTS / ("sampled_decode.json" if args.dtype == "float32" else "sampled_decode_bf16.json")
+    out = args.out or RESULTS / ("sampled_decode.json" if args.dtype == "float32" else "sampled_decode_bf16.json")
     write_json(out, {
         "command": command_line(), "machine": machine_info(), "cpu_target": current(),
         "model": {"d_model": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads,
