@@ -99,19 +99,25 @@ comptime NV1 = PANEL // W
 
 
 @always_inline
-def _tile_vectors(rows: Int) -> Int:
-    """Vectors of columns per register tile in a unit of ``rows`` batch rows on AVX2: the
-    whole panel for 1-2 rows, 4 vectors for 3-4 rows, NV beyond; NV elsewhere. Wider
-    sub-panels read more of each cache line of the panel per pass, which at these row
-    counts outweighs the accumulators that no longer fit in the 16 registers (the
-    fastest choice in bench/cpu_decode.py at batch 2 and 4)."""
+def _tile_vectors[WD: DType](rows: Int) -> Int:
+    """Vectors of columns per register tile in a unit of ``rows`` batch rows on AVX2 (NV
+    elsewhere). float32: the whole panel for 1-2 rows, 4 vectors for 3-4 rows, NV beyond:
+    wider sub-panels read more of each cache line of the panel per pass, which at these
+    row counts outweighs the accumulators that no longer fit in the 16 registers (the
+    fastest choice in bench/cpu_decode.py at batch 2 and 4). bfloat16 panels are half the
+    bytes, and there spilled accumulators bound the tile: the whole panel for 1 row, then
+    tiles whose accumulators fit, 4 vectors for 2 rows and NV beyond (bench/decode_op_ab.py
+    --dtype bfloat16)."""
     comptime if W != 8:
         return NV
-    if rows <= 2:
+    comptime half = WD == DType.bfloat16
+    if rows <= (1 if half else 2):
         return NV1
-    if rows <= 4:
+    if rows <= (2 if half else 4):
         return 4
     return NV
+
+
 comptime KU = 4  # k unrolled
 comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
 comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
@@ -372,7 +378,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     var next_panel = p.unsafe_offset((next_q - q) * PANEL * K)
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
-    var nv_max = _tile_vectors(unit_rows) if unit_rows <= MR else NV
+    var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
     var c0 = 0
     while c0 < width:  # sub-panels of up to nv_max vectors
         var nv = min(nv_max, (width - c0) // W)

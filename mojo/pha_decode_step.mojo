@@ -290,7 +290,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
     var p = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=Int(seg[unsafe_offset=S_MAT])).unsafe_offset(q * PANEL * K)
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
-    var nv_max = _tile_vectors(unit_rows) if unit_rows <= MR else NV
+    var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
     var c0 = 0
     while c0 < width:
         var nv = min(nv_max, (width - c0) // W)
