@@ -2,13 +2,13 @@
 (mojo/decode_step.mojo ``_tile_here``, as a batch-1 unit runs it: one row, a whole panel)
 against a plain read of the same bytes, and the ways the PHA op's workers share a phase.
 
-    product_read_rate MODE DTYPE PHASE_MIB TOTAL_MIB WORKERS PHASES
-    -> mode MODE dtype DTYPE phase_mib P total_mib T workers W bytes B best_s S gbps G
+    product_read_rate MODE DTYPE PHASE_KIB TOTAL_KIB WORKERS PHASES
+    -> mode MODE dtype DTYPE phase_kib P total_kib T workers W bytes B best_s S gbps G
 
 Like a batch-1 decode step, a run is PHASES phases one after the other, each multiplying
-one row by PHASE_MIB of packed panels (K = 256 rows of 64 columns each, float32 or
+one row by PHASE_KIB of packed panels (K = 256 rows of 64 columns each, float32 or
 bfloat16) and ending when every worker is done with it; phase i reads the i-th slice of
-TOTAL_MIB of distinct panels, cyclically (a total the last-level cache holds, or not). The
+TOTAL_KIB of distinct panels, cyclically (a total the last-level cache holds, or not). The
 best of 3 runs is reported. MODE:
 
 - ``stream``: the phase's bytes summed, each worker a contiguous share, nothing else;
@@ -105,10 +105,10 @@ def _phase[WD: DType](mode: String, base: Pointer[Scalar[WD], MutUntrackedOrigin
         pass
 
 
-def _run[WD: DType](mode: String, phase_mib: Int, total_mib: Int, workers: Int, phases: Int) raises -> Float64:
+def _run[WD: DType](mode: String, phase_kib: Int, total_kib: Int, workers: Int, phases: Int) raises -> Float64:
     var panel_bytes = K * PANEL * size_of[WD]()
-    var per_phase = phase_mib * 1024 * 1024 // panel_bytes
-    var slices = max(1, total_mib // phase_mib)
+    var per_phase = max(1, phase_kib * 1024 // panel_bytes)
+    var slices = max(1, total_kib // phase_kib)
     var m = List[Scalar[WD]](length=slices * per_phase * K * PANEL, fill=Scalar[WD](0.01))
     var base = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=Int(m.unsafe_ptr()))
     var xs = List[Float32](length=K, fill=0.5)
@@ -143,11 +143,11 @@ def _run[WD: DType](mode: String, phase_mib: Int, total_mib: Int, workers: Int, 
 def main() raises:
     var args = argv()
     if len(args) != 7:
-        raise Error("usage: product_read_rate MODE DTYPE PHASE_MIB TOTAL_MIB WORKERS PHASES")
+        raise Error("usage: product_read_rate MODE DTYPE PHASE_KIB TOTAL_KIB WORKERS PHASES")
     var mode = String(args[1])
     var dtype = String(args[2])
-    var phase_mib = Int(args[3])
-    var total_mib = Int(args[4])
+    var phase_kib = Int(args[3])
+    var total_kib = Int(args[4])
     var workers = Int(args[5])
     var phases = Int(args[6])
     if mode != "stream" and mode != "tile" and mode != "per_unit" and mode != "claimed" and mode != "widen_each":
@@ -157,14 +157,14 @@ def main() raises:
     var seconds: Float64
     var size: Int
     if dtype == "float32":
-        seconds = _run[DType.float32](mode, phase_mib, total_mib, workers, phases)
+        seconds = _run[DType.float32](mode, phase_kib, total_kib, workers, phases)
         size = 4
     elif dtype == "bfloat16":
-        seconds = _run[BF16](mode, phase_mib, total_mib, workers, phases)
+        seconds = _run[BF16](mode, phase_kib, total_kib, workers, phases)
         size = 2
     else:
         raise Error("unknown dtype: " + dtype)
-    var per_phase = phase_mib * 1024 * 1024 // (K * PANEL * size)
+    var per_phase = max(1, phase_kib * 1024 // (K * PANEL * size))
     var total = Float64(phases * per_phase * K * PANEL * size)
-    print("mode", mode, "dtype", dtype, "phase_mib", phase_mib, "total_mib", total_mib, "workers", workers,
+    print("mode", mode, "dtype", dtype, "phase_kib", phase_kib, "total_kib", total_kib, "workers", workers,
           "bytes", Int(total), "best_s", seconds, "gbps", total / seconds / 1.0e9)

@@ -3,7 +3,7 @@ against a plain read of the same bytes, the bfloat16 widening before and after
 ``load_weights``, and the PHA op's ways of sharing a phase between the workers
 (bench/product_read_rate.mojo, built against ``mojo/``).
 
-    python -m bench.product_read_rate [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
+    python -m bench.product_read_rate [--rounds 5] [--cpu-target x86-64-v3] [--sweep] [--out PATH]
 
 A batch-1 decode step multiplies one row by every matrix, phase after phase, each phase
 ending when every worker is done with it. The driver runs such phases of 2 MiB of packed
@@ -15,6 +15,12 @@ as the PHA op claims at batch 1) and, for bfloat16, ``widen_each`` (each vector 
 widened alone, as before ``load_weights``). Each cell is the median of ``--rounds``
 interleaved rounds (every round runs every cell once, so the machine's drift falls on all
 of them alike).
+
+``--sweep`` asks what else sets a batch-1 step's product rate, with bfloat16 panels read as
+the op reads them at batch 1 (``claimed``) beside the plain read: phases of 128 KiB to 2 MiB
+over 12 MiB (a step's product phases are 0.25-2 MiB: the fixed cost of a phase), and 1 MiB
+phases over 8 to 28 MiB (how much of the last-level cache a step's matrices and caches can
+count on). Written to product_read_rate_sweep.json by default.
 """
 
 from __future__ import annotations
@@ -31,9 +37,15 @@ from bench.decode_op_ab import ROOT, build, link_ops, value_after
 
 DRIVER = Path(__file__).with_name("product_read_rate.mojo")
 OUT = Path(__file__).with_name("results") / "product_read_rate.json"
-PHASE_MIB = 2
+SWEEP_OUT = Path(__file__).with_name("results") / "product_read_rate_sweep.json"
+PHASE_KIB = 2048
 TOTALS_MIB = (12, 28)
-PHASES = 1000
+PHASES = 1000  # per run with PHASE_KIB phases; smaller phases get more, for the same bytes
+SWEEP_PHASES_KIB = (128, 256, 512, 1024, 2048)  # over SWEEP_TOTAL_MIB
+SWEEP_TOTAL_MIB = 12
+SWEEP_TOTALS_MIB = (8, 12, 16, 20, 24, 28)  # with SWEEP_PHASE_KIB phases
+SWEEP_PHASE_KIB = 1024
+SWEEP_MODES = ("stream", "claimed")
 DTYPES = ("float32", "bfloat16")
 MODES = ("stream", "tile", "per_unit", "claimed", "widen_each")
 
@@ -47,8 +59,17 @@ def parse_run(output: str) -> float:
     return value_after(output, "mode", "gbps")
 
 
-def run_cell(binary: Path, mode: str, dtype: str, total_mib: int, workers: int) -> float:
-    done = subprocess.run([str(binary), mode, dtype, str(PHASE_MIB), str(total_mib), str(workers), str(PHASES)],
+def sweep_cells() -> list[tuple[int, int]]:
+    """The sweep's (phase KiB, total MiB) cells: the phase sizes over one total, then the
+    totals with one phase size (their shared cell once)."""
+    cells = [(kib, SWEEP_TOTAL_MIB) for kib in SWEEP_PHASES_KIB]
+    cells += [(SWEEP_PHASE_KIB, mib) for mib in SWEEP_TOTALS_MIB if (SWEEP_PHASE_KIB, mib) not in cells]
+    return cells
+
+
+def run_cell(binary: Path, mode: str, dtype: str, total_mib: int, workers: int, phase_kib: int = PHASE_KIB) -> float:
+    phases = PHASES * PHASE_KIB // phase_kib
+    done = subprocess.run([str(binary), mode, dtype, str(phase_kib), str(total_mib * 1024), str(workers), str(phases)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"product_read_rate: the driver failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
@@ -69,15 +90,52 @@ def summarize(cells: dict[str, list[float]]) -> dict:
     return out
 
 
+def summarize_sweep(cells: dict[str, list[float]]) -> dict:
+    """A sweep cell's medians and the op's share of the plain read."""
+    med = {mode: statistics.median(values) for mode, values in cells.items()}
+    return {**{f"{mode}_gbps": round(v, 2) for mode, v in med.items()},
+            "claimed_over_stream": round(med["claimed"] / med["stream"], 3),
+            "rounds_gbps": {mode: [round(v, 2) for v in values] for mode, values in cells.items()}}
+
+
+def sweep(binary: Path, rounds: int, workers: int) -> list[dict]:
+    cells = {cell: {mode: [] for mode in SWEEP_MODES} for cell in sweep_cells()}
+    for _ in range(rounds):
+        for (kib, mib), runs in cells.items():
+            for mode in SWEEP_MODES:
+                runs[mode].append(run_cell(binary, mode, "bfloat16", mib, workers, kib))
+    rows = []
+    for (kib, mib), runs in cells.items():
+        rows.append({"dtype": "bfloat16", "phase_kib": kib, "total_mib": mib, **summarize_sweep(runs)})
+        print(f"bfloat16 phases of {kib:4d} KiB over {mib:2d} MiB: plain read {rows[-1]['stream_gbps']}, "
+              f"the op's claimed tile {rows[-1]['claimed_gbps']} GB/s ({rows[-1]['claimed_over_stream']}x)")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--sweep", action="store_true", help="phase sizes and totals instead (see above)")
+    p.add_argument("--out", type=Path, default=None, help=f"default {OUT.name}, or {SWEEP_OUT.name} with --sweep")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.workers < 1:
         p.error("--rounds and --workers must be positive")
+    if args.sweep:
+        out = args.out or SWEEP_OUT
+        with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
+            binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_read_rate", args.cpu_target,
+                           DRIVER)
+            rows = sweep(binary, args.rounds, args.workers)
+        write_json(out, {
+            "what": "bfloat16 panels multiplied by one row as the op claims them at batch 1 (bench/product_read_rate."
+                    "mojo 'claimed') beside a plain read, over phase sizes and totals; medians of interleaved rounds",
+            "panel_rows": 256, "workers": args.workers, "rounds": args.rounds,
+            "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
+            "rows": rows})
+        print(f"wrote {out}")
+        return 0
     keys = [(dtype, total) for dtype in DTYPES for total in TOTALS_MIB]
     cells = {key: {mode: [] for mode in modes_for(key[0])} for key in keys}
     with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
@@ -94,14 +152,14 @@ def main(argv=None) -> int:
         print(f"{dtype:8s} {total:3d} MiB: {line} GB/s; tile / stream {row['tile_over_stream']}, "
               f"claimed / per_unit {row['claimed_over_per_unit']}"
               + (f", tile / widen_each {row['tile_over_widen_each']}" if "tile_over_widen_each" in row else ""))
-    write_json(args.out, {
+    write_json(args.out or OUT, {
         "what": "the decode ops' one-row product tile (bench/product_read_rate.mojo) against a plain read of "
                 "the same panels, the bfloat16 widening before and after load_weights, and a claim per panel "
                 "against claims in runs; phases of 2 MiB, medians of interleaved rounds",
-        "panel_rows": 256, "phase_mib": PHASE_MIB, "phases_per_run": PHASES, "workers": args.workers,
+        "panel_rows": 256, "phase_mib": PHASE_KIB // 1024, "phases_per_run": PHASES, "workers": args.workers,
         "rounds": args.rounds, "cpu_target": args.cpu_target or "host", "command": command_line(),
         "machine": machine_info(), "rows": rows})
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out or OUT}")
     return 0
 
 

@@ -9,7 +9,7 @@ from bench import product_read_rate as prr
 
 
 def test_parse_run_reads_the_drivers_line():
-    out = "mode tile dtype bfloat16 phase_mib 2 total_mib 12 workers 2 bytes 2097152000 best_s 0.0135 gbps 155.3\n"
+    out = "mode tile dtype bfloat16 phase_kib 2048 total_kib 12288 workers 2 bytes 2097152000 best_s 0.0135 gbps 155.3\n"
     assert prr.parse_run(out) == 155.3
     with pytest.raises(ValueError, match="no 'mode ... gbps' line"):
         prr.parse_run("Illegal instruction\n")
@@ -31,3 +31,16 @@ def test_summary_takes_medians_and_the_ratios_that_locate_the_limit():
     assert s["rounds_gbps"]["per_unit"] == [60.0, 50.0, 70.0]
     no_bf16 = prr.summarize({m: cells[m] for m in prr.modes_for("float32")})
     assert "tile_over_widen_each" not in no_bf16
+
+
+def test_the_sweep_varies_the_phase_size_then_the_total_each_cell_once():
+    cells = prr.sweep_cells()
+    assert len(cells) == len(set(cells))
+    assert [kib for kib, mib in cells if mib == prr.SWEEP_TOTAL_MIB] == list(prr.SWEEP_PHASES_KIB)
+    assert sorted(mib for kib, mib in cells if kib == prr.SWEEP_PHASE_KIB) == list(prr.SWEEP_TOTALS_MIB)
+
+
+def test_a_sweep_cell_is_the_medians_and_the_ops_share_of_the_plain_read():
+    s = prr.summarize_sweep({"stream": [200.0, 180.0, 190.0], "claimed": [95.0, 100.0, 80.0]})
+    assert s["stream_gbps"] == 190.0 and s["claimed_gbps"] == 95.0 and s["claimed_over_stream"] == 0.5
+    assert s["rounds_gbps"]["claimed"] == [95.0, 100.0, 80.0]
