@@ -122,28 +122,33 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.workers < 1:
         p.error("--rounds and --workers must be positive")
-    if args.sweep:
-        out = args.out or SWEEP_OUT
-        with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
-            binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_read_rate", args.cpu_target,
-                           DRIVER)
-            rows = sweep(binary, args.rounds, args.workers)
-        write_json(out, {
-            "what": "bfloat16 panels multiplied by one row as the op claims them at batch 1 (bench/product_read_rate."
-                    "mojo 'claimed') beside a plain read, over phase sizes and totals; medians of interleaved rounds",
-            "panel_rows": 256, "workers": args.workers, "rounds": args.rounds,
-            "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
-            "rows": rows})
-        print(f"wrote {out}")
-        return 0
-    keys = [(dtype, total) for dtype in DTYPES for total in TOTALS_MIB]
-    cells = {key: {mode: [] for mode in modes_for(key[0])} for key in keys}
     with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_read_rate", args.cpu_target, DRIVER)
-        for _ in range(args.rounds):
-            for dtype, total in keys:
-                for mode in modes_for(dtype):
-                    cells[(dtype, total)][mode].append(run_cell(binary, mode, dtype, total, args.workers))
+        rows = (sweep if args.sweep else measure)(binary, args.rounds, args.workers)
+    if args.sweep:
+        what = {"what": "bfloat16 panels multiplied by one row as the op claims them at batch 1 (the driver's "
+                        "'claimed') beside a plain read, over phase sizes and totals; medians of interleaved rounds"}
+    else:
+        what = {"what": "the decode ops' one-row product tile (bench/product_read_rate.mojo) against a plain read of "
+                        "the same panels, the bfloat16 widening before and after load_weights, and a claim per panel "
+                        "against claims in runs; phases of 2 MiB, medians of interleaved rounds",
+                "phase_mib": PHASE_KIB // 1024, "phases_per_run": PHASES}
+    out = args.out or (SWEEP_OUT if args.sweep else OUT)
+    write_json(out, {**what, "panel_rows": 256, "workers": args.workers, "rounds": args.rounds,
+                     "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
+                     "rows": rows})
+    print(f"wrote {out}")
+    return 0
+
+
+def measure(binary: Path, rounds: int, workers: int) -> list[dict]:
+    """Every mode of both dtypes over TOTALS_MIB, in phases of PHASE_KIB."""
+    keys = [(dtype, total) for dtype in DTYPES for total in TOTALS_MIB]
+    cells = {key: {mode: [] for mode in modes_for(key[0])} for key in keys}
+    for _ in range(rounds):
+        for dtype, total in keys:
+            for mode in modes_for(dtype):
+                cells[(dtype, total)][mode].append(run_cell(binary, mode, dtype, total, workers))
     rows = []
     for dtype, total in keys:
         row = {"dtype": dtype, "total_mib": total, **summarize(cells[(dtype, total)])}
@@ -152,15 +157,7 @@ def main(argv=None) -> int:
         print(f"{dtype:8s} {total:3d} MiB: {line} GB/s; tile / stream {row['tile_over_stream']}, "
               f"claimed / per_unit {row['claimed_over_per_unit']}"
               + (f", tile / widen_each {row['tile_over_widen_each']}" if "tile_over_widen_each" in row else ""))
-    write_json(args.out or OUT, {
-        "what": "the decode ops' one-row product tile (bench/product_read_rate.mojo) against a plain read of "
-                "the same panels, the bfloat16 widening before and after load_weights, and a claim per panel "
-                "against claims in runs; phases of 2 MiB, medians of interleaved rounds",
-        "panel_rows": 256, "phase_mib": PHASE_KIB // 1024, "phases_per_run": PHASES, "workers": args.workers,
-        "rounds": args.rounds, "cpu_target": args.cpu_target or "host", "command": command_line(),
-        "machine": machine_info(), "rows": rows})
-    print(f"wrote {args.out or OUT}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
