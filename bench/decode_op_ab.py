@@ -6,13 +6,13 @@ working tree's (B), in interleaved rounds.
 
 Builds bench/decode_op.mojo (the op alone on bench/cpu_decode.py's model, greedy calls of 32
 steps, float32 or bfloat16 matrices) against ``mojo/`` at ``--base`` and against the working
-tree's ``mojo/``, for this host's CPU or for ``--cpu-target`` (an LLVM CPU name:
-``x86-64-v3`` builds the AVX2 code on an AVX-512 host). Then, per batch, ``--rounds`` rounds of one run of each binary (the order
-alternating), each run the median tokens/s of ``--calls`` calls. A round's ratio B/A compares
-two runs a few seconds apart, so the machine's drift over minutes (tens of percent on a shared
-machine) largely cancels; the median of the rounds' ratios is the change's effect, and how many
-rounds B won says how consistent it is. Comparing two runs of bench/cpu_decode.py cannot show a
-change of a few percent on such a machine.
+tree's ``mojo/``, for this host's CPU or for ``--cpu-target`` (an LLVM CPU name: ``x86-64-v3``
+builds the AVX2 code on an AVX-512 host). Then, per batch, ``--rounds`` rounds of one run of
+each binary (the order alternating), each run the median tokens/s of ``--calls`` calls. A
+round's ratio B/A compares two runs a few seconds apart, so the machine's drift over minutes
+(tens of percent on a shared machine) largely cancels; the median of the rounds' ratios is the
+change's effect, and how many rounds B won says how consistent it is. Comparing two runs of
+bench/cpu_decode.py cannot show a change of a few percent on such a machine.
 
 Prints a line per batch; ``--out`` also writes the rounds as JSON.
 """
