@@ -85,16 +85,19 @@ def value_after(output: str, first: str, key: str) -> float:
     raise ValueError(f"no '{first} ... {key}' line in the driver's output: {output[-500:]!r}")
 
 
-def parse_run(output: str) -> float:
-    """The median tokens/s that a run of bench/decode_op.mojo printed."""
-    return value_after(output, "batch", "median_tok_s")
+def run_driver(binary: Path, args: list, first: str, key: str) -> float:
+    """Runs a built driver with ``args`` and returns the number after ``key`` on its line
+    that starts with ``first`` (``value_after``); a driver that fails ends the benchmark
+    with its exit status and its error output."""
+    done = subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{binary.name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return value_after(done.stdout, first, key)
 
 
 def run_binary(binary: Path, batch: int, calls: int, workers: int, dtype: str = "float32") -> float:
-    done = subprocess.run([str(binary), str(batch), str(calls), str(workers), dtype], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"decode_op_ab: {binary.name} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return parse_run(done.stdout)
+    """The median tokens/s of a run of bench/decode_op.mojo."""
+    return run_driver(binary, [batch, calls, workers, dtype], "batch", "median_tok_s")
 
 
 def summarize(rounds: list[tuple[float, float]]) -> dict:

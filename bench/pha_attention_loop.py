@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops, value_after
+from bench.decode_op_ab import ROOT, build, link_ops, run_driver, value_after
 
 DRIVER = Path(__file__).with_name("pha_attention_loop.mojo")
 OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
@@ -40,11 +40,6 @@ OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
 # over and over from the cache, in passes of about 100 MiB
 SHAPES = {"memory": (2048, 128, 128, 3), "cache": (256, 800, 8, 5)}
 MODES = ("stream", "loop", "per_head")
-
-
-def parse_run(output: str) -> float:
-    """The GB/s a run of the driver printed."""
-    return value_after(output, "mode", "gbps")
 
 
 def check_loops_agree(binary: Path) -> None:
@@ -58,11 +53,7 @@ def check_loops_agree(binary: Path) -> None:
 
 def run_cell(binary: Path, mode: str, where: str, workers: int) -> float:
     rows, units, distinct, passes = SHAPES[where]
-    done = subprocess.run([str(binary), mode, str(rows), str(units), str(distinct), str(workers), str(passes)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"pha_attention_loop: the driver failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return parse_run(done.stdout)
+    return run_driver(binary, [mode, rows, units, distinct, workers, passes], "mode", "gbps")
 
 
 def summarize(cells: dict[str, list[float]]) -> dict:

@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops, value_after
+from bench.decode_op_ab import ROOT, build, link_ops, run_driver
 
 DRIVER = Path(__file__).with_name("product_read_rate.mojo")
 OUT = Path(__file__).with_name("results") / "product_read_rate.json"
@@ -54,11 +53,6 @@ def modes_for(dtype: str) -> tuple[str, ...]:
     return MODES if dtype == "bfloat16" else tuple(m for m in MODES if m != "widen_each")
 
 
-def parse_run(output: str) -> float:
-    """The GB/s a run of the driver printed."""
-    return value_after(output, "mode", "gbps")
-
-
 def sweep_cells() -> list[tuple[int, int]]:
     """The sweep's (phase KiB, total MiB) cells: the phase sizes over one total, then the
     totals with one phase size (their shared cell once)."""
@@ -69,11 +63,7 @@ def sweep_cells() -> list[tuple[int, int]]:
 
 def run_cell(binary: Path, mode: str, dtype: str, total_mib: int, workers: int, phase_kib: int = PHASE_KIB) -> float:
     phases = PHASES * PHASE_KIB // phase_kib
-    done = subprocess.run([str(binary), mode, dtype, str(phase_kib), str(total_mib * 1024), str(workers), str(phases)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"product_read_rate: the driver failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return parse_run(done.stdout)
+    return run_driver(binary, [mode, dtype, phase_kib, total_mib * 1024, workers, phases], "mode", "gbps")
 
 
 def summarize(cells: dict[str, list[float]]) -> dict:

@@ -230,12 +230,30 @@ def test_cpu_decode_at_x86_64_v3_holds_torch_and_numpy_to_avx2(monkeypatch):
     cd._restart_for_cpu_target("x86-64-v3", ["--quick"])  # returns: nothing to change
 
 
-def test_decode_op_ab_parses_runs_and_summarizes_rounds():
+def test_a_drivers_number_is_read_from_its_line_and_a_failed_driver_ends_the_run(tmp_path):
+    """decode_op_ab.run_driver, which every Mojo driver's benchmark runs its driver through."""
     from bench import decode_op_ab
 
-    assert decode_op_ab.parse_run("noise\nbatch 64 median_tok_s 8123.5 best_tok_s 9000.0\n") == 8123.5
-    with pytest.raises(ValueError, match="median_tok_s"):
-        decode_op_ab.parse_run("Segmentation fault\n")
+    def driver(name, output, status=0):
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\nprintf '{output}'\necho 'what went wrong' >&2\nexit {status}\n")
+        path.chmod(0o755)
+        return path
+
+    ok = driver("decode_op", "noise\\nbatch 64 median_tok_s 8123.5 best_tok_s 9000.0\\n")
+    assert decode_op_ab.run_driver(ok, [64, 5, 2, "float32"], "batch", "median_tok_s") == 8123.5
+    gbps = driver("product_read_rate", "mode tile dtype bfloat16 phase_kib 2048 total_kib 12288 workers 2 "
+                                       "bytes 2097152000 best_s 0.0135 gbps 155.3\\n")
+    assert decode_op_ab.run_driver(gbps, ["tile"], "mode", "gbps") == 155.3
+    with pytest.raises(ValueError, match="no 'batch ... median_tok_s' line"):
+        decode_op_ab.run_driver(driver("crashed", "Segmentation fault\\n"), [], "batch", "median_tok_s")
+    with pytest.raises(SystemExit, match="failed_driver failed \\(exit 3\\):\nwhat went wrong"):
+        decode_op_ab.run_driver(driver("failed_driver", "", 3), [], "mode", "gbps")
+
+
+def test_decode_op_ab_summarizes_rounds():
+    from bench import decode_op_ab
+
     s = decode_op_ab.summarize([(100.0, 110.0), (100.0, 90.0), (200.0, 240.0)])
     assert s["ratio_median"] == pytest.approx(1.1)
     assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.2))

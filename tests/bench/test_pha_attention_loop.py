@@ -1,18 +1,9 @@
-"""bench/pha_attention_loop.py: its parsing and summary (that its driver builds:
-test_bench_drivers.py; timing it is the benchmark: not here)."""
+"""bench/pha_attention_loop.py: its summary (its driver builds: test_bench_drivers.py; its output is read
+by decode_op_ab.run_driver: test_bench.py; timing it is the benchmark: not here)."""
 
 from __future__ import annotations
 
-import pytest
-
 from bench import pha_attention_loop as pal
-
-
-def test_parse_run_reads_the_drivers_line():
-    out = "noise\nmode loop rows 256 units 8 workers 1 bytes 1048576 best_s 4.9e-05 gbps 21.25\n"
-    assert pal.parse_run(out) == 21.25
-    with pytest.raises(ValueError, match="no 'mode ... gbps' line"):
-        pal.parse_run("Segmentation fault\n")
 
 
 def test_summary_bounds_the_loop_from_memory_by_no_and_full_overlap():

@@ -1,18 +1,9 @@
-"""bench/product_read_rate.py: its parsing and summary (that its driver builds:
-test_bench_drivers.py; timing it is the benchmark: not here)."""
+"""bench/product_read_rate.py: its summary (its driver builds: test_bench_drivers.py; its output is read
+by decode_op_ab.run_driver: test_bench.py; timing it is the benchmark: not here)."""
 
 from __future__ import annotations
 
-import pytest
-
 from bench import product_read_rate as prr
-
-
-def test_parse_run_reads_the_drivers_line():
-    out = "mode tile dtype bfloat16 phase_kib 2048 total_kib 12288 workers 2 bytes 2097152000 best_s 0.0135 gbps 155.3\n"
-    assert prr.parse_run(out) == 155.3
-    with pytest.raises(ValueError, match="no 'mode ... gbps' line"):
-        prr.parse_run("Illegal instruction\n")
 
 
 def test_widen_each_is_a_bfloat16_mode_only():
