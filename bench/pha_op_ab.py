@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, export_ops
+from bench.decode_op_ab import PACKAGE, ROOT, export_ops
 
 OUT = Path(__file__).with_name("results") / "pha_op_ab.json"
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         p.error("--rounds and --repeats must be positive")
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pha_op_ab-") as tmp:
-        base = export_ops(args.base, Path(tmp) / "base") / "ops"
+        base = export_ops(args.base, Path(tmp) / "base") / PACKAGE
         variants = {"a": base, "b": ROOT / "mojo"}
         for i in range(args.rounds):
             order = ("a", "b") if i % 2 == 0 else ("b", "a")
