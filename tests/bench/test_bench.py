@@ -66,7 +66,7 @@ def test_throughput_smoke(bench, tiny_config, tmp_path, capsys):
     assert "percent_of_roofline" in res["roofline"]
     ratio = res["ratios_tokens_per_s"][0]
     assert {"srm-max/llama-hf", "srm-max/mamba-hf", "srm-max/srm-torch"} <= set(ratio)
-    assert res["srm_max_vs_torch_token_agreement"]
+    assert res["srm_max_vs_torch_token_agreement"], res["runs"]  # no batch where both engines ran: say why
     assert "| prompt | batch |" in text and "max/llama" in text and "Roofline" in text
     assert out.with_suffix(".png").stat().st_size > 1000
 
