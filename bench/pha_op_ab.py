@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import PACKAGE, ROOT, export_ops
+from bench.decode_op_ab import PACKAGE, ROOT, commit_of, export_ops
 
 OUT = Path(__file__).with_name("results") / "pha_op_ab.json"
 
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     write_json(args.out, {
         "what": "the PHA decode op of --base (A) against the working tree's (B): interleaved rounds of "
                 "bench/pha_phase_times.py, per cell the medians and the median of the rounds' ratios A / B",
-        "base": args.base, "rounds": args.rounds, "repeats": args.repeats, "command": command_line(),
+        "base": args.base, "base_commit": commit_of(args.base), "rounds": args.rounds, "repeats": args.repeats,
+        "command": command_line(),
         "machine": machine_info(), "cells": cells})
     print(f"wrote {args.out}")
     return 0

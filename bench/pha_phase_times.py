@@ -12,7 +12,9 @@ kernel sources), per model, context and batch, beside what each kind must move o
     the slower of the FLOPs at the FMA peak (bench/fma_peak.py) and the matrices' bytes at
     the re-read bandwidth of an array of their size (``pha_long_context.reread_bytes_per_s``:
     from the last-level cache where they fit), both measured in the same run;
-  - the rest: the block norms and the choice of the tokens.
+  - the rest: the block norms and the choice of the tokens;
+  - of each kind, the time the workers spent waiting for each other at its phases' ends
+    (``wait_us``: a worker whose units are done waits for the others' last units).
 
 A step whose phases run at their bounds, one after the other, takes the sum of the bounds
 (``sum_of_bounds_us``); a faster step needs the memory-bound and the compute-bound phases
@@ -50,7 +52,7 @@ SWITCH_ON = "comptime PHASE_TIMES = True"
 KINDS = ("from_x", "gss_and_attention", "merge", "from_hidden", "gate_product", "norm", "logits", "choice")
 CACHE = ("gss_and_attention", "merge")
 PRODUCTS = ("from_x", "from_hidden", "gate_product", "logits")
-LINE = re.compile(r"pha_decode_steps phase times: B=(\d+) S=(\d+) workers=(\d+) ns=([\d,]+)")
+LINE = re.compile(r"pha_decode_steps phase times: B=(\d+) S=(\d+) workers=(\d+) ns=([\d,]+)(?: waits=([\d,]+))?")
 
 
 def switched_on_kernels(source: Path, into: Path) -> Path:
@@ -65,16 +67,19 @@ def switched_on_kernels(source: Path, into: Path) -> Path:
     return copy
 
 
-def parse_times(out: str) -> list[dict]:
-    """Each call's line as {kind: microseconds per step} (each worker's wall time in a phase
-    summed by the op: divided by the workers and the steps)."""
+def parse_times(out: str) -> list[tuple[dict, dict]]:
+    """Each call's line as ({kind: microseconds per step}, {kind: of which waiting}): each
+    worker's wall time in a phase, and the part it waited at the phase's end for the
+    others, summed by the op, divided by the workers and the steps (no waits from an op
+    older than their timing, as ``bench.pha_op_ab`` may build)."""
     calls = []
     for m in LINE.finditer(out):
         steps, workers = int(m[2]), int(m[3])
-        ns = [int(v) for v in m[4].split(",")]
-        if len(ns) != len(KINDS):
-            raise ValueError(f"expected {len(KINDS)} phase times, got {len(ns)}: {m[0]}")
-        calls.append({k: v / 1e3 / steps / workers for k, v in zip(KINDS, ns)})
+        times, waits = ([int(v) / 1e3 / steps / workers for v in group.split(",")] if group else []
+                        for group in (m[4], m[5]))
+        if len(times) != len(KINDS) or len(waits) not in (0, len(KINDS)):
+            raise ValueError(f"expected {len(KINDS)} phase times and waits, got {len(times)} and {len(waits)}: {m[0]}")
+        calls.append((dict(zip(KINDS, times)), dict(zip(KINDS, waits))))
     if not calls:
         raise ValueError("no 'pha_decode_steps phase times' line: is PHASE_TIMES on in the kernels used?")
     return calls
@@ -142,16 +147,16 @@ def measure(name: str, n: int, batches, steps: int, repeats: int, stream: float,
             for _ in range(repeats + 1):  # the first is a warm-up
                 engine.decode(ids, pos, states, greedy, steps, donate_states=True)
         calls = parse_times(box["out"])[1:]
-        best = min(calls, key=lambda c: sum(c.values()))
+        best, waits = min(calls, key=lambda c: sum(c[0].values()))
         per_sample = sum(sample_bytes(name, config, start + s) for s in range(steps)) / steps
         cell = summarize(best, B * per_sample, 2.0 * B * matrix_bytes(name, config, 1), mats, stream, peak, reread)
-        runs = [sum(c.values()) for c in calls]
+        runs = [sum(c[0].values()) for c in calls]
         rows.append({"model": name, "dtype": dtype, "context": n, "batch": B, "reread_bytes_per_s": reread, **cell,
-                     "step_us_runs": runs, "spread": spread(runs)})
+                     "wait_us": waits, "step_us_runs": runs, "spread": spread(runs)})
         print(f"{name:9s} {dtype:8s} n={n:5d} B={B:3d}: step {cell['step_us']:7.1f} us = cache {cell['cache_us']:7.1f} "
               f"({cell['cache_percent_of_streaming']:.0f} % of streaming) + products {cell['product_us']:7.1f} "
               f"({cell['product_percent_of_bound']:.0f} % of their bound) + rest {cell['rest_us']:5.1f}; "
-              f"sum of bounds {cell['sum_of_bounds_us']:.1f} us", flush=True)
+              f"sum of bounds {cell['sum_of_bounds_us']:.1f} us; waiting {sum(waits.values()):.1f} us", flush=True)
     return rows
 
 

@@ -166,7 +166,8 @@ comptime STRIDE = 16
 comptime STEPS_PER_FORK = 64
 # bench/pha_phase_times.py turns this on in a copy of these sources: each call then
 # prints how long each kind of phase took (P_IN .. P_NORM summed over the blocks, then
-# the logits, then the choice), for where a step's time goes
+# the logits, then the choice), and how much of it the workers spent waiting for each
+# other at its end, for where a step's time goes
 comptime PHASE_TIMES = False
 comptime TIMED_KINDS = PER_BLOCK + 2
 
@@ -871,39 +872,88 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
             left -= n
 
 
-def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch):
+def _unit_cost(seg: I64P) -> Int:
+    """What one unit of a segment costs when a phase is claimed in runs: its panel's rows,
+    in 64s (with fewer batch rows than a register tile, a unit's time is its panel's read)."""
+    return (Int(seg[unsafe_offset=S_K]) + 63) // 64
+
+
+def _phase_cost(a: Pha, kind: Int, l: Int) -> Int:
+    var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
+    var total = 0
+    for i in range(Int(at[unsafe_offset=1])):
+        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        total += _seg_units(seg, a.B) * _unit_cost(seg)
+    return total
+
+
+def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int):
+    """The units of a product phase whose cost, counted from the phase's first unit, starts
+    in [first, end): claims of cost intervals that cover the phase run each unit once."""
+    var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
+    var base = 0
+    for i in range(Int(at[unsafe_offset=1])):
+        if base >= end:
+            return
+        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        var n = _seg_units(seg, a.B)
+        var c = _unit_cost(seg)
+        var j0 = max(0, (first - base + c - 1) // c)
+        var j1 = min(n, (end - base + c - 1) // c)
+        for j in range(j0, j1):
+            _product_unit[WD](a, seg, j)
+        base += n * c
+
+
+def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch) -> Int:
     """Claim and run units of one phase until none is left, then wait for the units
     other workers claimed (counter: claimed; counter + 8: done). Product phases are
     claimed as decode_step.mojo's ``_claim_share`` says: in runs with fewer batch rows
     than a register tile, a unit at a time above (runs were no faster at 16 rows:
-    bench/pha_phase_times.py, run A/B)."""
+    bench/pha_phase_times.py, run A/B). A phase's segments may have units of different
+    sizes (a panel of K rows reads K rows), so runs are sized by the units' cost, not
+    their count: by count, a run of small units holds a fraction of the bytes, and one
+    worker is left with the large units while the other waits. Returns when (with
+    PHASE_TIMES) this worker's own units were done, before its wait."""
     var n = _units(a, kind, l)
     var share = 0
     comptime if kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD:
         share = _claim_share(a.B, a.workers)
+        if share > 0:
+            n = _phase_cost(a, kind, l)
     var done = counter.unsafe_offset(8)
     while True:
         var first, end = _claim(counter, n, share)
         if first >= n:
             break
-        for u in range(first, end):
-            _run_unit[WD, kind](a, l, u, ws, scratch)
+        if share > 0:
+            _run_units_starting_in[WD](a, kind, l, first, end)
+        else:
+            for u in range(first, end):
+                _run_unit[WD, kind](a, l, u, ws, scratch)
         _ = Atomic[Int64].fetch_add(done, Int64(end - first))
+    var own_done = 0
+    comptime if PHASE_TIMES:
+        own_done = Int(perf_counter_ns())
     while Int(Atomic[Int64].load(done)) < n:
         pass
+    return own_done
 
 
 @always_inline
 def _timed_phase[WD: DType, kind: Int, slot: Int](
     a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch, times: I64P
 ):
-    """``_phase``, with PHASE_TIMES its wall time added to ``times``' slot (a cache line each)."""
+    """``_phase``, with PHASE_TIMES its wall time added to ``times``' slot (a cache line each)
+    and the part spent waiting for the other workers to the slot TIMED_KINDS further on."""
     comptime if PHASE_TIMES:
-        var t0 = perf_counter_ns()
-        _phase[WD, kind](a, l, counter, ws, scratch)
-        _ = Atomic[Int64].fetch_add(times.unsafe_offset(slot * STRIDE), Int64(Int(perf_counter_ns() - t0)))
+        var t0 = Int(perf_counter_ns())
+        var own_done = _phase[WD, kind](a, l, counter, ws, scratch)
+        var t1 = Int(perf_counter_ns())
+        _ = Atomic[Int64].fetch_add(times.unsafe_offset(slot * STRIDE), Int64(t1 - t0))
+        _ = Atomic[Int64].fetch_add(times.unsafe_offset((slot + TIMED_KINDS) * STRIDE), Int64(t1 - own_done))
     else:
-        _phase[WD, kind](a, l, counter, ws, scratch)
+        _ = _phase[WD, kind](a, l, counter, ws, scratch)
 
 
 def _phases_per_step(L: Int) -> Int:
@@ -940,7 +990,7 @@ def _run[WD: DType, choose: Int](step: Pha):
     var counters = List[Int64](length=per_fork * _phases_per_step(a.L) * STRIDE, fill=0)
     var cp = I64P(unsafe_from_address=Int(counters.unsafe_ptr()))
     var workers = a.workers
-    var times = List[Int64](length=TIMED_KINDS * STRIDE, fill=0)
+    var times = List[Int64](length=2 * TIMED_KINDS * STRIDE, fill=0)
     var tp = I64P(unsafe_from_address=Int(times.unsafe_ptr()))
     var first = 0
     while first < a.S:
@@ -954,10 +1004,12 @@ def _run[WD: DType, choose: Int](step: Pha):
 
         sync_parallelize(work, workers)
         first = last
-    comptime if PHASE_TIMES:  # nanoseconds per kind, each worker's wall time summed
+    comptime if PHASE_TIMES:  # nanoseconds per kind, each worker's wall time summed, then its waits
         var line = String("pha_decode_steps phase times: B=", a.B, " S=", a.S, " workers=", workers, " ns=")
         for k in range(TIMED_KINDS):
-            line += String(times[k * STRIDE], "," if k + 1 < TIMED_KINDS else "")
+            line += String(times[k * STRIDE], "," if k + 1 < TIMED_KINDS else " waits=")
+        for k in range(TIMED_KINDS):
+            line += String(times[(TIMED_KINDS + k) * STRIDE], "," if k + 1 < TIMED_KINDS else "")
         print(line)
     _ = counters^
     _ = times^
@@ -1159,21 +1211,21 @@ struct PhaDecodeSteps:
                 off += f
             seg_at.append(Int64(first))
             seg_at.append(Int64(len(segs) // SEGF - first))
-            # from the branches' hidden values: the gate, o_proj, the FFNs' second products
+            # from the branches' hidden values: the FFNs' second products, o_proj, the gate; the
+            # largest units first, so that a phase's last claims are its cheapest (``_phase``)
             first = len(segs) // SEGF
-            var br = 0
-            if has_gss:
-                _seg(segs, mat(l, M_GATE), H, F, a.y, H, a.g, F, 0, E_MUL, Int(a.u), rounded=True)
-                br += 1
-            if has_attn:
-                _seg(segs, mat(l, M_O), Hq * dh, E, a.att, Hq * dh, a.bo.unsafe_offset(br * B * E), E, 0, E_STORE, 0)
-                br += 1
+            var ffn_branch = Int(has_gss) + Int(has_attn)  # branch outputs: the gate's, the attention's, the FFNs'
             off = 0
             for i in range(nffn):
                 var f = Int(dm[unsafe_offset=D_FFN + i])
                 _seg(segs, mat(l, M_PROJ + i), f, E, hid.unsafe_offset(B * off), f,
-                     a.bo.unsafe_offset((br + i) * B * E), E, vaddr(l, V_PROJB + i), E_STORE, 0)
+                     a.bo.unsafe_offset((ffn_branch + i) * B * E), E, vaddr(l, V_PROJB + i), E_STORE, 0)
                 off += f
+            if has_attn:
+                _seg(segs, mat(l, M_O), Hq * dh, E, a.att, Hq * dh, a.bo.unsafe_offset(Int(has_gss) * B * E), E, 0,
+                     E_STORE, 0)
+            if has_gss:
+                _seg(segs, mat(l, M_GATE), H, F, a.y, H, a.g, F, 0, E_MUL, Int(a.u), rounded=True)
             seg_at.append(Int64(first))
             seg_at.append(Int64(len(segs) // SEGF - first))
             # the gate's output product

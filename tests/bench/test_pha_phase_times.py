@@ -28,16 +28,20 @@ def test_without_the_switch_the_copy_is_refused(tmp_path):
 
 
 def test_each_calls_line_becomes_microseconds_per_step_and_worker():
-    out = ("compiling\npha_decode_steps phase times: B=16 S=4 workers=2 ns=8000,16000,0,8,0,0,800,80\n"
+    out = ("compiling\npha_decode_steps phase times: B=16 S=4 workers=2 ns=8000,16000,0,8,0,0,800,80"
+           " waits=800,0,0,0,0,0,80,8\n"
            "pha_decode_steps phase times: B=16 S=4 workers=2 ns=4000,4000,4000,4000,4000,4000,4000,4000\n")
-    first, second = pt.parse_times(out)
+    (first, first_waits), (second, second_waits) = pt.parse_times(out)
     assert first["from_x"] == 1.0 and first["gss_and_attention"] == 2.0 and first["from_hidden"] == 0.001
     assert first["logits"] == 0.1 and first["choice"] == 0.01
-    assert set(second.values()) == {0.5}
+    assert first_waits["from_x"] == 0.1 and first_waits["logits"] == 0.01 and first_waits["merge"] == 0.0
+    assert set(second.values()) == {0.5} and second_waits == {}  # an op from before the waits were timed
     with pytest.raises(ValueError, match="PHASE_TIMES"):
         pt.parse_times("Segmentation fault\n")
     with pytest.raises(ValueError, match="expected 8 phase times"):
         pt.parse_times("pha_decode_steps phase times: B=1 S=1 workers=1 ns=1,2,3\n")
+    with pytest.raises(ValueError, match="got 8 and 2"):
+        pt.parse_times("pha_decode_steps phase times: B=1 S=1 workers=1 ns=1,2,3,4,5,6,7,8 waits=1,2\n")
 
 
 def test_a_cell_is_weighed_against_streaming_the_fma_peak_and_re_reading_the_matrices():
