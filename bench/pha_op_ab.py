@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
 from bench.decode_op_ab import PACKAGE, ROOT, commit_of, export_ops
+from srm_max.runtime import cpu_target
 
 OUT = Path(__file__).with_name("results") / "pha_op_ab.json"
 
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
         "what": "the PHA decode op of --base (A) against the working tree's (B): interleaved rounds of "
                 "bench/pha_phase_times.py, per cell the medians and the median of the rounds' ratios A / B",
         "base": args.base, "base_commit": commit_of(args.base), "rounds": args.rounds, "repeats": args.repeats,
-        "command": command_line(),
+        "command": command_line(), "cpu_target": cpu_target.requested() or "the host's",
         "machine": machine_info(), "cells": cells})
     print(f"wrote {args.out}")
     return 0
