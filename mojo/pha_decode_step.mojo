@@ -833,21 +833,17 @@ def _gss_units(a: Pha) -> Int:
     return a.B * ((a.H + GSS_CHANNELS - 1) // GSS_CHANNELS) if a.gss else 0
 
 
-def _units(a: Pha, kind: Int, l: Int) -> Int:
+def _units(a: Pha, kind: Int) -> Int:
+    """Units of a phase other than a product phase (those count theirs by ``_phase_cost``)."""
     if kind == P_MID:
         return _gss_units(a) + (a.B * a.Hkv * a.slices if a.attn else 0)
     if kind == P_MERGE:
         return a.B * a.Hkv if a.attn else 0
-    if kind == P_NORM or kind == P_ARGMAX or kind == P_DRAW:
-        return (a.B + NORM_CHUNK - 1) // NORM_CHUNK
-    var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
-    var total = 0
-    for i in range(Int(at[unsafe_offset=1])):
-        total += _seg_units(a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF), a.B)
-    return total
+    return (a.B + NORM_CHUNK - 1) // NORM_CHUNK  # the norms, the choice
 
 
 def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratch: RowScratch):
+    """One unit of a phase other than a product phase (those: ``_run_units_starting_in``)."""
     comptime if kind == P_MID:
         var gu = _gss_units(a)
         if u < gu:
@@ -860,36 +856,29 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
         _norm_unit[WD](a, l, u)
     elif kind == P_ARGMAX or kind == P_DRAW:
         _choose_unit[WD, kind](a, u, scratch)
-    else:
-        var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
-        var left = u
-        for i in range(Int(at[unsafe_offset=1])):
-            var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
-            var n = _seg_units(seg, a.B)
-            if left < n:
-                _product_unit[WD](a, seg, left)
-                return
-            left -= n
 
 
-def _unit_cost(seg: I64P) -> Int:
-    """What one unit of a segment costs when a phase is claimed in runs: its panel's rows,
-    in 64s (with fewer batch rows than a register tile, a unit's time is its panel's read)."""
-    return (Int(seg[unsafe_offset=S_K]) + 63) // 64
+def _unit_cost(seg: I64P, by_reads: Bool) -> Int:
+    """What one unit of a segment counts in its phase's claims: with ``by_reads`` its panel's
+    rows in 64s (with fewer batch rows than a register tile, a unit's time is its panel's
+    read), else 1 (claims of single units)."""
+    return (Int(seg[unsafe_offset=S_K]) + 63) // 64 if by_reads else 1
 
 
-def _phase_cost(a: Pha, kind: Int, l: Int) -> Int:
+def _phase_cost(a: Pha, kind: Int, l: Int, by_reads: Bool) -> Int:
+    """What a product phase's units count in all (``_unit_cost``)."""
     var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
     var total = 0
     for i in range(Int(at[unsafe_offset=1])):
         var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
-        total += _seg_units(seg, a.B) * _unit_cost(seg)
+        total += _seg_units(seg, a.B) * _unit_cost(seg, by_reads)
     return total
 
 
-def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int):
-    """The units of a product phase whose cost, counted from the phase's first unit, starts
-    in [first, end): claims of cost intervals that cover the phase run each unit once."""
+def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int, by_reads: Bool):
+    """The units of a product phase whose cost (``_unit_cost``), counted from the phase's
+    first unit, starts in [first, end): claims of cost intervals that cover the phase run
+    each unit once."""
     var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
     var base = 0
     for i in range(Int(at[unsafe_offset=1])):
@@ -897,7 +886,7 @@ def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end
             return
         var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
         var n = _seg_units(seg, a.B)
-        var c = _unit_cost(seg)
+        var c = _unit_cost(seg, by_reads)
         var j0 = max(0, (first - base + c - 1) // c)
         var j1 = min(n, (end - base + c - 1) // c)
         for j in range(j0, j1):
@@ -915,19 +904,21 @@ def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut sc
     their count: by count, a run of small units holds a fraction of the bytes, and one
     worker is left with the large units while the other waits. Returns when (with
     PHASE_TIMES) this worker's own units were done, before its wait."""
-    var n = _units(a, kind, l)
+    comptime products = kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD
     var share = 0
-    comptime if kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD:
+    var n: Int
+    comptime if products:
         share = _claim_share(a.B, a.workers)
-        if share > 0:
-            n = _phase_cost(a, kind, l)
+        n = _phase_cost(a, kind, l, share > 0)
+    else:
+        n = _units(a, kind)
     var done = counter.unsafe_offset(8)
     while True:
         var first, end = _claim(counter, n, share)
         if first >= n:
             break
-        if share > 0:
-            _run_units_starting_in[WD](a, kind, l, first, end)
+        comptime if products:
+            _run_units_starting_in[WD](a, kind, l, first, end, share > 0)
         else:
             for u in range(first, end):
                 _run_unit[WD, kind](a, l, u, ws, scratch)
