@@ -27,7 +27,9 @@ memory depend only on shapes):
     it fits), plus the per-sample state at the streaming bandwidth:
     ``percent_of_reread_b{B}``; with ``--donated`` also for the decode into the states
     themselves (the slot pool's calls, and llama.cpp's: no copy of the caches per call):
-    ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``;
+    ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``; the JSON's
+    ``streaming_target`` puts each cell's share of the streaming limit beside the share a
+    step at the re-read limit would reach (where that is under 60 %, so is any step);
   - with ``--refill``, what the slot pool pays when one row of a batch of B finishes and a
     fresh prompt's state takes its place (the engine's ``regroup``): the B - 1 kept rows and
     the fresh one gathered into a new batch on the device (``refill_ms_b{B}``, the refill when
@@ -416,16 +418,59 @@ def against_llama_cpp(rows: list[dict], llama: list[dict]) -> list[dict]:
     return out
 
 
+STREAMING_TARGET = 60.0  # percent of the streaming limit a decode step should reach (docs/pha_engine.md)
+
+
+def streaming_reach(rows: list[dict]) -> list[dict]:
+    """Per decode cell that has both limits, the share of the streaming limit it reached
+    (into the states where timed so, as llama.cpp decodes) and the most its bytes allow: a
+    token depends on the one before, so every step multiplies by every matrix again, and no
+    step is faster than the re-read limit (its FLOPs may allow less). ``reachable``: the
+    streaming limit over the re-read limit, the share a step at that floor would reach;
+    below ``STREAMING_TARGET`` the target is out of this machine's reach at that cell,
+    whatever the code (the matrices do not stay in its cache between steps)."""
+    out = []
+    for r in rows:
+        for key in sorted(k for k in r if k.startswith("reread_limit_ms_b")):
+            B = int(key.removeprefix("reread_limit_ms_b"))
+            reached = r.get(f"donated_percent_of_streaming_b{B}", r.get(f"percent_of_streaming_b{B}"))
+            if reached is None or f"streaming_limit_ms_b{B}" not in r:
+                continue
+            reachable = 100 * r[f"streaming_limit_ms_b{B}"] / r[key]
+            out.append({"model": r["model"], "path": r.get("path"), "dtype": r.get("dtype", "float32"),
+                        "context": r["context"], "batch": B, "percent_of_streaming": reached,
+                        "reachable_percent_of_streaming": reachable,
+                        "target_met": reached >= STREAMING_TARGET, "target_reachable": reachable >= STREAMING_TARGET})
+    return out
+
+
+def streaming_target_by_cell(entries: list[dict]) -> list[str]:
+    """``streaming_target`` entries of the op path gathered per cell over the runs: in how
+    many runs the cell met the target and could have, the best share reached and reachable."""
+    cells: dict[tuple, list] = {}
+    for e in entries:
+        if e["path"] in ("op", None):
+            cells.setdefault((e["model"], e["dtype"], e["context"], e["batch"]), []).append(e)
+    return [f"{m:8s} {dt:8s} context {n:5d} batch {B:3d}: {len(es):2d} runs, target met in "
+            f"{sum(e['target_met'] for e in es):2d}, reachable in {sum(e['target_reachable'] for e in es):2d}; "
+            f"best {max(e['percent_of_streaming'] for e in es):5.1f} % of streaming, "
+            f"best reachable {max(e['reachable_percent_of_streaming'] for e in es):5.1f} %"
+            for (m, dt, n, B), es in sorted(cells.items())]
+
+
 def summarized(result: dict) -> dict:
     """``result`` with its comparisons: PHA over attention alone (over all its runs), and
     the MAX engines over llama.cpp's best within each run that timed both (the machine's
     speed drifts between runs, so a ratio is only taken side by side; ``run`` counts
-    from 1 in ``runs``)."""
+    from 1 in ``runs``), and each decode cell's share of the streaming limit beside the
+    most it could reach in its run (``streaming_reach``)."""
     rows = [r | {"steps_per_call": past["steps_per_call"], "run": i}
             for i, past in enumerate(result["runs"], 1) for r in past["rows"]]
     result["pha_vs_attention"] = [x for n in sorted({r["context"] for r in rows}) for x in pha_vs_attention(rows, n)]
     result["against_llama_cpp"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
                                    for e in against_llama_cpp(past["rows"], past["llama_cpp"])]
+    result["streaming_target"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
+                                  for e in streaming_reach(past["rows"])]
     return result
 
 
@@ -471,6 +516,8 @@ def main(argv=None) -> dict:
     out = args.out or RESULTS / f"pha_long_context{suffix}.json"
     if args.summarize:
         result = summarized(json.loads(out.read_text()))
+        print(f"decode against {STREAMING_TARGET:g} % of the streaming limit (the op's cells, every run):")
+        print("\n".join(streaming_target_by_cell(result["streaming_target"])))
         write_json(out, result)
         print(f"wrote {out}")
         return result

@@ -285,3 +285,22 @@ def test_llama_cpp_runs_at_each_context_right_after_the_max_engines(tmp_path, mo
     assert order == [("max", 128), ("llama.cpp", [128]), ("max", 256), ("llama.cpp", [256])]
     assert [ll["context"] for ll in result["runs"][0]["llama_cpp"]] == [128, 256]
     assert [(e["context"], e["batch"]) for e in result["against_llama_cpp"]] == [(128, 1), (256, 1)]
+
+
+def test_a_cells_reachable_share_of_streaming_is_the_streaming_over_the_reread_limit():
+    row = {"model": "pha", "path": "op", "context": 512, "streaming_limit_ms_b1": 0.2, "reread_limit_ms_b1": 0.4,
+           "percent_of_streaming_b1": 30.0, "donated_percent_of_streaming_b1": 45.0,
+           "streaming_limit_ms_b16": 3.0, "reread_limit_ms_b16": 3.5, "percent_of_streaming_b16": 70.0}
+    one, sixteen = bench.streaming_reach([row])
+    # into the states where timed so; a step at the re-read floor reaches 50 %: the target is out of reach
+    assert (one["batch"], one["percent_of_streaming"], one["reachable_percent_of_streaming"]) == (1, 45.0, 50.0)
+    assert not one["target_met"] and not one["target_reachable"]
+    assert sixteen["reachable_percent_of_streaming"] == pytest.approx(100 * 3.0 / 3.5)
+    assert sixteen["target_met"] and sixteen["target_reachable"] and sixteen["dtype"] == "float32"
+    # a row without the re-read limit (a run before it was measured) has no cell
+    assert bench.streaming_reach([{"model": "pha", "context": 512, "percent_of_streaming_b1": 30.0}]) == []
+    runs = [{"steps_per_call": 16, "rows": [row], "llama_cpp": []}, {"steps_per_call": 16, "rows": [], "llama_cpp": []}]
+    assert [e["run"] for e in bench.summarized({"runs": runs})["streaming_target"]] == [1, 1]
+    (line,) = bench.streaming_target_by_cell([e for e in bench.summarized({"runs": runs})["streaming_target"]
+                                              if e["batch"] == 1])
+    assert "1 runs, target met in  0, reachable in  0" in line and "best  45.0 %" in line
