@@ -289,18 +289,23 @@ def test_llama_cpp_runs_at_each_context_right_after_the_max_engines(tmp_path, mo
 
 def test_a_cells_reachable_share_of_streaming_is_the_streaming_over_the_reread_limit():
     row = {"model": "pha", "path": "op", "context": 512, "streaming_limit_ms_b1": 0.2, "reread_limit_ms_b1": 0.4,
-           "percent_of_streaming_b1": 30.0, "donated_percent_of_streaming_b1": 45.0,
+           "reread_bytes_per_step_b1": 3e7, "percent_of_streaming_b1": 30.0, "donated_percent_of_streaming_b1": 45.0,
            "streaming_limit_ms_b16": 3.0, "reread_limit_ms_b16": 3.5, "percent_of_streaming_b16": 70.0}
-    one, sixteen = bench.streaming_reach([row])
-    # into the states where timed so; a step at the re-read floor reaches 50 %: the target is out of reach
+    run = {"steps_per_call": 16, "rows": [row], "llama_cpp": [], "reread_bytes_per_s": {"512": {"pha/float32": 1e11}}}
+    one, sixteen = bench.streaming_reach(run)
+    # into the states where timed so; a step at the re-read limit reaches 50 %, and one reading
+    # all its 30 MB at the matrices' 100 GB/s (0.3 ms) 66.7 %
     assert (one["batch"], one["percent_of_streaming"], one["reachable_percent_of_streaming"]) == (1, 45.0, 50.0)
     assert not one["target_met"] and not one["target_reachable"]
+    assert one["reachable_at_best_percent_of_streaming"] == pytest.approx(100 * 0.2 / 0.3)
+    assert one["target_reachable_at_best"]
     assert sixteen["reachable_percent_of_streaming"] == pytest.approx(100 * 3.0 / 3.5)
     assert sixteen["target_met"] and sixteen["target_reachable"] and sixteen["dtype"] == "float32"
+    assert "reachable_at_best_percent_of_streaming" not in sixteen  # no bytes re-read per step in the row
     # a row without the re-read limit (a run before it was measured) has no cell
-    assert bench.streaming_reach([{"model": "pha", "context": 512, "percent_of_streaming_b1": 30.0}]) == []
-    runs = [{"steps_per_call": 16, "rows": [row], "llama_cpp": []}, {"steps_per_call": 16, "rows": [], "llama_cpp": []}]
-    assert [e["run"] for e in bench.summarized({"runs": runs})["streaming_target"]] == [1, 1]
-    (line,) = bench.streaming_target_by_cell([e for e in bench.summarized({"runs": runs})["streaming_target"]
-                                              if e["batch"] == 1])
-    assert "1 runs, target met in  0, reachable in  0" in line and "best  45.0 %" in line
+    assert bench.streaming_reach({"rows": [{"model": "pha", "context": 512, "percent_of_streaming_b1": 30.0}]}) == []
+    runs = [run, {"steps_per_call": 16, "rows": [], "llama_cpp": []}]
+    entries = bench.summarized({"runs": runs})["streaming_target"]
+    assert [e["run"] for e in entries] == [1, 1]
+    (line,) = bench.streaming_target_by_cell([e for e in entries if e["batch"] == 1])
+    assert "1 runs, target met in  0, reachable in  0 (at best  1)" in line and "best  45.0 %" in line
