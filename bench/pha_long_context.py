@@ -28,8 +28,9 @@ memory depend only on shapes):
     ``percent_of_reread_b{B}``; with ``--donated`` also for the decode into the states
     themselves (the slot pool's calls, and llama.cpp's: no copy of the caches per call):
     ``donated_percent_of_streaming_b{B}``, ``donated_percent_of_reread_b{B}``; the JSON's
-    ``streaming_target`` puts each cell's share of the streaming limit beside the share a
-    step at the re-read limit would reach (where that is under 60 %, so is any step);
+    ``streaming_target`` puts each cell's share of the streaming limit beside the shares a
+    step at the re-read limit would reach and one reading all it touches at the matrices'
+    re-read rate (a floor no step beats);
   - with ``--refill``, what the slot pool pays when one row of a batch of B finishes and a
     fresh prompt's state takes its place (the engine's ``regroup``): the B - 1 kept rows and
     the fresh one gathered into a new batch on the device (``refill_ms_b{B}``, the refill when
