@@ -230,6 +230,11 @@ def reread_bytes_per_s(nbytes: int, repeats: int = 20) -> float:
     return read_bytes_per_s(nbytes, repeats)
 
 
+def reread_key(name: str, dtype: str) -> str:
+    """The key of a model's matrices in a run's ``reread_bytes_per_s`` (per context)."""
+    return f"{name}/{dtype}"
+
+
 def reread_limit_ms(bytes_per_step: float, matrix_bytes: int, steps: int, reread: float, stream: float) -> float:
     """The fewest milliseconds a step can take when it multiplies by every matrix again
     (at the ``reread`` bandwidth) and reads its samples' state (``bytes_per_step``
@@ -435,7 +440,7 @@ def streaming_reach(run: dict) -> list[dict]:
     out = []
     for r in run["rows"]:
         rate = run.get("reread_bytes_per_s", {}).get(str(r["context"]), {}).get(
-            f"{r['model']}/{r.get('dtype', 'float32')}")
+            reread_key(r["model"], r.get("dtype", "float32")))
         for key in sorted(k for k in r if k.startswith("reread_limit_ms_b")):
             B = int(key.removeprefix("reread_limit_ms_b"))
             reached = r.get(f"donated_percent_of_streaming_b{B}", r.get(f"percent_of_streaming_b{B}"))
@@ -583,8 +588,8 @@ def main(argv=None) -> dict:
                             row[f"{kind}percent_of_streaming_b{B}"] = 100 * limit / row[f"{kind}step_ms_b{B}"]
             for (name, _path, dtype), engine in engines.items():
                 mats = matrix_bytes(name, engine.config, weight_bytes_of(dtype))
-                key = f"{name}/{dtype}"
-                run["reread_bytes_per_s"].setdefault(str(n), {})[key] = reread = reread_bytes_per_s(mats)
+                reread = reread_bytes_per_s(mats)
+                run["reread_bytes_per_s"].setdefault(str(n), {})[reread_key(name, dtype)] = reread
                 for row in rows:
                     if row["model"] != name or row["dtype"] != dtype:
                         continue
