@@ -285,6 +285,8 @@ def test_llama_cpp_runs_at_each_context_right_after_the_max_engines(tmp_path, mo
     assert order == [("max", 128), ("llama.cpp", [128]), ("max", 256), ("llama.cpp", [256])]
     assert [ll["context"] for ll in result["runs"][0]["llama_cpp"]] == [128, 256]
     assert [(e["context"], e["batch"]) for e in result["against_llama_cpp"]] == [(128, 1), (256, 1)]
+    # the run's own re-read rates reach its cells' floors (the key the run writes them under)
+    assert [("reachable_at_best_percent_of_streaming" in e) for e in result["streaming_target"]] == [True, True]
 
 
 def test_a_cells_reachable_share_of_streaming_is_the_streaming_over_the_reread_limit():
