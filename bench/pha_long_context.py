@@ -137,14 +137,37 @@ def matrix_bytes(name: str, config, weight_bytes: int = 4) -> int:
     if name == "srm":
         d, f, L, V = c.d_model, c.ffn_dim, c.n_layers, c.vocab_size
         return weight_bytes * (L * (2 * d * f + 2 * d * d) + V * d)
+    per_block = sum(d["N"] * d["K"] for d in dense_layers(c))
+    return weight_bytes * (c.n_layers * per_block + c.vocab_size * c.d_model)
+
+
+def dense_layers(config) -> list[dict]:
+    """A PHA block's matrices as its prefill graph multiplies by them: name, outputs N, inputs
+    K, the activation its product applies (the linear op's: 0 none, 1 the GELU) and whether it
+    multiplies by u (the GSS gate, ``linear(..., times=u)``)."""
+    c = config
     E, F, H = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim
     dq, dk = c.n_q_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    per_block = 2 * E * sum(c.ffn_dims)
+    layers = []
     if "gss" in c.branches:
-        per_block += F * E + H * E + F * H + E * F
+        layers += [dict(name="gss.to_u", N=F, K=E, act=1, times_u=False),
+                   dict(name="gss.to_v", N=H, K=E, act=1, times_u=False),
+                   dict(name="gss.to_gate", N=F, K=H, act=0, times_u=True),
+                   dict(name="gss.to_out", N=E, K=F, act=0, times_u=False)]
     if "attn" in c.branches:
-        per_block += 2 * dq * E + 2 * dk * E
-    return weight_bytes * (c.n_layers * per_block + c.vocab_size * E)
+        layers += [dict(name=f"attn.{m}_proj", N=n, K=k, act=0, times_u=False)
+                   for m, n, k in (("q", dq, E), ("k", dk, E), ("v", dk, E), ("o", E, dq))]
+    for i, f in enumerate(c.ffn_dims):
+        layers += [dict(name=f"ffn_{i}.fc", N=f, K=E, act=1, times_u=False),
+                   dict(name=f"ffn_{i}.proj", N=E, K=f, act=0, times_u=False)]
+    return layers
+
+
+def attention_flops(config, n: int) -> float:
+    """One PHA block's causal attention over a prompt of n tokens: the scores and the
+    weighted values, n (n + 1) / 2 rows each per query head (0 without the branch)."""
+    c = config
+    return 2.0 * c.n_q_heads * c.head_dim * n * (n + 1) if "attn" in c.branches else 0.0
 
 
 def sample_bytes(name: str, config, position: int) -> int:
@@ -189,10 +212,8 @@ def prefill_flops(name: str, config, n: int) -> float:
     arithmetic and the SRM's token mixing are left out: a lower bound for those models."""
     c = config
     head = c.vocab_size * c.d_model
-    macs = (matrix_bytes(name, c, 1) - head) * n + head
-    if name != "srm" and "attn" in c.branches:
-        macs += c.n_layers * c.n_q_heads * c.head_dim * n * (n + 1)
-    return 2.0 * macs
+    flops = 2.0 * ((matrix_bytes(name, c, 1) - head) * n + head)
+    return flops + (c.n_layers * attention_flops(c, n) if name != "srm" else 0.0)
 
 
 def llama_cpp_prefill_flops(config, tokens: int, parameters: int) -> float:

@@ -1,0 +1,205 @@
+"""Where a PHA prefill's time goes on a CPU: each Mojo op of the prefill graph alone, at the
+shapes of one prompt of n tokens, beside the whole prefill timed in the same run.
+
+The CPU prefill graph (graphs/pha/prefill.py, the Mojo ops on) runs every dense layer through
+the packed-weight linear op (mojo/linear_packed.mojo: with the GELU of the GSS's input
+projections and the FFNs' first layers, and the GSS gate's product by u, in the op), the
+attention's queries and keys through the qk-rope op, the causal attention through the tiled
+attention op and the GSS scan across chunks through the scan op; the rest are plain ops
+(norms, residuals, reshapes, the placement of the states, the output layer at the last token).
+Per model and context this times, each the best of ``--rounds`` calls after a warm-up, one call
+of each per round (so that every best comes from the same minutes of the machine):
+
+  - the whole prefill of one random prompt of n tokens (the engine's ``prefill``, as
+    bench/pha_long_context.py times it);
+  - each op alone, in one graph holding the four ops side by side (tests/support's pieces:
+    the others idle), on random data of a block's shapes, less an idle call of that graph
+    (the execute's own cost, which the ops inside the prefill graph do not pay); every
+    block has the same shapes, so a block's parts count n_layers times;
+  - ``rest_ms``: the whole prefill less the ops' sum: the plain ops and what the graph
+    spends between its ops.
+
+Each dense layer and the attention also against the FMA peak measured in the same run
+(bench/fma_peak.py): 2 T N K FLOPs per dense layer, the attention's causal scores and
+weighted values as ``pha_long_context.prefill_flops`` counts them.
+
+    python -m bench.pha_prefill_parts                          # pha and pha-attn at 512
+    python -m bench.pha_prefill_parts --models pha pha-gss pha-ffn --contexts 512 2048
+Writes bench/results/pha_prefill_parts.json (``--append`` keeps the earlier runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import RESULTS, command_line, machine_info, write_json
+from bench.pha_long_context import attention_flops, configs, dense_layers, engine_of, spread
+
+OUT = RESULTS / "pha_prefill_parts.json"
+# the ops' graph: its pieces in this order (each call's inputs are the pieces' one after the other)
+OPS = ("dense", "attention", "gss_scan", "qk_rope")
+
+
+def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> dict:
+    """The whole prefill's seconds beside ``parts`` (each: name, seconds for one block, FLOPs
+    or None): per part its milliseconds over every block, share of the whole and, with FLOPs,
+    GFLOP/s and share of the FMA ``peak``; the dense layers' and the rest's totals."""
+    rows, total = [], 0.0
+    for p in parts:
+        ms = 1e3 * n_layers * p["seconds"]
+        total += ms
+        row = {"name": p["name"], "ms": ms, "percent_of_prefill": 100 * ms / (1e3 * whole_s)}
+        if p.get("flops") and p["seconds"] > 0:
+            row |= {"gflop_per_s": p["flops"] / p["seconds"] / 1e9,
+                    "percent_of_fma_peak": 100 * p["flops"] / p["seconds"] / peak}
+        rows.append(row)
+    dense = [p for p in parts if p["name"] not in OPS[1:]]
+    dense_s = sum(p["seconds"] for p in dense)
+    dense_flops = sum(p["flops"] for p in dense)
+    whole_ms = 1e3 * whole_s
+    return {"prefill_ms": whole_ms, "parts": rows, "parts_ms": total, "rest_ms": whole_ms - total,
+            "rest_percent_of_prefill": 100 * (whole_ms - total) / whole_ms,
+            "dense_ms": 1e3 * n_layers * dense_s, "dense_percent_of_prefill": 100e3 * n_layers * dense_s / whole_ms,
+            "dense_percent_of_fma_peak": 100 * dense_flops / dense_s / peak if dense_s else None}
+
+
+def ops_graph():
+    """The four ops side by side in one graph, compiled and loaded (one compile serves every
+    shape: their dimensions are symbolic)."""
+    from max.driver import CPU
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef
+
+    from tests.support.op_graph_builders import LINEAR_PACKED, PHA_ATTENTION, PHA_GSS_SCAN, PHA_QK_ROPE, together
+
+    pieces = (LINEAR_PACKED, PHA_ATTENTION, PHA_GSS_SCAN, PHA_QK_ROPE)
+    dev = DeviceRef.CPU()
+    model = InferenceSession(devices=[CPU()]).load(together("pha_prefill_parts", list(pieces), dev))
+    return model, [idle_inputs(p, dev) for p in pieces]
+
+
+def idle_inputs(piece, dev) -> list[np.ndarray]:
+    """A piece's inputs for a call that does nothing (its symbolic dimensions at their idle sizes)."""
+    from max.dtype import DType
+    from max.graph import SymbolicDim
+
+    numpy_of = {DType.float32: np.float32, DType.int64: np.int64, DType.uint64: np.uint64}
+    return [np.zeros([piece.idle.get(d.name, 0) if isinstance(d, SymbolicDim) else int(d) for d in t.shape],
+                     numpy_of[t.dtype]) for t in piece.types(dev)]
+
+
+def in_rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of ``calls`` (name -> a callable) ``rounds`` times, one call of each
+    per round after a warm-up call of each: every call's best comes from the same minutes of
+    the machine, whose speed drifts by tens of percent over a few minutes on a shared VM."""
+    for call in calls.values():
+        call()
+    seconds = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
+def executes(model, inputs: list[np.ndarray]):
+    """A call of ``model`` on ``inputs``, copied into buffers once."""
+    from max.driver import Buffer
+
+    buffers = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+    return lambda: model.execute(*buffers)
+
+
+def op_inputs(config, n: int, rng) -> dict[str, list]:
+    """Random inputs of one block's ops for a prompt of n tokens: per dense layer, then the
+    attention, the GSS scan and the qk-rope op."""
+    from srm_max.graphs.pha.gss import CHUNK, gss_table_shapes
+    from srm_max.models.srm.packing import pack_matrix
+
+    c, T = config, n
+    r = lambda *shape: (0.1 * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    dense = {}
+    for d in dense_layers(c):
+        scale = r(T, d["N"]) if d["times_u"] else np.zeros((0, 0), np.float32)
+        dense[d["name"]] = [r(T, d["K"]), pack_matrix(r(d["N"], d["K"])).ravel(), np.array([0, d["act"]], np.int64),
+                            r(d["N"]), scale]
+    Hq, Hkv, dh = c.n_q_heads, c.n_kv_heads, c.head_dim
+    lengths = np.array([T], np.int64)
+    out = {"dense": dense,
+           "attention": [r(1, T, Hq, dh), r(1, T, Hkv, dh), r(1, T, Hkv, dh), lengths],
+           "qk_rope": [r(1, T, Hq * dh), r(1, T, Hkv * dh), np.arange(T, dtype=np.int64), r(dh // 2), r(Hq * dh)]}
+    if "gss" in c.branches:
+        shapes = gss_table_shapes(c)
+        H = c.gss_hidden_dim
+        out["gss_scan"] = [r(1, math.ceil(T / CHUNK), CHUNK, H), r(*shapes["taps"]), r(H), r(*shapes["p_end"]),
+                           r(*shapes["p_out_t"]), r(*shapes["p_step"]), r(*shapes["ct_rows"]), lengths]
+    return out
+
+
+def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
+    model, idle = graph
+    config = configs(name, n, False)
+    engine = engine_of(name, config)
+    prompt = [np.random.default_rng(n).integers(0, config.vocab_size, n).tolist()]
+    inputs = op_inputs(config, n, np.random.default_rng(0))
+
+    def alone(which: int, args: list):
+        """A call of op ``which`` of the graph on ``args``, the others idle."""
+        return executes(model, [a for i, piece in enumerate(idle) for a in (args if i == which else piece)])
+
+    calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for p in idle for a in p])}
+    flops = {}
+    for d in dense_layers(config):
+        calls[d["name"]], flops[d["name"]] = alone(0, inputs["dense"][d["name"]]), 2.0 * n * d["N"] * d["K"]
+    if "attn" in config.branches:
+        calls["attention"], flops["attention"] = alone(1, inputs["attention"]), attention_flops(config, n)
+        calls["qk_rope"] = alone(3, inputs["qk_rope"])
+    if "gss" in config.branches:
+        calls["gss_scan"] = alone(2, inputs["gss_scan"])
+    seconds = in_rounds(calls, rounds)
+    best = {name: min(times) for name, times in seconds.items()}
+    # each op's call less an idle call's: the execute's own cost, which the prefill's ops do not pay
+    parts = [{"name": name, "seconds": max(0.0, best[name] - best["idle"]), "flops": flops.get(name)}
+             for name in calls if name not in ("prefill", "idle")]
+    runs = seconds["prefill"]
+    row = {"model": name, "context": n, "prefill_seconds_runs": runs, "prefill_spread": spread(runs),
+           "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, config.n_layers, peak)}
+    print(f"{name:9s} n={n:5d}: prefill {row['prefill_ms']:6.1f} ms = dense {row['dense_ms']:5.1f} "
+          f"({row['dense_percent_of_fma_peak']:.0f} % of the FMA peak) + other ops "
+          f"{row['parts_ms'] - row['dense_ms']:5.1f} + rest {row['rest_ms']:5.1f} "
+          f"({row['rest_percent_of_prefill']:.0f} %)", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="*", default=["pha", "pha-attn"],
+                    choices=["pha", "pha-attn", "pha-gss", "pha-ffn"])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[512])
+    ap.add_argument("--rounds", type=int, default=20, help="calls of the prefill and of each op, interleaved")
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--append", action="store_true", help="add this run to the JSON's earlier ones")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+
+    from bench.fma_peak import fma_peak
+
+    peak = fma_peak()
+    graph = ops_graph()
+    run = {"command": command_line(), "machine": machine_info(), "note": args.note, "rounds": args.rounds,
+           "fma_peak": peak, "rows": [measure(name, n, args.rounds, peak["flops"], graph)
+                                      for n in args.contexts for name in args.models]}
+    runs = json.loads(args.out.read_text())["runs"] if args.append and args.out.is_file() else []
+    print(f"wrote {write_json(args.out, {'runs': runs + [run]})}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
