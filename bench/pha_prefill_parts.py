@@ -16,8 +16,10 @@ of each per round (so that every best comes from the same minutes of the machine
     the others idle), on random data of a block's shapes, less an idle call of that graph
     (the execute's own cost, which the ops inside the prefill graph do not pay); every
     block has the same shapes, so a block's parts count n_layers times;
-  - ``rest_ms``: the whole prefill less the ops' sum: the plain ops and what the graph
-    spends between its ops.
+  - the placement of every layer's state (``PrefillStates``: plain ops, a graph of its own on
+    random inputs of the prefill's shapes, less the same idle call);
+  - ``rest_ms``: the whole prefill less the parts' sum: the other plain ops and what the
+    graph spends between its ops.
 
 Each dense layer and the attention also against the FMA peak measured in the same run
 (bench/fma_peak.py): 2 T N K FLOPs per dense layer, the attention's causal scores and
@@ -44,22 +46,24 @@ from bench.pha_long_context import attention_flops, configs, dense_layers, engin
 OUT = RESULTS / "pha_prefill_parts.json"
 # the ops' graph: its pieces in this order (each call's inputs are the pieces' one after the other)
 OPS = ("dense", "attention", "gss_scan", "qk_rope")
+NOT_DENSE = OPS[1:] + ("state_placement",)
 
 
 def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> dict:
-    """The whole prefill's seconds beside ``parts`` (each: name, seconds for one block, FLOPs
-    or None): per part its milliseconds over every block, share of the whole and, with FLOPs,
-    GFLOP/s and share of the FMA ``peak``; the dense layers' and the rest's totals."""
+    """The whole prefill's seconds beside ``parts`` (each: name, seconds for one block, or for
+    the whole prefill where ``per_layer`` is False, FLOPs or None): per part its milliseconds
+    in the prefill, share of the whole and, with FLOPs, GFLOP/s and share of the FMA ``peak``;
+    the dense layers' and the rest's totals."""
     rows, total = [], 0.0
     for p in parts:
-        ms = 1e3 * n_layers * p["seconds"]
+        ms = 1e3 * (n_layers if p.get("per_layer", True) else 1) * p["seconds"]
         total += ms
         row = {"name": p["name"], "ms": ms, "percent_of_prefill": 100 * ms / (1e3 * whole_s)}
         if p.get("flops") and p["seconds"] > 0:
             row |= {"gflop_per_s": p["flops"] / p["seconds"] / 1e9,
                     "percent_of_fma_peak": 100 * p["flops"] / p["seconds"] / peak}
         rows.append(row)
-    dense = [p for p in parts if p["name"] not in OPS[1:]]
+    dense = [p for p in parts if p["name"] not in NOT_DENSE]
     dense_s = sum(p["seconds"] for p in dense)
     dense_flops = sum(p["flops"] for p in dense)
     whole_ms = 1e3 * whole_s
@@ -143,6 +147,41 @@ def op_inputs(config, n: int, rng) -> dict[str, list]:
     return out
 
 
+def state_placement(config, n: int):
+    """A call of the prefill's placement of every layer's state (``PrefillStates``: the GSS
+    state and the keys and values at the n prompt positions into the state's layout, rows past
+    them zero; then the layers stacked), as the prefill graph does it, on random inputs; None
+    for a model without attention (its state is the GSS state as it is)."""
+    from max.driver import CPU
+    from max.dtype import DType
+    from max.engine import InferenceSession
+    from max.graph import DeviceRef, Graph, TensorType, ops
+
+    from srm_max.graphs.pha.model import PrefillStates
+
+    c, dev, F32 = config, DeviceRef.CPU(), DType.float32
+    if "attn" not in c.branches:
+        return None
+    gss = [2 * c.gss_hidden_dim * c.dss_state_size] if "gss" in c.branches else []
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = [TensorType(F32, [1, w], dev) for w in gss] + [TensorType(F32, [1, n, kv], dev)] * 2
+    with Graph("pha_prefill_state_placement", input_types=[TensorType(DType.int64, [n], dev)]
+               + per_layer * c.n_layers) as g:
+        values = [v.tensor for v in g.inputs]
+        states = PrefillStates(c, values[0], 1, dev)
+        layers = []
+        for l in range(c.n_layers):
+            mine = values[1 + l * len(per_layer): 1 + (l + 1) * len(per_layer)]
+            found = {"attn": (mine[-2], mine[-1])} | ({"gss": mine[0]} if gss else {})
+            layers.append(states.layer(found))
+        g.output(ops.stack(layers, axis=0))
+    model = InferenceSession(devices=[CPU()]).load(g)
+    rng = np.random.default_rng(1)
+    inputs = [np.arange(n, dtype=np.int64)] + [rng.standard_normal([int(d) for d in t.shape]).astype(np.float32)
+                                               for t in per_layer * c.n_layers]
+    return executes(model, inputs)
+
+
 def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
     model, idle = graph
     config = configs(name, n, False)
@@ -163,11 +202,14 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
         calls["qk_rope"] = alone(3, inputs["qk_rope"])
     if "gss" in config.branches:
         calls["gss_scan"] = alone(2, inputs["gss_scan"])
+    placement = state_placement(config, n)
+    if placement is not None:
+        calls["state_placement"] = placement
     seconds = in_rounds(calls, rounds)
     best = {name: min(times) for name, times in seconds.items()}
     # each op's call less an idle call's: the execute's own cost, which the prefill's ops do not pay
-    parts = [{"name": name, "seconds": max(0.0, best[name] - best["idle"]), "flops": flops.get(name)}
-             for name in calls if name not in ("prefill", "idle")]
+    parts = [{"name": name, "seconds": max(0.0, best[name] - best["idle"]), "flops": flops.get(name),
+              "per_layer": name != "state_placement"} for name in calls if name not in ("prefill", "idle")]
     runs = seconds["prefill"]
     row = {"model": name, "context": n, "prefill_seconds_runs": runs, "prefill_spread": spread(runs),
            "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, config.n_layers, peak)}

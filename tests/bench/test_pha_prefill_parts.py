@@ -78,3 +78,11 @@ def test_rounds_call_each_once_per_round_after_a_warm_up():
     seconds = pp.in_rounds({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3)
     assert order == ["a", "b"] * 4  # the warm-up round, then 3
     assert [len(v) for v in seconds.values()] == [3, 3] and all(t >= 0 for v in seconds.values() for t in v)
+
+
+def test_a_part_of_the_whole_prefill_counts_once_and_is_not_a_dense_layer():
+    parts = [{"name": "ffn_0.fc", "seconds": 1e-3, "flops": 2e6},
+             {"name": "state_placement", "seconds": 1e-3, "flops": None, "per_layer": False}]
+    s = pp.summarize(10e-3, parts, 4, 4e9)
+    assert s["parts_ms"] == pytest.approx(5.0) and s["dense_ms"] == pytest.approx(4.0)
+    assert s["parts"][1]["ms"] == pytest.approx(1.0)
