@@ -16,8 +16,8 @@ of each per round (so that every best comes from the same minutes of the machine
     the others idle), on random data of a block's shapes, less an idle call of that graph
     (the execute's own cost, which the ops inside the prefill graph do not pay); every
     block has the same shapes, so a block's parts count n_layers times;
-  - the placement of every layer's state (``PrefillStates``: plain ops, a graph of its own on
-    random inputs of the prefill's shapes, less the same idle call);
+  - the placement of every layer's state (``PrefillStates`` by its op, in a graph of its own
+    on random inputs of the prefill's shapes, less the same idle call);
   - ``rest_ms``: the whole prefill less the parts' sum: the other plain ops and what the
     graph spends between its ops.
 
@@ -148,33 +148,35 @@ def op_inputs(config, n: int, rng) -> dict[str, list]:
 
 
 def state_placement(config, n: int):
-    """A call of the prefill's placement of every layer's state (``PrefillStates``: the GSS
-    state and the keys and values at the n prompt positions into the state's layout, rows past
-    them zero; then the layers stacked), as the prefill graph does it, on random inputs; None
-    for a model without attention (its state is the GSS state as it is)."""
+    """A call of the prefill's placement of every layer's state (``PrefillStates`` by the op,
+    as the CPU prefill graph places them: the GSS state and the keys and values at the n
+    prompt positions into the state's layout, rows past them zero; then the layers stacked),
+    on random inputs; None for a model with neither branch (its state is a zero)."""
     from max.driver import CPU
     from max.dtype import DType
     from max.engine import InferenceSession
-    from max.graph import DeviceRef, Graph, TensorType, ops
+    from max.graph import DeviceRef, Graph, TensorType
 
     from srm_max.graphs.pha.model import PrefillStates
+    from srm_max.runtime.kernels import kernel_library
 
     c, dev, F32 = config, DeviceRef.CPU(), DType.float32
-    if "attn" not in c.branches:
+    if "attn" not in c.branches and "gss" not in c.branches:
         return None
     gss = [2 * c.gss_hidden_dim * c.dss_state_size] if "gss" in c.branches else []
     kv = c.n_kv_heads * c.head_dim
-    per_layer = [TensorType(F32, [1, w], dev) for w in gss] + [TensorType(F32, [1, n, kv], dev)] * 2
+    per_layer = [TensorType(F32, [1, w], dev) for w in gss] \
+        + ([TensorType(F32, [1, n, kv], dev)] * 2 if "attn" in c.branches else [])
     with Graph("pha_prefill_state_placement", input_types=[TensorType(DType.int64, [n], dev)]
-               + per_layer * c.n_layers) as g:
+               + per_layer * c.n_layers, custom_extensions=[kernel_library()]) as g:
         values = [v.tensor for v in g.inputs]
-        states = PrefillStates(c, values[0], 1, dev)
-        layers = []
+        states = PrefillStates(c, values[0], 1, dev, by_op=True)
+        found = []
         for l in range(c.n_layers):
             mine = values[1 + l * len(per_layer): 1 + (l + 1) * len(per_layer)]
-            found = {"attn": (mine[-2], mine[-1])} | ({"gss": mine[0]} if gss else {})
-            layers.append(states.layer(found))
-        g.output(ops.stack(layers, axis=0))
+            found.append(({"attn": (mine[-2], mine[-1])} if "attn" in c.branches else {})
+                         | ({"gss": mine[0]} if gss else {}))
+        g.output(states.stacked(found))
     model = InferenceSession(devices=[CPU()]).load(g)
     rng = np.random.default_rng(1)
     inputs = [np.arange(n, dtype=np.int64)] + [rng.standard_normal([int(d) for d in t.shape]).astype(np.float32)

@@ -17,7 +17,9 @@ OP_PHA_GSS_SCAN = "pha_gss_scan"  # the PHA prefill's GSS scan: outputs and stat
 OP_LINEAR = "srm_linear"  # a dense layer x @ w^T + b through the register-tiled product, CPU
 OP_LINEAR_PACKED = "srm_linear_packed"  # srm_linear on a matrix packed at load (the decode ops' panels), CPU
 OP_PHA_QK_ROPE = "pha_qk_rope"  # the PHA prefill's queries and keys normalised and rotated, CPU
+OP_PHA_PREFILL_STATE = "pha_prefill_state"  # every layer's decode state from what a PHA prefill found, CPU
 
 ALL_OPS = (OP_STEP_FUNCTIONAL, OP_SCAN, OP_DECODE_STEP, OP_DECODE_STEPS, OP_SAMPLE_ROWS,
            OP_WRITE_STATE_ROWS, OP_PHA_DECODE_STEPS, OP_SCORE_ROWS,
-           OP_PHA_PREFILL_ATTENTION, OP_SCORE_HEAD, OP_PHA_GSS_SCAN, OP_LINEAR, OP_LINEAR_PACKED, OP_PHA_QK_ROPE)
+           OP_PHA_PREFILL_ATTENTION, OP_SCORE_HEAD, OP_PHA_GSS_SCAN, OP_LINEAR, OP_LINEAR_PACKED, OP_PHA_QK_ROPE,
+           OP_PHA_PREFILL_STATE)

@@ -14,6 +14,7 @@
     srm_linear                 (linear.mojo)       a dense layer x @ w^T + b, w packed per call, CPU
     srm_linear_packed          (linear_packed.mojo) a dense layer on a matrix packed at load, CPU
     pha_qk_rope                (pha_qk_rope.mojo)  the PHA prefill's queries and keys normalised and rotated, CPU
+    pha_prefill_state          (pha_prefill_state.mojo) every layer's decode state from what a PHA prefill found, CPU
 
 row_sampler.mojo registers no op: it is the per-row token choice of srm_decode_steps,
 pha_decode_steps and srm_sample_rows; tiled_product.mojo registers none either: it is the

@@ -6,9 +6,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from max.graph import DeviceRef, TensorValue, Weight, ops
+from max.graph import DeviceRef, TensorType, TensorValue, Weight, ops
 
 from .. import ops as gops
+from ..op_names import OP_PHA_PREFILL_STATE
 from ..ops import F32, I64, Dense, linear
 from .gss import gss_table_shapes, gss_tables
 
@@ -312,23 +313,27 @@ class PrefillStates:
     [B, T, Hkv*dh]. Cache row i holds position i for i < T (past a prompt's length, the
     padding's rows, which no decode step reads) and zeros after.
 
-    One gather per layer of whole rows of ``w`` floats from a small source (the GSS state,
-    the T rows of keys and values, one zero row) writes the state at memory speed. Building
-    each context-long cache first and concatenating the parts is what a prefill at a long
-    context spent most of a short prompt's time on: MAX's CPU concat copies an inner axis
-    element by element. The row index depends on T alone, so it is built once per graph.
+    ``stacked`` gives every layer's state [L, B, X]. With ``by_op`` (a CPU graph with the
+    Mojo ops) that is one op (mojo/pha_prefill_state.mojo), which reads every input once and
+    writes the states once. Else (``layer``, then the layers stacked: the GPU path, and the
+    op's reference) one gather per layer of whole rows of ``w`` floats from a small source
+    (the GSS state, the T rows of keys and values, one zero row), after transposing the keys
+    and values head-major and concatenating the sources.
+    Building each context-long cache first and concatenating the parts is what a prefill at
+    a long context spent most of a short prompt's time on: MAX's CPU concat copies an inner
+    axis element by element. The row index depends on T alone, so it is built once per graph.
     """
 
-    def __init__(self, config, flat_pos: TensorValue, batch, device: DeviceRef):
+    def __init__(self, config, flat_pos: TensorValue, batch, device: DeviceRef, by_op: bool = False):
         c = self.config = config
         self.layout = lay = StateLayout.of(c)
-        self.batch, self.device = batch, device
+        self.batch, self.device, self.by_op = batch, device, by_op
         dh, n, Hkv = c.head_dim, c.context_length, c.n_kv_heads
         # rows of w floats: whole rows of a cache when w = dh; w divides the GSS state too
         self.w = w = math.gcd(lay.gss, dh) if lay.gss else dh
         self.per_row = s = dh // w  # pieces of w floats per cache row
         self.gss_rows = lay.gss // w
-        if not lay.kv:
+        if not lay.kv or by_op:
             return
         T = ops.max(flat_pos, axis=-1) + 1  # [1]: the prompt positions of this call
         # each piece of the two caches (keys, then values; head-major, then row i, then
@@ -357,6 +362,20 @@ class PrefillStates:
             parts.append(ops.reshape(heads, [B, -1, w]))
         parts.append(ops.broadcast_to(gops.const(np.zeros((1, 1, w), np.float32), F32, self.device), [B, 1, w]))
         return ops.reshape(ops.gather(ops.concat(parts, axis=1), self.index, axis=1), [B, -1])
+
+
+    def stacked(self, found: list[dict]) -> TensorValue:
+        """Every layer's state [L, B, X] from what each layer found (``layer``'s ``found``)."""
+        if not self.by_op or not (self.layout.gss or self.layout.kv):
+            return ops.stack([self.layer(f) for f in found], axis=0)
+        B, c = self.batch, self.config
+        parts = []
+        for f in found:
+            parts += [ops.reshape(f["gss"], [B, 1, 1, -1])] if "gss" in f else []
+            parts += [ops.reshape(t, [B, -1, c.n_kv_heads, c.head_dim]) for t in f.get("attn", ())]
+        (states,) = ops.custom(OP_PHA_PREFILL_STATE, device=self.device, values=parts,
+                               out_types=[TensorType(F32, [len(found), B, self.layout.width], self.device)])
+        return states.tensor
 
 
 def _embed(W: PHAWeights, ids: TensorValue) -> TensorValue:

@@ -45,9 +45,9 @@ def dense_op_device(wdtype: DType, tiled: bool, device: DeviceRef) -> DeviceRef 
 
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
                device: DeviceRef, tiled: bool = False,
-               dense_op: Dense = None) -> tuple[TensorValue, list[TensorValue]]:
+               dense_op: Dense = None) -> tuple[TensorValue, TensorValue]:
     """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
-    each layer's state [B, X] after each prompt's last token). ``tiled``: the attention
+    every layer's state [L, B, X] after each prompt's last token). ``tiled``: the attention
     and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
     ``gss.gss_prefill``; the graph needs the kernel library); ``dense_op``: the dense
     layers through the linear op (``dense_op_device``) or the packed-weight one."""
@@ -56,10 +56,10 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
     B, M = ids.shape[0], ids.shape[1]
     chunk_rows, chunk_cols = floor_div_nonnegative(pos[:, 0], C), floor_div_nonnegative(pos_cols[:, 0], C)
     flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
-    layer_state = PrefillStates(c, flat_pos, B, device)
+    layer_state = PrefillStates(c, flat_pos, B, device, by_op=tiled)
     x = _embed(W, ids)  # [B, M, C, E]
     E = x.shape[-1]
-    states = []
+    found_by_layer = []
     for l in range(c.n_layers):
         found: dict = {}
 
@@ -76,8 +76,8 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
             return out
 
         x = _block(x, l, W, run)
-        states.append(layer_state.layer(found))
-    return x, states
+        found_by_layer.append(found)
+    return x, layer_state.stacked(found_by_layer)
 
 
 def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: DeviceRef | None = None,
@@ -124,5 +124,5 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
         logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=dense_op)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
-        g.output(logits, ops.stack(states, axis=0), *rows_logprobs(x, score_at, W.output(), targets, row_op, copies))
+        g.output(logits, states, *rows_logprobs(x, score_at, W.output(), targets, row_op, copies))
     return g

@@ -30,8 +30,8 @@ GSS_OP = "tests/models/pha/test_pha_gss_scan_op.py::"
 # the SRM's ops (the mixer's step and scan, the whole decode step and its steps with the
 # row sampler, the scored rows' head and row reduction, the prefill's dense layer), the
 # PHA decode op's tests against the reference (the op's engine alone), and the PHA
-# prefill's two ops against float64 (the attention op on lengths across its AVX2 tiles,
-# the GSS scan op).
+# prefill's ops against float64 or numpy (the attention op on lengths across its AVX2
+# tiles, the GSS scan op, the dense layer, the placement of the states).
 GUARD_TESTS = (
     ("tests/models/srm/test_kernels.py", "tests/models/srm/test_decode_step_op.py",
      "tests/models/srm/test_score_head.py", "tests/models/srm/test_score_rows.py",
@@ -43,7 +43,7 @@ GUARD_TESTS = (
         "test_no_steps_returns_the_inputs_and_leaves_the_caller_states")),
     (PREFILL_OP + "test_the_op_equals_float64_causal_attention",
      GSS_OP + "test_the_op_equals_the_float64_recurrence", GSS_OP + "test_the_phases_stay_accurate_over_8192_tokens",
-     "tests/models/pha/test_linear_packed_op.py"),
+     "tests/models/pha/test_linear_packed_op.py", "tests/models/pha/test_prefill_states.py"),
 )
 # Only tests whose graphs are float32 graphs with the Mojo ops (the op-alone graphs are);
 # the slow ones (a virtual GPU's compile) are no CPU code.

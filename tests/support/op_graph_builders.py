@@ -302,33 +302,49 @@ PHA_GSS_SCAN = OpPiece(lambda dev: [TensorType(F32, ["B", "M", "C", "H"], dev), 
                        _gss_scan_body, 2, {"C": 1, "TC": 1, "EC": 1, "OC": 1, "S": 2})
 
 
-# The PHA prefill's placement of each layer's states in the state tensor (``PrefillStates``),
-# alone, for two configs in one graph: head width 4 and a GSS state of 2 * 3 * 3 = 18 floats
-# (pieces of gcd(18, 4) = 2 floats per cache row), and a model without the GSS branch.
+# The PHA prefill's placement of each layer's states in the state tensor (``PrefillStates``,
+# by plain ops and by the op), alone, for three configs in one graph: head width 4 and a GSS
+# state of 2 * 3 * 3 = 18 floats (pieces of gcd(18, 4) = 2 floats per cache row), a model
+# without the GSS branch and one without the attention.
 PHA_PREFILL_STATES = "pha_prefill_states"
 NARROW = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
                    gss_hidden_dim=3, dss_state_size=3)
 NO_GSS = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
                    branches=("attn", "ffn"))
-PREFILL_STATES_CONFIGS = (NARROW, NO_GSS)
+NO_ATTN = PHAConfig(vocab_size=40, d_model=16, n_layers=1, context_length=12, n_q_heads=4, n_kv_heads=2,
+                    gss_hidden_dim=3, dss_state_size=3, branches=("gss", "ffn"))
+PREFILL_STATES_CONFIGS = (NARROW, NO_GSS, NO_ATTN)
+PREFILL_STATES_LAYERS = 2  # each config's states placed for this many layers at once
+
+
+def prefill_states_inputs(config, dev) -> list[TensorType]:
+    """One layer's inputs of ``PrefillStates``: its GSS state [b, gss] and its keys and values
+    [b, t, kv], those of them the config's branches have."""
+    lay, kv = StateLayout.of(config), config.n_kv_heads * config.head_dim
+    return ([TensorType(F32, ["b", lay.gss], dev)] if lay.gss else []) \
+        + ([TensorType(F32, ["b", "t", kv], dev)] * 2 if lay.kv else [])
 
 
 def pha_prefill_states_graph(dev):
-    """(positions [T], then per config: its GSS state [b, gss] if it has one, keys and values
-    [b, T, kv]) -> each config's state rows [b, width]."""
-    kv = NARROW.n_kv_heads * NARROW.head_dim
+    """(positions [T], then per config and layer ``prefill_states_inputs``) -> per config its
+    states [layers, b, width] by plain ops, then by the op (``PrefillStates``' two paths)."""
     inputs = [TensorType(I64, ["t"], dev)]
     for c in PREFILL_STATES_CONFIGS:
-        gss = StateLayout.of(c).gss
-        inputs += ([TensorType(F32, ["b", gss], dev)] if gss else []) + [TensorType(F32, ["b", "t", kv], dev)] * 2
-    with Graph("pha_prefill_states_alone", input_types=inputs) as g:
+        inputs += prefill_states_inputs(c, dev) * PREFILL_STATES_LAYERS
+    with Graph("pha_prefill_states_alone", input_types=inputs, custom_extensions=[kernel_library()]) as g:
         pos, *rest = (v.tensor for v in g.inputs)
         outs = []
         for c in PREFILL_STATES_CONFIGS:
-            found = {}
-            if StateLayout.of(c).gss:
-                found["gss"], rest = rest[0], rest[1:]
-            found["attn"], rest = (rest[0], rest[1]), rest[2:]
-            outs.append(PrefillStates(c, pos, found["attn"][0].shape[0], dev).layer(found))
+            lay, found_by_layer = StateLayout.of(c), []
+            for _ in range(PREFILL_STATES_LAYERS):
+                found = {}
+                if lay.gss:
+                    found["gss"], rest = rest[0], rest[1:]
+                if lay.kv:
+                    found["attn"], rest = (rest[0], rest[1]), rest[2:]
+                found_by_layer.append(found)
+            first = found_by_layer[0]
+            batch = (first["attn"][0] if "attn" in first else first["gss"]).shape[0]
+            outs += [PrefillStates(c, pos, batch, dev, by_op=op).stacked(found_by_layer) for op in (False, True)]
         g.output(*outs)
     return g

@@ -52,7 +52,7 @@ PIECES = {
     OP_PHA_QK_ROPE: build.PHA_QK_ROPE,
 }
 # graphs of their own: the row sampler beside graphs/sampler.py's sampler (a static row
-# width), and the PHA prefill's state placement (plain ops)
+# width), and the PHA prefill's state placement (plain ops beside the op)
 ALONE = {
     OP_SAMPLE_ROWS: build.sample_rows_graph,
     build.PHA_PREFILL_STATES: build.pha_prefill_states_graph,

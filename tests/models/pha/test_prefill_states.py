@@ -1,10 +1,11 @@
 """``PrefillStates``, the prefill's placement of each layer's GSS state, keys and values in
-the state tensor, against numpy, where the engine tests do not reach: pieces of a cache
-row narrower than the row (a GSS state that is not a whole number of cache rows), a
+the state tensor, by plain ops and by the op (mojo/pha_prefill_state.mojo), against numpy,
+where the engine tests do not reach: pieces of a cache row narrower than the row (a GSS state that is not a whole number of cache rows), a
 prompt shorter than the context (zero rows after it) and one longer (the chunk padding
-runs past the context), two samples, and a model without the GSS branch.
+runs past the context), two samples, two layers at once, and models without the GSS branch
+and without the attention.
 
-One small graph holds both configs (tests/support/op_graph_builders.py), compiled up front
+One small graph holds the configs (tests/support/op_graph_builders.py), compiled up front
 with the suite's other graphs."""
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import pytest
 from srm_max.graphs.pha.model import StateLayout
 from tests.support.graphs import op_graphs
 from tests.support.op_graph_builders import NARROW, PHA_PREFILL_STATES, PREFILL_STATES_CONFIGS as CONFIGS
+from tests.support.op_graph_builders import PREFILL_STATES_LAYERS as LAYERS
 
-pytestmark = op_graphs(PHA_PREFILL_STATES)  # one small graph holds both configs
+pytestmark = op_graphs(PHA_PREFILL_STATES)  # one small graph holds the configs
 
 
 def expected_state(config, gss, keys, values):
     """The state row of each sample: the GSS state, then each cache [Hkv, n, dh] holding
     position i at row i for i < T and zeros after."""
     c = config
+    if keys is None:
+        return gss
     B, T = keys.shape[:2]
     n, Hkv, dh = c.context_length, c.n_kv_heads, c.head_dim
     caches = []
@@ -45,15 +49,19 @@ def model():
 def test_the_states_hold_the_gss_state_then_each_cache_with_zeros_after_the_prompt(model, T):
     assert StateLayout.of(NARROW).gss == 18 and NARROW.head_dim == 4  # pieces of 2 floats
     rng = np.random.default_rng(T)
-    B, kv = 2, NARROW.n_kv_heads * NARROW.head_dim
+    B = 2
     args, want = [np.arange(T, dtype=np.int64)], []
     for c in CONFIGS:
-        gss_width = StateLayout.of(c).gss
-        gss = rng.standard_normal((B, gss_width)).astype(np.float32) if gss_width else None
-        keys, values = (rng.standard_normal((B, T, kv)).astype(np.float32) for _ in range(2))
-        args += ([gss] if gss is not None else []) + [keys, values]
-        want.append(expected_state(c, gss, keys, values))
+        lay, kv = StateLayout.of(c), c.n_kv_heads * c.head_dim
+        layers = []
+        for _ in range(LAYERS):
+            gss = rng.standard_normal((B, lay.gss)).astype(np.float32) if lay.gss else None
+            keys, values = (rng.standard_normal((B, T, kv)).astype(np.float32) if lay.kv else None for _ in range(2))
+            args += [a for a in (gss, keys, values) if a is not None]
+            layers.append(expected_state(c, gss, keys, values))
+        want.append(np.stack(layers))
     got = [out.to_numpy() for out in model.execute(*args)]
-    for c, g_, w_ in zip(CONFIGS, got, want):
-        assert g_.shape == (B, StateLayout.of(c).width)
-        np.testing.assert_array_equal(g_, w_)
+    for i, (c, w_) in enumerate(zip(CONFIGS, want)):
+        for g_ in got[2 * i: 2 * i + 2]:  # by plain ops, then by the op
+            assert g_.shape == (LAYERS, B, StateLayout.of(c).width)
+            np.testing.assert_array_equal(g_, w_)
