@@ -315,13 +315,13 @@ class PrefillStates:
 
     ``stacked`` gives every layer's state [L, B, X]. With ``by_op`` (a CPU graph with the
     Mojo ops) that is one op (mojo/pha_prefill_state.mojo), which reads every input once and
-    writes the states once. Else (``layer``, then the layers stacked: the GPU path, and the
-    op's reference) one gather per layer of whole rows of ``w`` floats from a small source
-    (the GSS state, the T rows of keys and values, one zero row), after transposing the keys
-    and values head-major and concatenating the sources.
-    Building each context-long cache first and concatenating the parts is what a prefill at
-    a long context spent most of a short prompt's time on: MAX's CPU concat copies an inner
-    axis element by element. The row index depends on T alone, so it is built once per graph.
+    writes the states once. Else (``layer`` per layer, then the layers stacked: the GPU path,
+    and the op's reference) one gather per layer of whole rows of ``w`` floats from a small
+    source: the keys and values transposed head-major, concatenated with the GSS state and
+    one zero row. Building each context-long cache first and concatenating the parts is what
+    a prefill at a long context spent most of a short prompt's time on: MAX's CPU concat
+    copies an inner axis element by element. The row index depends on T alone, so it is
+    built once per graph.
     """
 
     def __init__(self, config, flat_pos: TensorValue, batch, device: DeviceRef, by_op: bool = False):
@@ -362,7 +362,6 @@ class PrefillStates:
             parts.append(ops.reshape(heads, [B, -1, w]))
         parts.append(ops.broadcast_to(gops.const(np.zeros((1, 1, w), np.float32), F32, self.device), [B, 1, w]))
         return ops.reshape(ops.gather(ops.concat(parts, axis=1), self.index, axis=1), [B, -1])
-
 
     def stacked(self, found: list[dict]) -> TensorValue:
         """Every layer's state [L, B, X] from what each layer found (``layer``'s ``found``)."""
