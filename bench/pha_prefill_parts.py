@@ -44,7 +44,7 @@ from bench.common import RESULTS, command_line, machine_info, write_json
 from bench.pha_long_context import attention_flops, configs, dense_layers, engine_of, spread
 
 OUT = RESULTS / "pha_prefill_parts.json"
-# the ops' graph: its pieces in this order (each call's inputs are the pieces' one after the other)
+# the ops' graph: its pieces in this order (a call's inputs are the pieces' one after the other)
 OPS = ("dense", "attention", "gss_scan", "qk_rope")
 NOT_DENSE = OPS[1:] + ("state_placement",)
 
@@ -74,28 +74,18 @@ def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> 
 
 
 def ops_graph():
-    """The four ops side by side in one graph, compiled and loaded (one compile serves every
-    shape: their dimensions are symbolic)."""
+    """The four ops side by side in one graph (``OPS``' order), compiled and loaded (one
+    compile serves every shape: their dimensions are symbolic), and each op's idle inputs."""
     from max.driver import CPU
     from max.engine import InferenceSession
     from max.graph import DeviceRef
 
     from tests.support.op_graph_builders import LINEAR_PACKED, PHA_ATTENTION, PHA_GSS_SCAN, PHA_QK_ROPE, together
 
-    pieces = (LINEAR_PACKED, PHA_ATTENTION, PHA_GSS_SCAN, PHA_QK_ROPE)
-    dev = DeviceRef.CPU()
-    model = InferenceSession(devices=[CPU()]).load(together("pha_prefill_parts", list(pieces), dev))
-    return model, [idle_inputs(p, dev) for p in pieces]
-
-
-def idle_inputs(piece, dev) -> list[np.ndarray]:
-    """A piece's inputs for a call that does nothing (its symbolic dimensions at their idle sizes)."""
-    from max.dtype import DType
-    from max.graph import SymbolicDim
-
-    numpy_of = {DType.float32: np.float32, DType.int64: np.int64, DType.uint64: np.uint64}
-    return [np.zeros([piece.idle.get(d.name, 0) if isinstance(d, SymbolicDim) else int(d) for d in t.shape],
-                     numpy_of[t.dtype]) for t in piece.types(dev)]
+    pieces = dict(zip(OPS, (LINEAR_PACKED, PHA_ATTENTION, PHA_GSS_SCAN, PHA_QK_ROPE)))
+    model = InferenceSession(devices=[CPU()]).load(together("pha_prefill_parts", list(pieces.values()),
+                                                            DeviceRef.CPU()))
+    return model, {op: piece.idle_inputs() for op, piece in pieces.items()}
 
 
 def in_rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
@@ -113,11 +103,11 @@ def in_rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
     return seconds
 
 
-def executes(model, inputs: list[np.ndarray]):
-    """A call of ``model`` on ``inputs``, copied into buffers once."""
+def executes(model, inputs: list):
+    """A call of ``model`` on ``inputs`` (buffers, or arrays copied into buffers once)."""
     from max.driver import Buffer
 
-    buffers = [Buffer.from_numpy(np.ascontiguousarray(a)) for a in inputs]
+    buffers = [a if isinstance(a, Buffer) else Buffer.from_numpy(np.ascontiguousarray(a)) for a in inputs]
     return lambda: model.execute(*buffers)
 
 
@@ -191,19 +181,19 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
     prompt = [np.random.default_rng(n).integers(0, config.vocab_size, n).tolist()]
     inputs = op_inputs(config, n, np.random.default_rng(0))
 
-    def alone(which: int, args: list):
-        """A call of op ``which`` of the graph on ``args``, the others idle."""
-        return executes(model, [a for i, piece in enumerate(idle) for a in (args if i == which else piece)])
+    def alone(op: str, args: list):
+        """A call of ``op`` of the graph on ``args``, the others idle."""
+        return executes(model, [a for other in OPS for a in (args if other == op else idle[other])])
 
-    calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for p in idle for a in p])}
+    calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for op in OPS for a in idle[op]])}
     flops = {}
     for d in dense_layers(config):
-        calls[d["name"]], flops[d["name"]] = alone(0, inputs["dense"][d["name"]]), 2.0 * n * d["N"] * d["K"]
+        calls[d["name"]], flops[d["name"]] = alone("dense", inputs["dense"][d["name"]]), 2.0 * n * d["N"] * d["K"]
     if "attn" in config.branches:
-        calls["attention"], flops["attention"] = alone(1, inputs["attention"]), attention_flops(config, n)
-        calls["qk_rope"] = alone(3, inputs["qk_rope"])
+        calls["attention"], flops["attention"] = alone("attention", inputs["attention"]), attention_flops(config, n)
+        calls["qk_rope"] = alone("qk_rope", inputs["qk_rope"])
     if "gss" in config.branches:
-        calls["gss_scan"] = alone(2, inputs["gss_scan"])
+        calls["gss_scan"] = alone("gss_scan", inputs["gss_scan"])
     placement = state_placement(config, n)
     if placement is not None:
         calls["state_placement"] = placement

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+from max.driver import Buffer
 from max.dtype import DType
-from max.graph import Dim, Graph, SymbolicDim, TensorType, ops
+from max.graph import DeviceRef, Dim, Graph, StaticDim, SymbolicDim, TensorType, ops
 
 from srm_max.graphs import sampler
 from srm_max.graphs.pha.model import PrefillStates, StateLayout
@@ -58,6 +60,18 @@ class OpPiece:
     body: Callable  # (input values, device) -> [outputs]
     outputs: int  # how many ``body`` returns (a call of the ``together`` graph picks its own by it)
     idle: dict = field(default_factory=dict)  # dimension -> size where not 0 (the op's shape checks)
+
+    def idle_inputs(self) -> list:
+        """Zeros of the piece's input types (CPU buffers), each symbolic dimension 0 or its
+        ``idle`` size: a call that gives the op nothing to do."""
+        arrays = []
+        for t in self.types(DeviceRef.CPU()):
+            shape = [int(d) if isinstance(d, StaticDim) else self.idle.get(d.name, 0) for d in t.shape]
+            if t.dtype == DType.bfloat16:  # numpy has none: zeros as its bit patterns
+                arrays.append(Buffer.from_numpy(np.zeros(shape, np.uint16)).view(DType.bfloat16))
+            else:
+                arrays.append(Buffer.from_numpy(np.zeros(shape, t.dtype.to_numpy())))
+        return arrays
 
 
 def graph_of(name: str, piece: OpPiece, dev) -> Graph:

@@ -15,11 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import numpy as np
-from max.driver import CPU, Buffer
-from max.dtype import DType
+from max.driver import CPU
 from max.engine import InferenceSession
-from max.graph import DeviceRef, StaticDim
 
 from srm_max.graphs.op_names import (OP_DECODE_STEP, OP_DECODE_STEPS, OP_LINEAR, OP_LINEAR_PACKED, OP_PHA_GSS_SCAN,
                                      OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE, OP_SAMPLE_ROWS, OP_SCAN, OP_SCORE_HEAD,
@@ -120,25 +117,13 @@ class OneOpOfTogether:
         kinds, pieces = list(PIECES), list(PIECES.values())
         i = kinds.index(kind)
         self._model = model
-        self._before = [a for p in pieces[:i] for a in _idle_inputs(p)]
-        self._after = [a for p in pieces[i + 1:] for a in _idle_inputs(p)]
+        self._before = [a for p in pieces[:i] for a in p.idle_inputs()]
+        self._after = [a for p in pieces[i + 1:] for a in p.idle_inputs()]
         self._first = sum(p.outputs for p in pieces[:i])
         self._count = pieces[i].outputs
 
     def execute(self, *inputs):
         return self._model.execute(*self._before, *inputs, *self._after)[self._first:self._first + self._count]
-
-
-def _idle_inputs(piece) -> list[Buffer]:
-    """Zeros of ``piece``'s input types, each symbolic dimension 0 or its ``idle`` size."""
-    arrays = []
-    for t in piece.types(DeviceRef.CPU()):
-        shape = [int(d) if isinstance(d, StaticDim) else piece.idle.get(d.name, 0) for d in t.shape]
-        if t.dtype == DType.bfloat16:  # numpy has none: zeros as its bit patterns
-            arrays.append(Buffer.from_numpy(np.zeros(shape, np.uint16)).view(DType.bfloat16))
-        else:
-            arrays.append(Buffer.from_numpy(np.zeros(shape, t.dtype.to_numpy())))
-    return arrays
 
 
 _session = None
