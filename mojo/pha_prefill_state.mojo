@@ -125,18 +125,18 @@ struct PhaPrefillState:
         var Hkv = 0
         var dh = 1
         comptime for i in range(parts.size):
-            var j = i % per_layer
-            var shape = IndexList4(parts[i].dim_size(0), parts[i].dim_size(1), parts[i].dim_size(2),
-                                   parts[i].dim_size(3))
-            if shape.b != B:
+            var rows = parts[i].dim_size(1)
+            var heads = parts[i].dim_size(2)
+            var width = parts[i].dim_size(3)
+            if parts[i].dim_size(0) != B:
                 raise Error("pha_prefill_state: every part must have the states' ", B, " samples")
-            if per_layer != 2 and j == 0:  # the GSS state
-                if shape.t != 1 or shape.h != 1 or (i > 0 and shape.w != G):
+            if per_layer != 2 and i % per_layer == 0:  # the GSS state
+                if rows != 1 or heads != 1 or (i > 0 and width != G):
                     raise Error("pha_prefill_state: a GSS state must be [B, 1, 1, G], the same G in every layer")
-                G = shape.w
+                G = width
             elif i == per_layer - 2:  # the first layer's keys set T, Hkv and dh
-                T, Hkv, dh = shape.t, shape.h, shape.w
-            elif shape.t != T or shape.h != Hkv or shape.w != dh:
+                T, Hkv, dh = rows, heads, width
+            elif rows != T or heads != Hkv or width != dh:
                 raise Error("pha_prefill_state: every layer's keys and values must have the same [B, T, Hkv, dh]")
         if per_layer == 1:
             if X != G:
@@ -160,13 +160,3 @@ struct PhaPrefillState:
 
         sync_parallelize(work, workers)
         _ = addresses^
-
-
-@fieldwise_init
-struct IndexList4(ImplicitlyCopyable, Movable):
-    """A part's four sizes by name: samples, rows, heads, width."""
-
-    var b: Int
-    var t: Int
-    var h: Int
-    var w: Int
