@@ -1,12 +1,14 @@
 """The PHA prefill's GSS scan on the CPU: the DSS output of every token of right-padded
 prompts in chunks, and each sample's state after its last token, in one op.
 
-    pha_gss_scan(xs [B, M, C, H] f32, taps [H, C] f32, d [H] f32, p_end [C, 2N] f32,
-                 p_out_t [2N, C] f32, p_step [S, 2N] f32, ct [H, 2N] f32, lengths [B] int64)
+    pha_gss_scan(xs [B, M, C, H] f32, taps [H, C] f32, long_taps [LT, H] f32, d [H] f32,
+                 p_end [C, 2N] f32, p_out_t [2N, C] f32, p_step [S, 2N] f32, ct [H, 2N] f32,
+                 lengths [B] int64)
         -> y [B, M, C, H] f32, state [B, 2, H, N] f32
 
 The tables are the graph's load-time GSS tables (graphs/pha/gss.py ``gss_tables``, float64
-rounded once): taps[h, k] = K[k, h], the in-chunk kernel Re(sum_n Ct A**k); p_end[i] =
+rounded once): taps[h, k] = K[k, h], the in-chunk kernel Re(sum_n Ct A**k), and long_taps[k]
+= K[k] for every lag k < LT; p_end[i] =
 A**(C-1-i) and p_out_t[:, j] = (Re, -Im) of A**(j+1) per mode (real parts, then imaginary
 parts); p_step[k] = A**k (S > C); ct[h] = Ct's row of channel h. xs[b, m, i, h] is the
 DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0:
@@ -17,8 +19,11 @@ DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0:
               + Re(sum_n Ct A**(j+1) P_m)         the state carried in (p_out)
               + D x[mC + j]
 
-for the chunks holding the prompt (k = ceil(lengths[b] / C) of them); past them the
-carried share is zero (padding: no caller reads those rows). state[b, :, h] is the state
+for the chunks holding the prompt (k = ceil(lengths[b] / C) of them); past them y is zero
+(padding: no caller reads those rows). Where the padded prompts fit the long taps (M C <=
+LT) the first two lines are one sum over the whole prompt instead, y[t] = sum_{k <= t} K[k]
+x[t - k] + D x[t], T / 2 multiply-adds per token and channel on average against the carried
+share's 2N, and the chunks are walked for the state alone. state[b, :, h] is the state
 after the prompt's last token, at offset j of chunk k - 1:
 
     A**(j+1) P_{k-1} + sum_{i <= j} A**(j-i) x[(k-1)C + i]   (p_step's row j + 1; p_end's
@@ -30,8 +35,10 @@ O(M**2 H N) on an [M, M] decay matrix per mode (graphs/pha/gss.py ``carried_by_m
 the op's reference). The state is carried in float64, so the only rounding that compounds
 is that of A**C to float32.
 
-Work: a unit is (sample, MR channels), walking its chunks in order; the workers (one per
-core) claim units from an atomic counter. Per chunk a unit copies its channels' inputs
+Work: a unit is (sample, MR channels), walking its chunks in order, or, for the whole-prompt
+sum, LONG_UNIT rows of one sample's outputs with every channel (register tiles of LR rows by
+a vector of channels); the workers (one per core) claim units from an atomic counter, the
+chunk walks first. Per chunk a unit copies its channels' inputs
 into rows of its own ([MR, C]), multiplies them by p_end (the register-tiled product of
 mojo/tiled_product.mojo), carries its channels' float64 states, multiplies Ct P by p_out_t
 (skipped in chunk 0, where P is zero) and adds the Toeplitz sum along each row, a vector
@@ -41,6 +48,7 @@ call; p_out_t's panels are read where they lie (C floats a row), only a last one
 than NB copied, zero padded. The tensors must be contiguous and row-major.
 """
 from std.atomic import Atomic
+from std.memory import stack_allocation
 from std.sys import num_physical_cores, simd_width_of
 
 from extensibility import InputTensor, OutputTensor, register
@@ -56,6 +64,11 @@ comptime F32P = Pointer[Float32, MutUntrackedOrigin]
 comptime F64P = Pointer[Float64, MutUntrackedOrigin]
 comptime I64P = Pointer[Int64, MutUntrackedOrigin]
 comptime MAX_WORKERS = 8
+# The whole-prompt sum: rows of outputs per register tile (accumulators, the R + 1 input rows
+# two lags share and two tap vectors stay in registers: 19 of AVX-512's 32, 11 of AVX2's 16)
+# and rows per work unit.
+comptime LR = 8 if W == 16 else 4
+comptime LONG_UNIT = 32
 
 
 @fieldwise_init
@@ -79,6 +92,8 @@ struct Scan(ImplicitlyCopyable, Movable):
     var out_tail: F32P  # [2N, NB]
     var ct: F32P
     var taps: F32P
+    var long_taps: F32P  # [LT, H]: K[k, h] for every lag of a whole prompt
+    var whole: Bool  # M C <= LT: the outputs by one Toeplitz sum over each whole prompt
     var y: F32P
     var state: F32P
 
@@ -147,20 +162,20 @@ def _state_after(s: Scan, keep: F64P, a: F32P, local: F32P, re_out: F32P, im_out
         n += 1
 
 
-def _toeplitz(row: F32P, x: F32P, taps: F32P, carried: F32P, d: Float32, C: Int, live: Bool):
-    """row[j] = carried[j] (if live) + (K[0] + D) x[j] + sum_{0 < k <= j} K[k] x[j - k]:
+def _toeplitz(row: F32P, x: F32P, taps: F32P, carried: F32P, d: Float32, C: Int, carried_in: Bool):
+    """row[j] = carried[j] (if carried_in) + (K[0] + D) x[j] + sum_{0 < k <= j} K[k] x[j - k]:
     for each lag k, a vector of tokens j at a time."""
     var t0 = SIMD[F32, W](taps[unsafe_offset=0] + d)
     var j = 0
     while j + W <= C:
         var v = t0 * x.unsafe_load[width=W](j)
-        if live:
+        if carried_in:
             v += carried.unsafe_load[width=W](j)
         row.unsafe_store(j, v)
         j += W
     while j < C:
         row[unsafe_offset=j] = (taps[unsafe_offset=0] + d) * x[unsafe_offset=j] + (
-            carried[unsafe_offset=j] if live else 0)
+            carried[unsafe_offset=j] if carried_in else 0)
         j += 1
     for k in range(1, C):
         var tk = taps[unsafe_offset=k]
@@ -211,24 +226,29 @@ def _unit(s: Scan, u: Int, r: Rows):
         r.p[unsafe_offset=i] = 0
         i += 1
     for m in range(s.M):
+        if m >= chunks:  # past the prompt: nothing to carry; zero outputs, no caller reads them
+            if not s.whole:
+                for j in range(C):
+                    for g in range(rows):
+                        s.y[unsafe_offset=((b * s.M + m) * C + j) * H + h0 + g] = 0
+            continue
         var chunk = s.xs.unsafe_offset((b * s.M + m) * C * H)
         for i in range(C):
             for g in range(rows):
                 r.xt[unsafe_offset=g * C + i] = chunk[unsafe_offset=i * H + h0 + g]
-        var live = m < chunks
         var is_last = m == chunks - 1
-        if live:
-            for panel in range(pe):
-                tile_product(r.ends.unsafe_offset(panel * NB), ew, r.xt, C, s.end_panels.unsafe_offset(panel * C * NB),
-                             C)
-            for g in range(rows):
-                _carry(s, r.p.unsafe_offset(g * two_n), r.ends.unsafe_offset(g * ew), s.ct.unsafe_offset((h0 + g) * two_n),
-                       r.q.unsafe_offset(g * two_n), r.keep.unsafe_offset(g * two_n), is_last)
-            var po = (C + NB - 1) // NB if m > 0 else 0  # nothing is carried into chunk 0
-            for panel in range(po):
-                var whole = (panel + 1) * NB <= C
-                var src = s.p_out_t.unsafe_offset(panel * NB) if whole else s.out_tail
-                tile_product(r.carried.unsafe_offset(panel * NB), ow, r.q, two_n, src, two_n, C if whole else NB)
+        for panel in range(pe):
+            tile_product(r.ends.unsafe_offset(panel * NB), ew, r.xt, C, s.end_panels.unsafe_offset(panel * C * NB), C)
+        for g in range(rows):
+            _carry(s, r.p.unsafe_offset(g * two_n), r.ends.unsafe_offset(g * ew), s.ct.unsafe_offset((h0 + g) * two_n),
+                   r.q.unsafe_offset(g * two_n), r.keep.unsafe_offset(g * two_n), is_last)
+        # the carried share of the outputs (nothing is carried into chunk 0; the whole-prompt
+        # sum holds it)
+        var po = (C + NB - 1) // NB if m > 0 and not s.whole else 0
+        for panel in range(po):
+            var whole = (panel + 1) * NB <= C
+            var src = s.p_out_t.unsafe_offset(panel * NB) if whole else s.out_tail
+            tile_product(r.carried.unsafe_offset(panel * NB), ow, r.q, two_n, src, two_n, C if whole else NB)
         if is_last:
             # the state after the last token, offset j: A**(j+1) P_m + the chunk's inputs
             # up to j times p_end's last j + 1 rows (A**(j-i)), the same product as S_m's
@@ -240,10 +260,12 @@ def _unit(s: Scan, u: Int, r: Rows):
                 var re_out = s.state.unsafe_offset((b * 2 * H + h0 + g) * N)
                 _state_after(s, r.keep.unsafe_offset(g * two_n), s.steps.unsafe_offset((j + 1) * two_n),
                              r.ends.unsafe_offset(g * ew), re_out, re_out.unsafe_offset(H * N))
+        if s.whole:
+            continue
         for g in range(rows):
             var h = h0 + g
             _toeplitz(r.row, r.xt.unsafe_offset(g * C), s.taps.unsafe_offset(h * C), r.carried.unsafe_offset(g * ow),
-                      s.d[unsafe_offset=h], C, live and m > 0)
+                      s.d[unsafe_offset=h], C, m > 0)
             for j in range(C):
                 s.y[unsafe_offset=((b * s.M + m) * C + j) * H + h] = r.row[unsafe_offset=j]
     if chunks == 0:
@@ -252,6 +274,78 @@ def _unit(s: Scan, u: Int, r: Rows):
             for n in range(N):
                 re_out[unsafe_offset=n] = 0
                 re_out[unsafe_offset=H * N + n] = 0
+
+
+@always_inline
+def _long_rows[R: Int, WV: Int](s: Scan, x: F32P, y: F32P, j0: Int, h: Int):
+    """y[j, h .. h + WV) = sum_{k <= j} K[k] x[j - k] + D x[j] for the R rows j = j0 + r of
+    one sample (x, y: its first row; rows H floats apart). Lags are taken two at a time:
+    the R + 1 input rows j0 - k - 1 + i serve row r at lag k (i = r + 1) and at lag k + 1
+    (i = r), so each loaded vector feeds two FMAs."""
+    var H = s.H
+    var taps = s.long_taps
+    var acc = stack_allocation[R * WV, Float32]()
+    var xv = stack_allocation[(R + 1) * WV, Float32]()
+    var dv = s.d.unsafe_load[width=WV](h)
+    comptime for r in range(R):
+        acc.unsafe_store(r * WV, dv * x.unsafe_load[width=WV]((j0 + r) * H + h))
+    var k = 0
+    while k + 1 <= j0:  # lags every row has
+        var t0 = taps.unsafe_load[width=WV](k * H + h)
+        var t1 = taps.unsafe_load[width=WV]((k + 1) * H + h)
+        comptime for i in range(R + 1):
+            xv.unsafe_store(i * WV, x.unsafe_load[width=WV]((j0 - k - 1 + i) * H + h))
+        comptime for r in range(R):
+            var a = t0.fma(xv.unsafe_load[width=WV]((r + 1) * WV), acc.unsafe_load[width=WV](r * WV))
+            acc.unsafe_store(r * WV, t1.fma(xv.unsafe_load[width=WV](r * WV), a))
+        k += 2
+    if k <= j0:
+        var t0 = taps.unsafe_load[width=WV](k * H + h)
+        comptime for r in range(R):
+            acc.unsafe_store(r * WV, t0.fma(x.unsafe_load[width=WV]((j0 + r - k) * H + h),
+                                            acc.unsafe_load[width=WV](r * WV)))
+    comptime for q in range(1, R):  # lag j0 + q reaches rows r >= q only
+        var t = taps.unsafe_load[width=WV]((j0 + q) * H + h)
+        comptime for r in range(q, R):
+            acc.unsafe_store(r * WV, t.fma(x.unsafe_load[width=WV]((r - q) * H + h), acc.unsafe_load[width=WV](r * WV)))
+    comptime for r in range(R):
+        y.unsafe_store((j0 + r) * H + h, acc.unsafe_load[width=WV](r * WV))
+
+
+@always_inline
+def _long_block[R: Int](s: Scan, x: F32P, y: F32P, j0: Int):
+    """``_long_rows`` over every channel: whole vectors, then single channels."""
+    var h = 0
+    while h + W <= s.H:
+        _long_rows[R, W](s, x, y, j0, h)
+        h += W
+    while h < s.H:
+        _long_rows[R, 1](s, x, y, j0, h)
+        h += 1
+
+
+def _long_unit(s: Scan, u: Int):
+    """The outputs of LONG_UNIT rows of one sample, every channel, by the whole-prompt sum
+    (zeros past the prompt's chunks, as ``_unit`` leaves them). A sample's units are taken
+    last rows first: they are the dearest, so the cheap ones fill the workers' ends."""
+    var T = s.M * s.C
+    var per = (T + LONG_UNIT - 1) // LONG_UNIT
+    var b = u // per
+    var first = (per - 1 - u % per) * LONG_UNIT
+    var end = min(first + LONG_UNIT, T)
+    var length = Int(s.lengths[unsafe_offset=b])
+    var live = min(end, (length + s.C - 1) // s.C * s.C)
+    var x = s.xs.unsafe_offset(b * T * s.H)
+    var y = s.y.unsafe_offset(b * T * s.H)
+    var j = first
+    while j + LR <= live:
+        _long_block[LR](s, x, y, j)
+        j += LR
+    while j < live:
+        _long_block[1](s, x, y, j)
+        j += 1
+    for i in range(j * s.H, end * s.H):
+        y[unsafe_offset=i] = 0
 
 
 def _worker(s: Scan, counter: I64P):
@@ -267,12 +361,16 @@ def _worker(s: Scan, counter: I64P):
     var carried = q.unsafe_offset(MR * two_n)
     var row = carried.unsafe_offset(MR * s.out_width())
     var rows = Rows(xt, ends, q, carried, row, p, p.unsafe_offset(MR * two_n))
-    var units = s.B * ((s.H + MR - 1) // MR)
+    var chunk_units = s.B * ((s.H + MR - 1) // MR)
+    var units = chunk_units + (s.B * ((s.M * s.C + LONG_UNIT - 1) // LONG_UNIT) if s.whole else 0)
     while True:
         var u = Int(Atomic[Int64].fetch_add(counter, 1))
         if u >= units:
             break
-        _unit(s, u, rows)
+        if u < chunk_units:
+            _unit(s, u, rows)
+        else:
+            _long_unit(s, u - chunk_units)
     _ = f32_store^
     _ = f64_store^
 
@@ -295,6 +393,7 @@ struct PhaGssScan:
         state: OutputTensor[dtype=DType.float32, rank=4, ...],
         xs: InputTensor[dtype=DType.float32, rank=4, ...],
         taps: InputTensor[dtype=DType.float32, rank=2, ...],
+        long_taps: InputTensor[dtype=DType.float32, rank=2, ...],
         d: InputTensor[dtype=DType.float32, rank=1, ...],
         p_end: InputTensor[dtype=DType.float32, rank=2, ...],
         p_out_t: InputTensor[dtype=DType.float32, rank=2, ...],
@@ -317,6 +416,8 @@ struct PhaGssScan:
             raise Error("pha_gss_scan: p_end's last axis (", row, ") must be 2N: real parts, then imaginary")
         if taps.dim_size(0) != H or taps.dim_size(1) != C:
             raise Error("pha_gss_scan: taps must be [H, C] = [", H, ", ", C, "]")
+        if long_taps.dim_size(1) != H:
+            raise Error("pha_gss_scan: long_taps must be [LT, H] with H = ", H)
         if d.dim_size(0) != H:
             raise Error("pha_gss_scan: d has ", d.dim_size(0), " entries for ", H, " channels")
         if p_end.dim_size(0) != C:
@@ -338,8 +439,7 @@ struct PhaGssScan:
             var n = Int(lengths[b])
             if n < 0 or n > M * C:
                 raise Error("pha_gss_scan: lengths[", b, "] = ", n, " outside [0, ", M * C, "]")
-        var units = B * ((H + MR - 1) // MR)
-        if units == 0:
+        if B * H == 0:
             return
 
         # p_end in panels (its rows are 2N floats apart: a panel read in place would step
@@ -369,10 +469,10 @@ struct PhaGssScan:
         var steps = _in(p_step)
         var s = Scan(B, M, C, H, N, _in(xs), _in(d), steps.unsafe_offset(C * row), steps,
                      I64P(unsafe_from_address=Int(lengths.unsafe_ptr())), end_panels, po_in, out_tail, _in(ct),
-                     _in(taps), _out(y), _out(state))
+                     _in(taps), _in(long_taps), M * C <= long_taps.dim_size(0), _out(y), _out(state))
         var counter = List[Int64](length=8, fill=0)  # a cache line of its own
         var cp = I64P(unsafe_from_address=Int(counter.unsafe_ptr()))
-        var workers = min(num_physical_cores(), MAX_WORKERS, units)
+        var workers = min(num_physical_cores(), MAX_WORKERS, B * ((H + MR - 1) // MR))
 
         def work(i: Int) {var s, var cp}:
             _worker(s, cp)

@@ -17,7 +17,9 @@ entering chunk m and j the offset in it:
 O(T C H + T H N) work and O(T H + M H N) memory per sample, plus O(M**2 H N) work on
 the plain path (the GPU path and the op's reference) or O(M H N) through the op
 (mojo/pha_gss_scan.mojo, CPU code, which also does the in-chunk sums and the products
-by the tables), against the O(H N T**2) time and O(N T**2) memory
+by the tables; a prompt of up to ``whole_prompt_rows`` tokens it sums as one Toeplitz
+sum over the whole prompt, O(T**2 H), fewer multiply-adds than the carried share's
+O(T H N) there), against the O(H N T**2) time and O(N T**2) memory
 of a dense Toeplitz kernel. Every power of A is a table computed in float64 at load
 time (``gss_tables``), so long-range phases keep float64 accuracy; the op carries the
 state in float64 from the table's A**C.
@@ -46,6 +48,21 @@ def _pairs(z: np.ndarray) -> np.ndarray:
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
+def whole_prompt_rows(config) -> int:
+    """Rows of the whole-prompt taps ``long_taps``: the op sums a prompt of up to this many
+    (padded) tokens as one Toeplitz sum over it, T / 2 multiply-adds per token and channel
+    on average, instead of carrying the state into each chunk, 2N per token and channel
+    (``p_out``) whatever T; so up to 4N tokens, where the two counts meet (and at least one
+    chunk, where the two are the same sum), at most the context's chunks."""
+    C, N = CHUNK, config.dss_state_size
+    return min(n_chunks(config) * C, max(C, -(-4 * N // C) * C))
+
+
+def long_taps(lam: np.ndarray, ct: np.ndarray, rows: int) -> np.ndarray:
+    """[rows, H]: K[k, h] = Re(sum_n Ct[h, n] A_n**k) for every lag k < rows (float64)."""
+    return (np.exp(np.outer(np.arange(rows), lam)) @ ct.T).real
+
+
 def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]:
     """The GSS tensors of one layer, from Lambda [N] and Ct [H, N] (complex128).
 
@@ -59,6 +76,7 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
       p_step  [C+2, 2N]   A**k, k <= C, then a zero row
     The Mojo op's (mojo/pha_gss_scan.mojo) in the layouts it reads as they are:
       taps    [H, C]      K[k, h] per channel (kin's first column)
+      long_taps [LT, H]   K[k, h] for k < LT = ``whole_prompt_rows``
       p_out_t [2N, C]     p_out transposed
       ct_rows [H, 2N]     Ct per channel
     """
@@ -79,7 +97,7 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
         "p_out": p_out,
         "p_chunk": np.concatenate([_pairs(chunk_powers), zero]),
         "p_step": np.concatenate([_pairs(powers), zero]),
-        "taps": K.T, "p_out_t": p_out.T,
+        "taps": K.T, "long_taps": long_taps(lam, ct, whole_prompt_rows(config)), "p_out_t": p_out.T,
         "ct_rows": _pairs(ct),
     }
 
@@ -90,7 +108,7 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
     return {"abar_re": [H * N], "abar_im": [H * N], "ct_re_flat": [H * N], "ct_im_flat": [H * N],
             "ct_t_re": [N, H], "ct_t_im": [N, H], "kin": [H, C, C], "p_end": [C, 2 * N],
             "p_out": [C, 2 * N], "p_chunk": [n_chunks(c) + 1, 2 * N], "p_step": [C + 2, 2 * N],
-            "taps": [H, C], "p_out_t": [2 * N, C], "ct_rows": [H, 2 * N]}
+            "taps": [H, C], "long_taps": [whole_prompt_rows(c), H], "p_out_t": [2 * N, C], "ct_rows": [H, 2 * N]}
 
 
 def _projections(x: TensorValue, g: dict, c, dense_op: Dense = None):
@@ -209,13 +227,14 @@ def scanned_by_op(xs: TensorValue, lengths: TensorValue, g: dict, c, device):
     sample and channel, each chunk's own final state and the in-chunk Toeplitz sum from
     the tables, the state entering each chunk by P_{m+1} = A**C P_m + S_m in float64, the
     chunks past each prompt skipped, and the state after the last token from the state
-    entering its chunk and the chunk's inputs): what the matmuls, ``carried_by_matmuls``
+    entering its chunk and the chunk's inputs; prompts padded to no more than the long
+    taps' rows summed whole instead): what the matmuls, ``carried_by_matmuls``
     and ``_state_after_last`` compute on the plain path."""
     H, N = c.gss_hidden_dim, c.dss_state_size
     B = xs.shape[0]
     y, state = ops.custom(
         OP_PHA_GSS_SCAN, device=device,
-        values=[xs, g["taps"], g["D"], g["p_end"], g["p_out_t"], g["p_step"], g["ct_rows"], lengths],
+        values=[xs, g["taps"], g["long_taps"], g["D"], g["p_end"], g["p_out_t"], g["p_step"], g["ct_rows"], lengths],
         out_types=[TensorType(F32, xs.shape, device), TensorType(F32, [B, 2, H, N], device)])
     return y.tensor, ops.reshape(state.tensor, [B, 2 * H * N])
 

@@ -1,11 +1,12 @@
 """The PHA prefill's GSS scan op (mojo/pha_gss_scan.mojo: the DSS outputs of every
 token and the state after each prompt's last token, the prefill graph's GSS on a CPU with
-the Mojo ops) against float64 numpy, the plain-op prefill graph (``kernels=False``: its
+the Mojo ops) against float64 numpy, both ways it sums the outputs (the state carried into
+each chunk, and one Toeplitz sum over a whole prompt no longer than its long taps), the plain-op prefill graph (``kernels=False``: its
 Toeplitz and table matmuls and [M, M] decay matrix per mode) and the PyTorch reference.
 
 The op alone runs in a graph of its own with every dimension symbolic (one compile), on
 the load-time tables of ``gss_tables``, prompts of 1, 63, 64, 65 tokens and several
-chunks, padding past each prompt, batch > 1, channels in several register tiles and a
+chunks, padding past each prompt (zero outputs there), batch > 1, channels in several register tiles and a
 remainder, mode counts that fill no whole vector or panel, and 128 chunks of slow modes
 (the 8,192 tokens of bench/pha_long_context.py) for the float64 phase accuracy. The engine
 tests reuse tests/support/pha.py's CONFIG and its prefill graphs with and without the
@@ -21,7 +22,7 @@ import pytest
 
 from srm_max.graphs.op_names import OP_PHA_GSS_SCAN
 from srm_max.graphs.pha import gss
-from srm_max.graphs.pha.gss import CHUNK, gss_tables
+from srm_max.graphs.pha.gss import CHUNK, gss_tables, long_taps
 from tests.support.checks import assert_close_rel
 from tests.support.graphs import graphs, op_graphs
 from tests.support.op_graphs import model as op_graph_model
@@ -32,13 +33,13 @@ from tests.support.pha import CONFIG, assert_prefill_equals_plain_and_reference,
 op_alone = op_graphs(OP_PHA_GSS_SCAN)
 op_prefill = graphs(CONFIG, ("prefill",), kernels=True)
 plain_prefill = graphs(CONFIG, ("prefill",), kernels=False)
-TABLES = ("taps", "D", "p_end", "p_out_t", "p_step", "ct_rows")
+TABLES = ("taps", "long_taps", "D", "p_end", "p_out_t", "p_step", "ct_rows")
 
 
 @pytest.fixture
 def op_graph():
-    """The op alone: (xs [B, M, C, H], taps [H, C], d [H], p_end [C, 2N], p_out_t [2N, C],
-    p_step [S, 2N], ct [H, 2N], lengths [B]) -> (y [B, M, C, H], state [B, 2, H, N])."""
+    """The op alone: (xs [B, M, C, H], taps [H, C], long_taps [LT, H], d [H], p_end [C, 2N],
+    p_out_t [2N, C], p_step [S, 2N], ct [H, 2N], lengths [B]) -> (y [B, M, C, H], state [B, 2, H, N])."""
     return op_graph_model(OP_PHA_GSS_SCAN)
 
 
@@ -58,9 +59,9 @@ def state_of(state: np.ndarray) -> np.ndarray:
 
 def float64_scan(x, lengths, lam, ct, d, C=CHUNK):
     """The token-by-token recurrence s_t = A s_{t-1} + x_t, y_t = Re(sum_n Ct s_t) + D x_t
-    in complex128 over prompts right-padded to chunks of C: (y [B, T, H], where the chunks
-    past each prompt start from a zero state (the op carries nothing into them); the state
-    after each prompt's last token [B, H, N])."""
+    in complex128 over prompts right-padded to chunks of C: (y [B, T, H], zero in the
+    chunks past each prompt (no caller reads them; the op writes zeros); the state after
+    each prompt's last token [B, H, N])."""
     B, T, H = x.shape
     A = np.exp(lam)
     y = np.zeros((B, T, H))
@@ -69,8 +70,8 @@ def float64_scan(x, lengths, lam, ct, d, C=CHUNK):
         chunks = -(-lengths[b] // C)
         s = np.zeros((H, lam.size), complex)
         for t in range(T):
-            if t >= chunks * C and t % C == 0:
-                s = np.zeros_like(s)
+            if t >= chunks * C:
+                break
             s = A * s + x[b, t][:, None]
             y[b, t] = (ct * s).sum(-1).real + d * x[b, t]
             if t == lengths[b] - 1:
@@ -88,18 +89,21 @@ def random_case(B, M, H, N, seed, slow=False, C=CHUNK):
     return rng.normal(size=(B, M * C, H)), lam, ct, rng.normal(size=H)
 
 
-def op_inputs(x, lam, ct, d, C=CHUNK):
+def op_inputs(x, lam, ct, d, C=CHUNK, whole=False):
     """The op's inputs as the prefill graph gives them: x [B, M C, H] as chunks
     [B, M, C, H] and the layer's float64 tables (``gss_tables``, whose chunk is C)
-    rounded to float32."""
+    rounded to float32; long taps for the whole padded prompt with ``whole`` (the op sums
+    it at once), else a single row (it carries the state into each chunk)."""
     B, T, H = x.shape
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gss, "CHUNK", C)
-        tables = gss_tables(SimpleNamespace(context_length=T), lam, ct) | {"D": d}
+        tables = gss_tables(SimpleNamespace(context_length=T, dss_state_size=lam.size), lam, ct) | {"D": d}
+    tables["long_taps"] = long_taps(lam, ct, T if whole else 1)
     return (x.reshape(B, T // C, C, H), *(tables[k] for k in TABLES))
 
 
 @op_alone
+@pytest.mark.parametrize("whole", [False, True], ids=["by_chunks", "whole_prompt"])
 @pytest.mark.parametrize("B, H, N, lengths, C", [
     (1, 3, 8, [1], CHUNK),  # one token
     (1, 2, 8, [63], CHUNK),  # inside the first chunk
@@ -110,11 +114,11 @@ def op_inputs(x, lam, ct, d, C=CHUNK):
     (2, 13, 45, [70, 128], CHUNK),  # channels in two whole register tiles and a remainder; 2N = 90: panels and a rest
     (2, 7, 9, [50, 21], 21),  # chunks of 21 tokens: no whole panel or vector of them
 ])
-def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths, C):
+def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths, C, whole):
     M = max(1, -(-max(lengths) // C))
     x, lam, ct, d = random_case(B, M, H, N, seed=sum(lengths) + N, C=C)
     want_y, want_last = float64_scan(x, lengths, lam, ct, d, C)
-    got_y, got_state = run_op(op_graph, *op_inputs(x, lam, ct, d, C), lengths)
+    got_y, got_state = run_op(op_graph, *op_inputs(x, lam, ct, d, C, whole), lengths)
     np.testing.assert_allclose(got_y.reshape(want_y.shape), want_y, rtol=0, atol=1e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(state_of(got_state), want_last, rtol=0,
                                atol=2e-6 * (np.abs(want_last).max() + 1e-30))
@@ -124,7 +128,8 @@ def test_the_op_equals_the_float64_recurrence(op_graph, B, H, N, lengths, C):
 
 
 @op_alone
-def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
+@pytest.mark.parametrize("whole", [False, True], ids=["by_chunks", "whole_prompt"])
+def test_the_phases_stay_accurate_over_8192_tokens(op_graph, whole):
     """128 chunks of modes that keep 0.9999 of their size per token: every output and
     the state after the last token against the complex128 recurrence, within the float32
     rounding of A**C compounded over the chunks crossed (127 * 2**-24, about 8e-6) and of
@@ -132,14 +137,14 @@ def test_the_phases_stay_accurate_over_8192_tokens(op_graph):
     M, H, N = 128, 2, 16
     x, lam, ct, d = random_case(1, M, H, N, seed=3, slow=True)
     want_y, want_last = float64_scan(x, [M * CHUNK], lam, ct, d)
-    got_y, state = run_op(op_graph, *op_inputs(x, lam, ct, d), [M * CHUNK])
+    got_y, state = run_op(op_graph, *op_inputs(x, lam, ct, d, whole=whole), [M * CHUNK])
     np.testing.assert_allclose(got_y.reshape(want_y.shape), want_y, rtol=0, atol=2e-5 * np.abs(want_y).max())
     np.testing.assert_allclose(state_of(state), want_last, rtol=0, atol=2e-5 * np.abs(want_last).max())
 
 
-def _shapes(B=1, M=2, C=4, H=3, N=4, S=None, taps=None, d=None, p_end=None, p_out_t=None, ct=None):
+def _shapes(B=1, M=2, C=4, H=3, N=4, S=None, taps=None, long=None, d=None, p_end=None, p_out_t=None, ct=None):
     """Zero inputs of consistent shapes, one of them replaced to make it wrong."""
-    return [(B, M, C, H), taps or (H, C), d or (H,), p_end or (C, 2 * N), p_out_t or (2 * N, C),
+    return [(B, M, C, H), taps or (H, C), long or (1, H), d or (H,), p_end or (C, 2 * N), p_out_t or (2 * N, C),
             (S or C + 2, 2 * N), ct or (H, 2 * N)]
 
 
@@ -147,6 +152,7 @@ def _shapes(B=1, M=2, C=4, H=3, N=4, S=None, taps=None, d=None, p_end=None, p_ou
 @pytest.mark.parametrize("shapes, lengths, problem", [
     (_shapes(p_end=(4, 7)), [1], r"p_end's last axis \(7\) must be 2N"),
     (_shapes(taps=(3, 5)), [1], r"taps must be \[H, C\] = \[3, 4\]"),
+    (_shapes(long=(8, 2)), [1], r"long_taps must be \[LT, H\] with H = 3"),
     (_shapes(d=(2,)), [1], "d has 2 entries for 3 channels"),
     (_shapes(p_end=(5, 8)), [1], r"p_end must be \[C, 2N\] = \[4, 8\]"),
     (_shapes(p_out_t=(8, 5)), [1], r"p_out_t must be \[2N, C\] = \[8, 4\]"),
