@@ -132,8 +132,9 @@ def op_inputs(config, n: int, rng) -> dict[str, list]:
     if "gss" in c.branches:
         shapes = gss_table_shapes(c)
         H = c.gss_hidden_dim
-        out["gss_scan"] = [r(1, math.ceil(T / CHUNK), CHUNK, H), r(*shapes["taps"]), r(*shapes["long_taps"]), r(H), r(*shapes["p_end"]),
-                           r(*shapes["p_out_t"]), r(*shapes["p_step"]), r(*shapes["ct_rows"]), lengths]
+        out["gss_scan"] = [r(1, math.ceil(T / CHUNK), CHUNK, H), r(*shapes["taps"]), r(*shapes["long_taps"]), r(H),
+                           r(*shapes["p_end"]), r(*shapes["p_out_t"]), r(*shapes["p_step"]), r(*shapes["ct_rows"]),
+                           lengths]
     return out
 
 

@@ -310,9 +310,10 @@ def _gss_scan_body(values, dev):
 # (xs [B, M, C, H], taps [H, C], long_taps [LT, H], d [H], p_end [C, 2N], p_out_t [2N, C],
 #  p_step [S, 2N], ct [H, 2N], lengths [B]) -> (y [B, M, C, H], state [B, 2, H, N])
 PHA_GSS_SCAN = OpPiece(lambda dev: [TensorType(F32, ["B", "M", "C", "H"], dev), TensorType(F32, ["TH", "TC"], dev),
-                                    TensorType(F32, ["LT", "LH"], dev), TensorType(F32, ["DH"], dev), TensorType(F32, ["EC", "ER"], dev),
-                                    TensorType(F32, ["OR", "OC"], dev), TensorType(F32, ["S", "SR"], dev),
-                                    TensorType(F32, ["CH", "CR"], dev), TensorType(I64, ["NB"], dev)],
+                                    TensorType(F32, ["LT", "LH"], dev), TensorType(F32, ["DH"], dev),
+                                    TensorType(F32, ["EC", "ER"], dev), TensorType(F32, ["OR", "OC"], dev),
+                                    TensorType(F32, ["S", "SR"], dev), TensorType(F32, ["CH", "CR"], dev),
+                                    TensorType(I64, ["NB"], dev)],
                        _gss_scan_body, 2, {"C": 1, "TC": 1, "EC": 1, "OC": 1, "S": 2})
 
 

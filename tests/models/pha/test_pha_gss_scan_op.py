@@ -1,8 +1,9 @@
 """The PHA prefill's GSS scan op (mojo/pha_gss_scan.mojo: the DSS outputs of every
 token and the state after each prompt's last token, the prefill graph's GSS on a CPU with
 the Mojo ops) against float64 numpy, both ways it sums the outputs (the state carried into
-each chunk, and one Toeplitz sum over a whole prompt no longer than its long taps), the plain-op prefill graph (``kernels=False``: its
-Toeplitz and table matmuls and [M, M] decay matrix per mode) and the PyTorch reference.
+each chunk, and one Toeplitz sum over a whole prompt no longer than its long taps), the
+plain-op prefill graph (``kernels=False``: its Toeplitz and table matmuls and [M, M] decay
+matrix per mode) and the PyTorch reference.
 
 The op alone runs in a graph of its own with every dimension symbolic (one compile), on
 the load-time tables of ``gss_tables``, prompts of 1, 63, 64, 65 tokens and several
