@@ -82,7 +82,8 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
     """
     C, H = CHUNK, ct.shape[0]
     powers = np.exp(np.outer(np.arange(C + 1), lam))  # [C+1, N]: A**k
-    K = (powers[:C] @ ct.T).real  # [C, H]
+    long = long_taps(lam, ct, whole_prompt_rows(config))  # [LT, H], LT >= C
+    K = long[:C]  # [C, H]
     gap = np.arange(C)[:, None] - np.arange(C)[None, :]
     kin = np.where(gap >= 0, K[np.maximum(gap, 0)].transpose(2, 0, 1), 0.0)  # [H, C, C]
     chunk_powers = np.exp(np.outer(np.arange(n_chunks(config)) * C, lam))
@@ -97,7 +98,7 @@ def gss_tables(config, lam: np.ndarray, ct: np.ndarray) -> dict[str, np.ndarray]
         "p_out": p_out,
         "p_chunk": np.concatenate([_pairs(chunk_powers), zero]),
         "p_step": np.concatenate([_pairs(powers), zero]),
-        "taps": K.T, "long_taps": long_taps(lam, ct, whole_prompt_rows(config)), "p_out_t": p_out.T,
+        "taps": K.T, "long_taps": long, "p_out_t": p_out.T,
         "ct_rows": _pairs(ct),
     }
 
