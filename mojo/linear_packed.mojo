@@ -25,11 +25,10 @@ copy widened ahead would cost a pass over the panel for every block of rows): NB
 PANEL with AVX-512, so a panel is one tile's columns, and a quarter of one with AVX2
 (NB = 16, PAD). Only the last panel of a matrix can be narrower than NB (AVX-512, an
 output count that is not a multiple of PANEL); it is copied once per call into a
-zero-padded panel. Work items are a block of BLOCK_ROWS rows against one panel of NB
-columns, or against all of them where the blocks outnumber the cores four times, taken
-from a shared counter by one worker per core, so one row (a prefill's output layer at
-each prompt's last token) still spreads its columns over the cores; rows past R in a
-block's last tile are read from a zero-padded copy.
+zero-padded panel. Work items are a block of rows against a group of panels, taken from
+a shared counter by one worker per core; an item runs each of its panels over every tile
+of its block, so a panel comes in from the outer caches once per block (``_work_plan``
+sizes both). Rows past R in a block's last tile are read from a zero-padded copy.
 """
 from std.atomic import Atomic
 from std.memory import stack_allocation
@@ -40,7 +39,7 @@ from max.algorithm import sync_parallelize
 from max.gpu.host import DeviceContext
 
 from .decode_step import PANEL, _padded, _rnd, _silu
-from .linear import BLOCK_ROWS, MAX_WORKERS
+from .linear import MAX_WORKERS
 from .pha_decode_step import _gelu
 from .tiled_product import MR, NB, NV, W, tile_product
 
@@ -50,6 +49,35 @@ comptime I64P = Pointer[Int64, MutUntrackedOrigin]
 comptime ACT_NONE = 0  # graphs/ops.py ``ACTIVATIONS``
 comptime ACT_GELU = 1
 comptime ACT_SILU = 2
+# Tiles of MR rows per block of rows. A block runs each panel of its item over all of its
+# tiles, so each call reads the matrix from the outer caches once per block: with AVX2's
+# 5-row tiles, blocks of 3 tiles re-read a prefill's larger matrices from the last-level
+# cache every 15 rows, and blocks of 12 are faster at each of the PHA prefill's layers
+# (docs/pha_engine.md). A block's rows of x (60 x K floats with AVX2) stay in the
+# second-level cache. AVX-512 keeps the 3-tile blocks its products were measured with.
+comptime BLOCK_TILES = 12 if W == 8 else 3
+comptime ITEMS_PER_WORKER = 8  # items claimed per worker: enough that the last ones even out the workers
+
+
+def _work_plan(R: Int, panels: Int, workers: Int) -> Tuple[Int, Int]:
+    """(rows per block, panels per item) for R rows of x and ``panels`` panels: blocks of
+    BLOCK_TILES tiles against every panel where that makes ITEMS_PER_WORKER items per
+    worker; else fewer panels per item, halved until it does or one is left, then fewer
+    tiles per block (a few rows, a short prompt's or a prefill's last-token logits, still
+    spread their columns over the cores)."""
+    var rows = BLOCK_TILES * MR
+    var per_item = panels
+    var wanted = ITEMS_PER_WORKER * workers
+    while _ceil_div(R, rows) * _ceil_div(panels, per_item) < wanted and per_item > 1:
+        per_item = _ceil_div(per_item, 2)
+    while _ceil_div(R, rows) * _ceil_div(panels, per_item) < wanted and rows > MR:
+        rows -= MR
+    return (rows, per_item)
+
+
+@always_inline
+def _ceil_div(a: Int, b: Int) -> Int:
+    return (a + b - 1) // b
 
 
 @always_inline
@@ -193,12 +221,12 @@ struct SrmLinearPacked:
         var x_in = F32P(unsafe_from_address=Int(x.unsafe_ptr()))
         var scale_in = F32P(unsafe_from_address=Int(scale.unsafe_ptr()))
         var y_out = F32P(unsafe_from_address=Int(y.unsafe_ptr()))
-        var blocks = (R + BLOCK_ROWS - 1) // BLOCK_ROWS
         var workers = min(num_physical_cores(), MAX_WORKERS)
-        # an item is a block of rows times every panel where the blocks keep the cores
-        # busy, else times one panel (a few rows still spread their columns over the cores)
-        var per_item = panels if blocks >= 4 * workers else 1
-        var groups = (panels + per_item - 1) // per_item
+        var plan = _work_plan(R, panels, workers)
+        var block_rows = plan[0]
+        var per_item = plan[1]
+        var blocks = _ceil_div(R, block_rows)
+        var groups = _ceil_div(panels, per_item)
         var items = blocks * groups
         workers = min(workers, items)
         var next_item = List[Int64](length=1, fill=0)
@@ -206,7 +234,7 @@ struct SrmLinearPacked:
 
         def work(worker: Int) {
             var w, var narrow, var bias, var x_in, var y_out, var counter, var R, var K, var N, var Np, var panels,
-            var items, var groups, var per_item, var act, var scaled, var scale_in
+            var items, var groups, var per_item, var act, var scaled, var scale_in, var block_rows
         }:
             # the last tile's rows of x, zero past R
             var tail_store = List[Float32](length=MR * K, fill=0)
@@ -219,8 +247,8 @@ struct SrmLinearPacked:
                     break
                 var block = item // groups
                 var group = item - block * groups
-                var row_first = block * BLOCK_ROWS
-                var n = min(BLOCK_ROWS, R - row_first)
+                var row_first = block * block_rows
+                var n = min(block_rows, R - row_first)
                 var tiles = (n + MR - 1) // MR
                 var full = n // MR  # tiles with MR rows of x
                 if full < tiles and tail_block != block:

@@ -21,9 +21,10 @@ DSS input x of token m C + i. Per sample, channel h and mode n, with P_0 = 0:
 
 for the chunks holding the prompt (k = ceil(lengths[b] / C) of them); past them y is zero
 (padding: no caller reads those rows). Where the padded prompts fit the long taps (M C <=
-LT) the first two lines are one sum over the whole prompt instead, y[t] = sum_{k <= t} K[k]
-x[t - k] + D x[t], T / 2 multiply-adds per token and channel on average against the carried
-share's 2N, and the chunks are walked for the state alone. state[b, :, h] is the state
+LT) and are no longer than WHOLE_ROWS_PER_MODE N tokens (or one chunk), the first two lines
+are one sum over the whole prompt instead, y[t] = sum_{k <= t} K[k] x[t - k] + D x[t], T / 2
+multiply-adds per token and channel on average against the carried share's 2N, and the
+chunks are walked for the state alone. state[b, :, h] is the state
 after the prompt's last token, at offset j of chunk k - 1:
 
     A**(j+1) P_{k-1} + sum_{i <= j} A**(j-i) x[(k-1)C + i]   (p_step's row j + 1; p_end's
@@ -69,6 +70,11 @@ comptime MAX_WORKERS = 8
 # and rows per work unit.
 comptime LR = 8 if W == 16 else 4
 comptime LONG_UNIT = 32
+# The longest padded prompt summed whole, in tokens per mode N (at least one chunk): the
+# whole sum's work grows as T**2 and the chunk walk's as T, and where they meet depends on
+# the tiles: at 4N with AVX-512's 8-row tiles, below 3N with AVX2's 4-row ones, where a
+# prompt of 4N walks faster (bench/pha_prefill_parts.py, docs/pha_engine.md).
+comptime WHOLE_ROWS_PER_MODE = 4 if W == 16 else 2
 
 
 @fieldwise_init
@@ -93,7 +99,7 @@ struct Scan(ImplicitlyCopyable, Movable):
     var ct: F32P
     var taps: F32P
     var long_taps: F32P  # [LT, H]: K[k, h] for every lag of a whole prompt
-    var whole: Bool  # M C <= LT: the outputs by one Toeplitz sum over each whole prompt
+    var whole: Bool  # the outputs by one Toeplitz sum over each whole prompt (see the module docs)
     var y: F32P
     var state: F32P
 
@@ -469,7 +475,8 @@ struct PhaGssScan:
         var steps = _in(p_step)
         var s = Scan(B, M, C, H, N, _in(xs), _in(d), steps.unsafe_offset(C * row), steps,
                      I64P(unsafe_from_address=Int(lengths.unsafe_ptr())), end_panels, po_in, out_tail, _in(ct),
-                     _in(taps), _in(long_taps), M * C <= long_taps.dim_size(0), _out(y), _out(state))
+                     _in(taps), _in(long_taps), M * C <= min(long_taps.dim_size(0), max(C, WHOLE_ROWS_PER_MODE * N)),
+                     _out(y), _out(state))
         var counter = List[Int64](length=8, fill=0)  # a cache line of its own
         var cp = I64P(unsafe_from_address=Int(counter.unsafe_ptr()))
         var workers = min(num_physical_cores(), MAX_WORKERS, B * ((H + MR - 1) // MR))

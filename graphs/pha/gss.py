@@ -53,7 +53,9 @@ def whole_prompt_rows(config) -> int:
     (padded) tokens as one Toeplitz sum over it, T / 2 multiply-adds per token and channel
     on average, instead of carrying the state into each chunk, 2N per token and channel
     (``p_out``) whatever T; so up to 4N tokens, where the two counts meet (and at least one
-    chunk, where the two are the same sum), at most the context's chunks."""
+    chunk, where the two are the same sum), at most the context's chunks. The op sums whole
+    only up to its own ``WHOLE_ROWS_PER_MODE`` N, 2N with AVX2's narrower tiles
+    (mojo/pha_gss_scan.mojo): the table covers the widest."""
     C, N = CHUNK, config.dss_state_size
     return min(n_chunks(config) * C, max(C, -(-4 * N // C) * C))
 
