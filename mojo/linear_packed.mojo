@@ -134,6 +134,17 @@ def _store_tile[MD: DType, act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, r
     (* scale[row0 + r, col0 + j]) for r < rows and col0 + j < N (t is [MR, NB], bias the
     panel's NB biases, zero past N; scale [R, N] as y)."""
     var cols = min(NB, N - col0)
+    if cols == NB and rows == MR:
+        # a whole tile: each row's NB columns as one vector of NV registers, the rows one
+        # after the other unrolled, so that the activation's long chains of dependent
+        # instructions (the GELU's erf) run side by side
+        comptime for r in range(MR):
+            var at = (row0 + r) * N + col0
+            var s = _activated[act, NB](_rnd[MD](t.unsafe_load[width=NB](r * NB)) + bias.unsafe_load[width=NB](0))
+            comptime if scaled:
+                s *= scale.unsafe_load[width=NB](at)
+            y.unsafe_store(at, s)
+        return
     for r in range(rows):
         var at = (row0 + r) * N + col0
         var out = y.unsafe_offset(at)
