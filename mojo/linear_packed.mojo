@@ -51,10 +51,10 @@ comptime ACT_GELU = 1
 comptime ACT_SILU = 2
 # Tiles of MR rows per block of rows. A block runs each panel of its item over all of its
 # tiles, so each call reads the matrix from the outer caches once per block: with AVX2's
-# 5-row tiles, blocks of 3 tiles re-read a prefill's larger matrices from the last-level
-# cache every 15 rows, and blocks of 12 are faster at each of the PHA prefill's layers
-# (docs/pha_engine.md). A block's rows of x (60 x K floats with AVX2) stay in the
-# second-level cache. AVX-512 keeps the 3-tile blocks its products were measured with.
+# 5-row tiles, blocks of 3 tiles read a prefill's larger matrices from the last-level cache
+# every 15 rows (they exceed the Zen 3 EPYC's 512 KiB second-level cache), blocks of 12
+# every 60, while a block's rows of x (60 x K floats) still fit that cache
+# (docs/pha_engine.md). AVX-512 keeps the 3-tile blocks its products were measured with.
 comptime BLOCK_TILES = 12 if W == 8 else 3
 comptime ITEMS_PER_WORKER = 8  # items claimed per worker: enough that the last ones even out the workers
 

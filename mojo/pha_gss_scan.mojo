@@ -72,8 +72,8 @@ comptime LR = 8 if W == 16 else 4
 comptime LONG_UNIT = 32
 # The longest padded prompt summed whole, in tokens per mode N (at least one chunk): the
 # whole sum's work grows as T**2 and the chunk walk's as T, and where they meet depends on
-# the tiles: at 4N with AVX-512's 8-row tiles, below 3N with AVX2's 4-row ones, where a
-# prompt of 4N walks faster (bench/pha_prefill_parts.py, docs/pha_engine.md).
+# the tiles: at 4N with AVX-512's 8-row tiles, below it with AVX2's 4-row ones, where a
+# prompt of 4N walks faster (docs/pha_engine.md).
 comptime WHOLE_ROWS_PER_MODE = 4 if W == 16 else 2
 
 
