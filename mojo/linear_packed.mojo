@@ -31,6 +31,7 @@ of its block, so a panel comes in from the outer caches once per block (``_work_
 sizes both). Rows past R in a block's last tile are read from a zero-padded copy.
 """
 from std.atomic import Atomic
+from std.math import ceildiv
 from std.memory import stack_allocation
 from std.sys import num_physical_cores
 
@@ -41,7 +42,7 @@ from max.gpu.host import DeviceContext
 from .decode_step import PANEL, _padded, _rnd, _silu
 from .linear import MAX_WORKERS
 from .pha_decode_step import _gelu
-from .tiled_product import MR, NB, NV, W, tile_product
+from .tiled_product import MR, NB, W, tile_product
 
 comptime F32 = DType.float32
 comptime F32P = Pointer[Float32, MutUntrackedOrigin]
@@ -68,16 +69,11 @@ def _work_plan(R: Int, panels: Int, workers: Int) -> Tuple[Int, Int]:
     var rows = BLOCK_TILES * MR
     var per_item = panels
     var wanted = ITEMS_PER_WORKER * workers
-    while _ceil_div(R, rows) * _ceil_div(panels, per_item) < wanted and per_item > 1:
-        per_item = _ceil_div(per_item, 2)
-    while _ceil_div(R, rows) * _ceil_div(panels, per_item) < wanted and rows > MR:
+    while ceildiv(R, rows) * ceildiv(panels, per_item) < wanted and per_item > 1:
+        per_item = ceildiv(per_item, 2)
+    while ceildiv(R, rows) * ceildiv(panels, per_item) < wanted and rows > MR:
         rows -= MR
     return (rows, per_item)
-
-
-@always_inline
-def _ceil_div(a: Int, b: Int) -> Int:
-    return (a + b - 1) // b
 
 
 @always_inline
@@ -128,6 +124,16 @@ def _activated[act: Int, n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
 
 
 @always_inline
+def _store_cols[MD: DType, act: Int, scaled: Bool, n: Int](y: F32P, at: Int, t: F32P, bias: F32P, scale: F32P):
+    """y[at + j] = act(t[j] (rounded to the matrices' dtype) + bias[j]) (* scale[at + j])
+    for j < n, as one vector of n lanes."""
+    var s = _activated[act, n](_rnd[MD, n](t.unsafe_load[width=n](0)) + bias.unsafe_load[width=n](0))
+    comptime if scaled:
+        s *= scale.unsafe_load[width=n](at)
+    y.unsafe_store(at, s)
+
+
+@always_inline
 def _store_tile[MD: DType, act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, rows: Int, col0: Int, t: F32P,
                                                    bias: F32P, scale: F32P):
     """y[row0 + r, col0 + j] = act(t[r, j] (rounded to the matrices' dtype) + bias[j])
@@ -135,33 +141,19 @@ def _store_tile[MD: DType, act: Int, scaled: Bool](y: F32P, N: Int, row0: Int, r
     panel's NB biases, zero past N; scale [R, N] as y)."""
     var cols = min(NB, N - col0)
     if cols == NB and rows == MR:
-        # a whole tile: each row's NB columns as one vector of NV registers, the rows one
+        # a whole tile: each row's NB columns as one vector (NB / W registers), the rows one
         # after the other unrolled, so that the activation's long chains of dependent
         # instructions (the GELU's erf) run side by side
         comptime for r in range(MR):
-            var at = (row0 + r) * N + col0
-            var s = _activated[act, NB](_rnd[MD](t.unsafe_load[width=NB](r * NB)) + bias.unsafe_load[width=NB](0))
-            comptime if scaled:
-                s *= scale.unsafe_load[width=NB](at)
-            y.unsafe_store(at, s)
+            _store_cols[MD, act, scaled, NB](y, (row0 + r) * N + col0, t.unsafe_offset(r * NB), bias, scale)
         return
     for r in range(rows):
         var at = (row0 + r) * N + col0
-        var out = y.unsafe_offset(at)
         if cols == NB:
-            comptime for v in range(NV):
-                var s = _activated[act, W](_rnd[MD](t.unsafe_load[width=W](r * NB + v * W))
-                                           + bias.unsafe_load[width=W](v * W))
-                comptime if scaled:
-                    s *= scale.unsafe_load[width=W](at + v * W)
-                out.unsafe_store(v * W, s)
+            _store_cols[MD, act, scaled, NB](y, at, t.unsafe_offset(r * NB), bias, scale)
         else:
             for j in range(cols):
-                var s = _activated[act, 1](_rnd[MD, 1](t.unsafe_load[width=1](r * NB + j))
-                                           + bias.unsafe_load[width=1](j))
-                comptime if scaled:
-                    s *= scale.unsafe_load[width=1](at + j)
-                out.unsafe_store(j, s)
+                _store_cols[MD, act, scaled, 1](y, at + j, t.unsafe_offset(r * NB + j), bias.unsafe_offset(j), scale)
 
 
 @always_inline
@@ -236,8 +228,8 @@ struct SrmLinearPacked:
         var plan = _work_plan(R, panels, workers)
         var block_rows = plan[0]
         var per_item = plan[1]
-        var blocks = _ceil_div(R, block_rows)
-        var groups = _ceil_div(panels, per_item)
+        var blocks = ceildiv(R, block_rows)
+        var groups = ceildiv(panels, per_item)
         var items = blocks * groups
         workers = min(workers, items)
         var next_item = List[Int64](length=1, fill=0)
