@@ -118,6 +118,18 @@ def _tile_vectors[WD: DType](rows: Int) -> Int:
     return NV
 
 
+@always_inline
+def _tile_rows(left: Int) -> Int:
+    """Rows of a unit's next register tile, ``left`` rows to go. With AVX2 the rows split
+    evenly over the fewest tiles of at most MR (16 rows: 4 + 4 + 4 + 4, not 5 + 5 + 5 + 1):
+    a one-row tile's NV accumulators are too few chains to cover the FMA's latency, so it
+    takes most of a full tile's time. With AVX-512 even one row has NV = 4 chains."""
+    comptime if W != 8:
+        return min(MR, left)
+    var tiles = (left + MR - 1) // MR
+    return (left + tiles - 1) // tiles
+
+
 comptime KU = 4  # k unrolled
 comptime MAX_ROW_CHUNK = 8 * MR  # most batch rows per unit of work
 comptime NORM_CHUNK = 8  # batch rows per unit of a norm phase
@@ -383,11 +395,11 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     while c0 < width:  # sub-panels of up to nv_max vectors
         var nv = min(nv_max, (width - c0) // W)
         var r = r0
+        var tile = 0
         while r < r1:
-            var rows = min(MR, r1 - r)
+            var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * K)
             var pc = p.unsafe_offset(c0)
-            var tile = (r - r0) // MR
             var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
             # the first sub-panel's tiles prefetch the whole next panel
             var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
@@ -419,6 +431,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                 for i in range(rows):
                     _epilogue[kind, WD, NV * W](a, l, r + i, cs, t.unsafe_load[width=NV * W](i * PANEL))
                 r += rows
+                tile += 1
                 continue
             for i in range(rows):
                 for v in range(nv):
@@ -429,6 +442,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                         for j in range(N - c):
                             _epilogue[kind, WD, 1](a, l, r + i, c + j, t.unsafe_load[width=1](i * PANEL + v * W + j))
             r += rows
+            tile += 1
         c0 += nv * W
 
 

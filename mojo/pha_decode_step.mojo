@@ -67,8 +67,8 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    MR, NV, NV1, PANEL, _claim, _claim_share, _tile_here, _tile_vectors, _row_chunk, _chunks, _panels, _padded,
-    _layer_norm, _rnd,
+    MR, NV, NV1, PANEL, _claim, _claim_share, _tile_here, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
+    _padded, _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -297,7 +297,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
         var nv = min(nv_max, (width - c0) // W)
         var r = r0
         while r < r1:
-            var rows = min(MR, r1 - r)
+            var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * ldx)
             var pc = p.unsafe_offset(c0)
             comptime for R in range(1, MR + 1):
@@ -656,24 +656,22 @@ def _attn_group_blocks[G: Int](
     row once instead of once per head, with G times the arithmetic per load, is what lets
     the reads from memory overlap the computing (bench/pha_attention_loop.py). The same
     sums in the same order as the per-head loop."""
-    comptime CW = 64 if G <= 2 else 128 // G  # the columns of one pass over a block's values
-    var acc = stack_allocation[G * W, Float32]()
+    # Eight accumulators in flight, in the logits and in the weighted sums: chains enough
+    # to cover the FMA's latency, and with the row's vectors they fit AVX2's 16 registers.
+    comptime KR = max(1, 8 // G)  # key rows per pass of the logits
+    comptime CW = W * max(1, 8 // max(G, 2))  # the columns of one pass over a block's values
+    var acc = stack_allocation[KR * G * W, Float32]()
     var sums = stack_allocation[G * CW, Float32]()
     var j = j0
     while j < j1:
         var nb = min(BLOCK, j1 - j)
-        for i in range(nb):
-            var k = keys.unsafe_offset((j + i) * dh)
-            comptime for g in range(G):
-                acc.unsafe_store(g * W, SIMD[F32, W](0))
-            var c = 0
-            while c < dh:
-                var kv = k.unsafe_load[width=W](c)
-                comptime for g in range(G):
-                    acc.unsafe_store(g * W, qs.unsafe_load[width=W](g * dh + c).fma(kv, acc.unsafe_load[width=W](g * W)))
-                c += W
-            comptime for g in range(G):
-                sc[unsafe_offset=g * BLOCK + i] = acc.unsafe_load[width=W](g * W).reduce_add()
+        var i = 0
+        while i + KR <= nb:
+            _group_logits[G, KR](keys.unsafe_offset((j + i) * dh), qs, sc.unsafe_offset(i), acc, dh)
+            i += KR
+        while i < nb:
+            _group_logits[G, 1](keys.unsafe_offset((j + i) * dh), qs, sc.unsafe_offset(i), acc, dh)
+            i += 1
         comptime for g in range(G):
             _online_softmax_update(part.unsafe_offset(g * part_step), sc.unsafe_offset(g * BLOCK), nb, dh)
         var v = values.unsafe_offset(j * dh)
@@ -685,6 +683,25 @@ def _attn_group_blocks[G: Int](
             _group_weighted_rows[G, W](part, part_step, v, sc, sums, nb, dh, c0)
             c0 += W
         j += nb
+
+
+@always_inline
+def _group_logits[G: Int, KR: Int](k: F32P, qs: F32P, sc: F32P, acc: F32P, dh: Int):
+    """sc[g BLOCK + r] = q_g . k_r for the KR key rows from k (dh apart) and the G queries
+    qs: G KR independent chains of FMAs, each reduced on its own."""
+    comptime for a in range(G * KR):
+        acc.unsafe_store(a * W, SIMD[F32, W](0))
+    var c = 0
+    while c < dh:
+        comptime for r in range(KR):
+            var kv = k.unsafe_load[width=W](r * dh + c)
+            comptime for g in range(G):
+                comptime a = (r * G + g) * W
+                acc.unsafe_store(a, qs.unsafe_load[width=W](g * dh + c).fma(kv, acc.unsafe_load[width=W](a)))
+        c += W
+    comptime for r in range(KR):
+        comptime for g in range(G):
+            sc[unsafe_offset=g * BLOCK + r] = acc.unsafe_load[width=W]((r * G + g) * W).reduce_add()
 
 
 @always_inline

@@ -33,11 +33,12 @@ plain_graphs = graphs(CONFIG, ("prefill", "decode"), kernels=False)
 # the ablations, each through the op (its one graph: the graph holds no config)
 ABLATIONS = {"gss_alone": GSS_ALONE, "attention_alone": ATTENTION_ALONE}
 # Head widths that are a multiple of the vector width, where the op's attention reads each
-# cached row once for the query heads of a group together (``_attn_group_blocks``, sums
-# kept in registers: 64 columns a pass for 2 heads, 32 for 4); CONFIG's head width of 4
-# takes the loop of one head at a time. The 4 heads of 32 are the attention-alone
-# ablation's (one graph for both tests).
+# cached row once for the query heads of a group together (``_attn_group_blocks``: 8 / G
+# key rows a pass of the logits, the sums in registers), groups of 1, 2 and 4 query heads;
+# CONFIG's head width of 4 takes the loop of one head at a time. The 4 heads of 32 are the
+# attention-alone ablation's. The op's graph holds no config: one graph for them all.
 GROUPED_HEADS = {"2_heads_of_64": dataclasses.replace(CONFIG, d_model=128, n_q_heads=2, n_kv_heads=1),
+                 "2_heads_of_64_each_its_own_kv": dataclasses.replace(CONFIG, d_model=128, n_q_heads=2, n_kv_heads=2),
                  "4_heads_of_32": ATTENTION_ALONE}
 
 
