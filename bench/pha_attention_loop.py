@@ -4,7 +4,7 @@ same bytes, from memory and from the cache, on 1 and 2 cores; and the op's loop 
 group's query heads together (``loop``) against one head after the other (``per_head``,
 what the op runs for head widths it does not group).
 
-    python -m bench.pha_attention_loop [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
+    python -m bench.pha_attention_loop [--rounds 5] [--cpu-target x86-64-v3] [--base REV] [--out PATH]
 
 Four cells per worker count, each the median of ``--rounds`` interleaved rounds (each round
 runs every cell once, so the machine's drift over minutes falls on all of them alike):
@@ -16,6 +16,12 @@ runs every cell once, so the machine's drift over minutes falls on all of them a
   256 rows) read by 800 units, so it stays in the cache: the loops' own speed, memory aside.
 
 Before timing, the driver checks that both loops give the same sums (``check``).
+
+With ``--base REV`` the op's loop of git revision REV (its ``mojo/``) runs too, in the same
+rounds, beside the working tree's (``loop_memory_base``, ``loop_cache_base``; which of the two
+goes first alternates between rounds): ``loop_*_over_base`` is the median of the rounds'
+ratios (above 1 where the working tree's loop is faster), and ``*_rounds_won`` how many
+rounds it was faster, a change's effect with the machine's drift over minutes divided out.
 
 If reading and computing did not overlap at all, the loop from memory would run at
 ``1 / (1 / stream_memory + 1 / loop_cache)`` (``no_overlap_gbps``); if they overlapped
@@ -32,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops, run_driver, value_after
+from bench.decode_op_ab import ROOT, build, commit_of, export_ops, link_ops, run_driver, value_after
 
 DRIVER = Path(__file__).with_name("pha_attention_loop.mojo")
 OUT = Path(__file__).with_name("results") / "pha_attention_loop.json"
@@ -69,11 +75,24 @@ def summarize(cells: dict[str, list[float]]) -> dict:
             "rounds_gbps": {name: [round(v, 2) for v in values] for name, values in cells.items()}}
 
 
+def against_base(cells: dict[str, list[float]]) -> dict:
+    """Per place (memory, cache) with a base loop: the median of the rounds' ratios of the
+    working tree's loop to the base's, and the rounds the working tree's was faster."""
+    out = {}
+    for where in SHAPES:
+        if f"loop_{where}_base" in cells:
+            ratios = [new / old for new, old in zip(cells[f"loop_{where}"], cells[f"loop_{where}_base"])]
+            out[f"loop_{where}_over_base"] = round(statistics.median(ratios), 3)
+            out[f"loop_{where}_rounds_won"] = sum(r > 1 for r in ratios)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p.add_argument("--base", default=None, help="also time the op's loop of this git revision, in the same rounds")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     if args.rounds < 1 or min(args.workers) < 1:
@@ -83,25 +102,40 @@ def main(argv=None) -> int:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "pha_attention_loop", args.cpu_target,
                        DRIVER)
         check_loops_agree(binary)
+        loops = {"": binary}  # by the suffix of their cells' names
+        if args.base:
+            loops["_base"] = build(export_ops(args.base, Path(tmp) / "base"), Path(tmp) / "pha_attention_loop_base",
+                                       args.cpu_target, DRIVER)
+            check_loops_agree(loops["_base"])
         for workers in args.workers:
             cells: dict[str, list[float]] = {f"{m}_{w}": [] for w in SHAPES for m in MODES}
-            for _ in range(args.rounds):
+            cells |= {f"loop_{w}{suffix}": [] for w in SHAPES for suffix in loops}
+            for round_ in range(args.rounds):
                 for where in SHAPES:
                     for mode in MODES:
-                        cells[f"{mode}_{where}"].append(run_cell(binary, mode, where, workers))
-            row = {"workers": workers, **summarize(cells)}
+                        if mode != "loop":
+                            cells[f"{mode}_{where}"].append(run_cell(binary, mode, where, workers))
+                            continue
+                        for suffix in (list(loops) if round_ % 2 == 0 else list(loops)[::-1]):
+                            cells[f"loop_{where}{suffix}"].append(run_cell(loops[suffix], "loop", where, workers))
+            row = {"workers": workers, **summarize(cells), **against_base(cells)}
             rows.append(row)
             print(f"{workers} worker(s): loop from memory {row['loop_memory_gbps']} GB/s "
                   f"(a head at a time: {row['per_head_memory_gbps']}), a plain read "
                   f"{row['stream_memory_gbps']}; the loop from the cache {row['loop_cache_gbps']}; "
                   f"no overlap would give {row['no_overlap_gbps']}, full overlap {row['full_overlap_gbps']}",
                   flush=True)
+            if args.base:
+                print(f"  against {args.base}: the loop from memory {row['loop_memory_over_base']}x (faster in "
+                      f"{row['loop_memory_rounds_won']} of {args.rounds} rounds), from the cache "
+                      f"{row['loop_cache_over_base']}x ({row['loop_cache_rounds_won']} of {args.rounds})", flush=True)
     write_json(args.out, {
         "what": "the PHA decode op's attention block loop (bench/pha_attention_loop.mojo), with the group's "
                 "query heads together (loop) and a head at a time (per_head), against a plain read of the same "
                 "keys and values, from memory and from the cache; medians of interleaved rounds",
         "head_width": 64, "query_heads_per_kv_head": 2, "shapes": SHAPES, "rounds": args.rounds,
-        "cpu_target": args.cpu_target or "host", "command": command_line(), "machine": machine_info(),
+        "cpu_target": args.cpu_target or "host", "base": args.base and commit_of(args.base),
+        "command": command_line(), "machine": machine_info(),
         "rows": rows})
     print(f"wrote {args.out}")
     return 0

@@ -656,10 +656,12 @@ def _attn_group_blocks[G: Int](
     row once instead of once per head, with G times the arithmetic per load, is what lets
     the reads from memory overlap the computing (bench/pha_attention_loop.py). The same
     sums in the same order as the per-head loop."""
-    # Eight accumulators in flight, in the logits and in the weighted sums: chains enough
-    # to cover the FMA's latency, and with the row's vectors they fit AVX2's 16 registers.
+    # The logits of 8 / G key rows a pass: eight chains of FMAs cover the FMA's latency,
+    # where one key row's G chains waited on it. (With AVX2 the 2 heads' 64 columns of
+    # sums fill the 16 registers and the compiler keeps some on the stack; two passes of
+    # 32 columns read the values more slowly from memory all the same: bench/pha_attention_loop.)
     comptime KR = max(1, 8 // G)  # key rows per pass of the logits
-    comptime CW = W * max(1, 8 // max(G, 2))  # the columns of one pass over a block's values
+    comptime CW = 64 if G <= 2 else 128 // G  # the columns of one pass over a block's values
     var acc = stack_allocation[KR * G * W, Float32]()
     var sums = stack_allocation[G * CW, Float32]()
     var j = j0

@@ -16,3 +16,12 @@ def test_summary_bounds_the_loop_from_memory_by_no_and_full_overlap():
     assert s["loop_memory_over_stream_memory"] == 0.45
     assert s["loop_over_per_head_memory"] == 1.5
     assert s["rounds_gbps"]["loop_cache"] == [30.0, 20.0, 30.0]
+
+
+def test_against_base_takes_the_median_of_the_rounds_ratios_and_counts_the_rounds_won():
+    cells = {"loop_memory": [10.0, 9.0, 12.0], "loop_memory_base": [10.0, 10.0, 10.0],
+             "loop_cache": [30.0, 33.0, 36.0], "loop_cache_base": [20.0, 30.0, 40.0]}
+    s = pal.against_base(cells)
+    assert s == {"loop_memory_over_base": 1.0, "loop_memory_rounds_won": 1,
+                 "loop_cache_over_base": 1.1, "loop_cache_rounds_won": 2}
+    assert pal.against_base({"loop_memory": [1.0], "loop_cache": [1.0]}) == {}
