@@ -75,7 +75,7 @@ def _panel[WD: DType](mode: String, t: F32P, x: F32P, p: Pointer[Scalar[WD], Mut
         if mode == "widen_each":
             _widen_each(t, x, rebind[Pointer[Scalar[BF16], MutUntrackedOrigin]](p))
             return
-    _tile_here[1, NV1, WD, False](t, x, K, p, PANEL, K, p)
+    _tile_here[1, NV1, WD, False](t, x, K, p, PANEL, K, p, 0)
 
 
 def _phase[WD: DType](mode: String, base: Pointer[Scalar[WD], MutUntrackedOrigin], panels: Int, worker: Int,

@@ -223,14 +223,13 @@ struct Step(ImplicitlyCopyable, Movable):
 @always_inline
 def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
-    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
     columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
     array with constant indices after unrolling); t's rows are PANEL apart. With
-    fetch, step k also prefetches the k-th cache line from ``ahead``: a parameter, so
-    that no branch splits the loop's body (which costs registers)."""
-    comptime LINE = 64 // size_of[WD]()
+    fetch, step k also prefetches the cache line at ``ahead + k ahead_step``: a
+    parameter, so that no branch splits the loop's body (which costs registers)."""
     # allocated here, not in the loops: a stack array there would grow the stack at
     # every iteration
     var acc = stack_allocation[R * NVT * W, Float32]()
@@ -243,7 +242,7 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
             var wp = p.unsafe_offset((k + kk) * ps)
             comptime if fetch:
                 prefetch[PrefetchOptions().for_read().low_locality().to_data_cache()](
-                    ahead.unsafe_offset((k + kk) * LINE)
+                    ahead.unsafe_offset((k + kk) * ahead_step)
                 )
             load_weights[NVT, WD](wv, wp)
             comptime for r in range(R):
@@ -266,25 +265,25 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
 @no_inline
 def _tile_apart[R: Int, NVT: Int, WD: DType, fetch: Bool](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
-    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """``_tile`` as a function of its own."""
-    _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+    _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
 
 
 @always_inline
 def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
-    ahead: Pointer[Scalar[WD], MutUntrackedOrigin],
+    ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """A tile of a unit. With 32 vector registers it is called, not inlined: inlined into
     the unit's loop beside the other tile shapes, the 6 x 4 tile keeps an accumulator on
     the stack through the k loop, slower at every batch of bench/cpu_decode.py's model.
     AVX2's tiles are inlined: called, they are no faster, and slower at batch 16."""
     comptime if W > 8:
-        _tile_apart[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+        _tile_apart[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
     else:
-        _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead)
+        _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
 
 
 @always_inline
@@ -417,13 +416,13 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
             if fetch and nv == NV:  # a later tile of a unit of several: the standard width
                 comptime for R in range(1, MR + 1):
                     if rows == R:
-                        _tile_here[R, NV, WD, True](t, xr, K, pc, width, K, ahead)
+                        _tile_here[R, NV, WD, True](t, xr, K, pc, width, K, ahead, LINE)
             else:
                 comptime for R in range(1, MR + 1):
                     comptime for NVT in range(1, NV1 + 1):
                         comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
                             if rows == R and nv == NVT:
-                                _tile_here[R, NVT, WD, False](t, xr, K, pc, width, K, ahead)
+                                _tile_here[R, NVT, WD, False](t, xr, K, pc, width, K, ahead, LINE)
             var cs = q * PANEL + c0
             if nv == NV and cs + NV * W <= N:
                 # The usual tile: a row's columns in one wide epilogue, whose independent

@@ -296,15 +296,24 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
     while c0 < width:
         var nv = min(nv_max, (width - c0) // W)
         var r = r0
+        var tile = 0
         while r < r1:
             var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * ldx)
             var pc = p.unsafe_offset(c0)
-            comptime for R in range(1, MR + 1):
-                comptime for NVT in range(1, NV1 + 1):
-                    comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
-                        if rows == R and nv == NVT:
-                            _tile_here[R, NVT, WD, False](t, xr, ldx, pc, width, K, pc)
+            # The first sub-panel's first tile waits on its columns streaming in, the later
+            # tiles find them in the L1. So the later tiles prefetch the next sub-panels'
+            # columns, one each (a cache line per step of k, a panel row apart), for theirs.
+            if c0 == 0 and tile >= 1 and nv == NV and tile * NV * W < width:
+                comptime for R in range(1, MR + 1):
+                    if rows == R:
+                        _tile_here[R, NV, WD, True](t, xr, ldx, pc, width, K, p.unsafe_offset(tile * NV * W), width)
+            else:
+                comptime for R in range(1, MR + 1):
+                    comptime for NVT in range(1, NV1 + 1):
+                        comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
+                            if rows == R and nv == NVT:
+                                _tile_here[R, NVT, WD, False](t, xr, ldx, pc, width, K, pc, 0)
             var cs = q * PANEL + c0
             for i in range(rows):
                 for vv in range(nv):
@@ -315,6 +324,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
                         for j in range(N - c):
                             _finish[WD, 1](seg, r + i, c + j, t.unsafe_load[width=1](i * PANEL + vv * W + j))
             r += rows
+            tile += 1
         c0 += nv * W
 
 
