@@ -287,6 +287,29 @@ def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
 
 
 @always_inline
+def _unit_tile[WD: DType](
+    rows: Int, nv: Int, fetch: Bool, t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin],
+    ps: Int, K: Int, ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
+):
+    """A register tile of a unit (both decode ops' products): ``rows`` rows by ``nv``
+    vectors, run as the compiled shape of that size. Only the tiles of the standard width
+    NV prefetch (``fetch``: the later tiles of a unit). The shapes compiled are those a
+    unit can ask for, no more (each grows the op's code): up to NV vectors at any rows,
+    and the wider sub-panels ``_tile_vectors`` gives units of 1-2 rows (the whole panel)
+    and 3-4 rows (4 vectors)."""
+    if fetch and nv == NV:
+        comptime for R in range(1, MR + 1):
+            if rows == R:
+                _tile_here[R, NV, WD, True](t, x, ldx, p, ps, K, ahead, ahead_step)
+        return
+    comptime for R in range(1, MR + 1):
+        comptime for NVT in range(1, NV1 + 1):
+            comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
+                if rows == R and nv == NVT:
+                    _tile_here[R, NVT, WD, False](t, x, ldx, p, ps, K, ahead, ahead_step)
+
+
+@always_inline
 def _silu[n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
     return v / (1 + exp(-v))
 
@@ -413,16 +436,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                     prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
                         sp.unsafe_offset(nv * W - 1)
                     )
-            if fetch and nv == NV:  # a later tile of a unit of several: the standard width
-                comptime for R in range(1, MR + 1):
-                    if rows == R:
-                        _tile_here[R, NV, WD, True](t, xr, K, pc, width, K, ahead, LINE)
-            else:
-                comptime for R in range(1, MR + 1):
-                    comptime for NVT in range(1, NV1 + 1):
-                        comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
-                            if rows == R and nv == NVT:
-                                _tile_here[R, NVT, WD, False](t, xr, K, pc, width, K, ahead, LINE)
+            _unit_tile[WD](rows, nv, fetch, t, xr, K, pc, width, K, ahead, LINE)
             var cs = q * PANEL + c0
             if nv == NV and cs + NV * W <= N:
                 # The usual tile: a row's columns in one wide epilogue, whose independent

@@ -67,7 +67,7 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    MR, NV, NV1, PANEL, _claim, _claim_share, _tile_here, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
+    MR, NV, PANEL, _claim, _claim_share, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
     _padded, _layer_norm, _rnd,
 )
 
@@ -304,16 +304,8 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
             # The first sub-panel's first tile waits on its columns streaming in, the later
             # tiles find them in the L1. So the later tiles prefetch the next sub-panels'
             # columns, one each (a cache line per step of k, a panel row apart), for theirs.
-            if c0 == 0 and tile >= 1 and nv == NV and tile * NV * W < width:
-                comptime for R in range(1, MR + 1):
-                    if rows == R:
-                        _tile_here[R, NV, WD, True](t, xr, ldx, pc, width, K, p.unsafe_offset(tile * NV * W), width)
-            else:
-                comptime for R in range(1, MR + 1):
-                    comptime for NVT in range(1, NV1 + 1):
-                        comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
-                            if rows == R and nv == NVT:
-                                _tile_here[R, NVT, WD, False](t, xr, ldx, pc, width, K, pc, 0)
+            var fetch = c0 == 0 and tile >= 1 and tile * NV * W < width
+            _unit_tile[WD](rows, nv, fetch, t, xr, ldx, pc, width, K, p.unsafe_offset(tile * NV * W), width)
             var cs = q * PANEL + c0
             for i in range(rows):
                 for vv in range(nv):
