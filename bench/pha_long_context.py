@@ -60,6 +60,7 @@ bench/results/pha_long_context[-quick].json.
     python -m bench.pha_long_context --state-only   # state bytes only: no compile, no timing
     python -m bench.pha_long_context --models pha --no-prefill --no-llama-cpp --paths op graph
     python -m bench.pha_long_context --no-decode --batches 1 --paths op graph   # prefill against llama.cpp
+    python -m bench.pha_long_context --no-decode --batches 1 --paired-rounds 10 --contexts 512   # drift-proof
     python -m bench.pha_long_context --summarize    # the comparisons recomputed from the JSON's runs
 """
 
@@ -374,6 +375,36 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
     return rows
 
 
+def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:
+    """Each engine's prefill of one n-token prompt against llama.cpp's prompt, side by side
+    in ``rounds`` rounds: a round times the engines (best of ``repeats`` calls after a
+    warm-up) and one llama.cpp run (``llama_prompt_rate()``: its prompt tokens/s), in an
+    order that alternates between rounds, and takes their ratio. This host's speed drifts
+    by tens of percent within minutes, more than the ratio sought, so a best against a
+    best minutes apart can fall either side of 1; the median of the rounds' ratios, each of
+    timings seconds apart, and the rounds won, do not move with the drift. One row per
+    engine (``engines``: (name, path, dtype) -> engine)."""
+    prompts = {key: [rng.integers(0, e.config.vocab_size, n).tolist()] for key, e in engines.items()}
+    per_round: dict = {key: [] for key in engines}
+    for i in range(rounds):
+        def engines_rate() -> dict:
+            return {key: n / min(timed(repeats, lambda: e.prefill(prompts[key]))) for key, e in engines.items()}
+
+        if i % 2 == 0:
+            ours = engines_rate()
+            theirs = llama_prompt_rate()
+        else:
+            theirs = llama_prompt_rate()
+            ours = engines_rate()
+        for key, rate in ours.items():
+            per_round[key].append({"prefill_tokens_per_s": rate, "llama_cpp_prompt_tokens_per_s": theirs,
+                                   "ratio": rate / theirs})
+    return [{"model": name, "path": path, "dtype": dtype, "context": n, "rounds": got,
+             "median_ratio": float(np.median([r["ratio"] for r in got])),
+             "rounds_won": sum(r["ratio"] > 1 for r in got)}
+            for (name, path, dtype), got in per_round.items()]
+
+
 def at_context_end(row: dict) -> bool:
     """Whether a row's decode ran from the default position, the last steps before n (rows
     of ``--decode-from`` runs did not)."""
@@ -538,6 +569,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-from", type=int, nargs="*",
                     help="positions the decode calls start from (default: n - steps - 1)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paired-rounds", type=int, default=0,
+                    help="also time each engine's prefill against llama.cpp's prompt in this many alternating "
+                         "rounds, each a ratio of timings seconds apart (their median does not move with the host's "
+                         "drift)")
     ap.add_argument("--donated", action="store_true",
                     help="also time the decode into donated states (the slot pool's calls: no copy of the caches)")
     ap.add_argument("--refill", action="store_true",
@@ -566,7 +601,7 @@ def main(argv=None) -> dict:
     run = {"command": command_line(), "machine": machine_info(), "quick": args.quick,
            "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
            "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
-           "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": []}
+           "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": [], "paired_prefill": []}
     if not (args.state_only or args.no_prefill):
         run["fma_peak"] = fma_peak()
         print(f"FMA peak: {run['fma_peak']['flops'] / 1e9:.0f} GFLOP/s", flush=True)
@@ -625,6 +660,22 @@ def main(argv=None) -> dict:
                     row["prefill_percent_of_fma_peak"] = percent_of_peak(row["prefill_flops"], row["prefill_seconds"],
                                                                          run["fma_peak"])
         run["rows"] += rows
+        if args.paired_rounds and prefill and not (args.state_only or args.no_llama_cpp):
+            with tempfile.TemporaryDirectory() as tmp:
+                gguf, _ = pha_llama_cpp.write_gguf(configs("pha", n, args.quick), Path(tmp))
+                binary = pha_llama_cpp.build()
+
+                def llama_prompt_rate() -> float:
+                    (row,) = pha_llama_cpp.run(gguf, n, args.steps, [1], threads=args.llama_cpp_threads,
+                                               binary=binary)
+                    return row["prompt_tokens_per_s"]
+
+                paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng, llama_prompt_rate)
+            for p in paired:
+                print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} context {n:5d}: prefill over llama.cpp's "
+                      f"prompt, median of {len(p['rounds'])} alternating rounds {p['median_ratio']:.2f}x, "
+                      f"faster in {p['rounds_won']}", flush=True)
+            run["paired_prefill"] += paired
         del engines
         if not (args.state_only or args.no_llama_cpp):
             # right after the MAX engines at this context: the host's speed drifts within

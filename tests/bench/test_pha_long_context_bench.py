@@ -208,6 +208,34 @@ def test_prefill_lengths_time_one_prompt_of_each_length():
     assert {"prefill_seconds_t1", "prefill_seconds_t64", "prefill_seconds"} <= row.keys()
 
 
+def test_paired_prefill_alternates_the_order_and_takes_the_median_of_the_rounds_ratios(monkeypatch):
+    """``--paired-rounds``: each round times the engine and one llama.cpp run seconds apart,
+    the engine first in even rounds, llama.cpp first in odd ones; the verdict is the median
+    of the rounds' ratios and the rounds won, not a best against a best."""
+    order = []
+    engine = Recording()
+    seconds = [0.5, 0.1, 0.2]  # the engine's best call in each round: 200, 1,000, 500 tokens/s for 100 tokens
+    llama_rates = [400.0, 500.0, 1000.0]
+
+    def fake_timed(repeats, run):
+        run()
+        order.append("engine")
+        return [seconds.pop(0)]
+
+    def llama_prompt_rate():
+        order.append("llama.cpp")
+        return llama_rates.pop(0)
+
+    monkeypatch.setattr(bench, "timed", fake_timed)
+    (row,) = bench.paired_prefill({("pha", "op", "float32"): engine}, 100, 3, 2, np.random.default_rng(0),
+                                  llama_prompt_rate)
+    assert order == ["engine", "llama.cpp", "llama.cpp", "engine", "engine", "llama.cpp"]
+    assert engine.asked == [100] * 3
+    assert [r["ratio"] for r in row["rounds"]] == [0.5, 2.0, 0.5]
+    assert row["median_ratio"] == 0.5 and row["rounds_won"] == 1
+    assert (row["model"], row["path"], row["dtype"], row["context"]) == ("pha", "op", "float32", 100)
+
+
 def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
     """``--refill``: the regroups the slot pool asks when row 0 of a batch of B finishes (the kept
     rows moved, or the fresh row written into its slot of the donated states), timed per
