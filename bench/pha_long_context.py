@@ -375,15 +375,29 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
     return rows
 
 
+def paired_summary(ratios: list[float]) -> dict:
+    """The verdict of ``paired_prefill``'s rounds (their ratios, engine over llama.cpp, in
+    the order run: even rounds timed the engines first). llama.cpp ran about half as fast
+    right after the engines in some rounds of runs 90-91 (the engines' rate did not move
+    with the order), so each order's rounds get their own median, and ``ratio`` is the
+    lower of the two: a ratio no order of the timings favours."""
+    first, second = ratios[0::2], ratios[1::2]
+    by_order = {"median_ratio_engines_first": float(np.median(first))}
+    if second:
+        by_order["median_ratio_llama_cpp_first"] = float(np.median(second))
+    return {"median_ratio": float(np.median(ratios)), **by_order, "ratio": min(by_order.values()),
+            "rounds_won": sum(r > 1 for r in ratios)}
+
+
 def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:
     """Each engine's prefill of one n-token prompt against llama.cpp's prompt, side by side
     in ``rounds`` rounds: a round times the engines (best of ``repeats`` calls after a
-    warm-up) and one llama.cpp run (``llama_prompt_rate()``: its prompt tokens/s), in an
-    order that alternates between rounds, and takes their ratio. This host's speed drifts
-    by tens of percent within minutes, more than the ratio sought, so a best against a
-    best minutes apart can fall either side of 1; the median of the rounds' ratios, each of
-    timings seconds apart, and the rounds won, do not move with the drift. One row per
-    engine (``engines``: (name, path, dtype) -> engine)."""
+    warm-up) and one llama.cpp run (``llama_prompt_rate()``: its prompt tokens/s), the
+    engines first in even rounds and second in odd ones, and takes their ratio. This
+    host's speed drifts by tens of percent within minutes, more than the ratio sought, so
+    a best against a best minutes apart can fall either side of 1; ratios of timings
+    seconds apart do not move with the drift (``paired_summary`` gives the verdict). One
+    row per engine (``engines``: (name, path, dtype) -> engine)."""
     prompts = {key: [rng.integers(0, e.config.vocab_size, n).tolist()] for key, e in engines.items()}
     per_round: dict = {key: [] for key in engines}
     for i in range(rounds):
@@ -397,11 +411,10 @@ def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_
             theirs = llama_prompt_rate()
             ours = engines_rate()
         for key, rate in ours.items():
-            per_round[key].append({"prefill_tokens_per_s": rate, "llama_cpp_prompt_tokens_per_s": theirs,
-                                   "ratio": rate / theirs})
+            per_round[key].append({"engines_first": i % 2 == 0, "prefill_tokens_per_s": rate,
+                                   "llama_cpp_prompt_tokens_per_s": theirs, "ratio": rate / theirs})
     return [{"model": name, "path": path, "dtype": dtype, "context": n, "rounds": got,
-             "median_ratio": float(np.median([r["ratio"] for r in got])),
-             "rounds_won": sum(r["ratio"] > 1 for r in got)}
+             **paired_summary([r["ratio"] for r in got])}
             for (name, path, dtype), got in per_round.items()]
 
 
@@ -541,6 +554,9 @@ def summarized(result: dict) -> dict:
                                    for e in against_llama_cpp(past["rows"], past["llama_cpp"])]
     result["streaming_target"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
                                   for e in streaming_reach(past)]
+    for past in result["runs"]:  # the verdict of paired rounds as ``paired_summary`` gives it now
+        for p in past.get("paired_prefill", []):
+            p |= paired_summary([r["ratio"] for r in p["rounds"]])
     return result
 
 
@@ -673,8 +689,10 @@ def main(argv=None) -> dict:
                 paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng, llama_prompt_rate)
             for p in paired:
                 print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} context {n:5d}: prefill over llama.cpp's "
-                      f"prompt, median of {len(p['rounds'])} alternating rounds {p['median_ratio']:.2f}x, "
-                      f"faster in {p['rounds_won']}", flush=True)
+                      f"prompt {p['ratio']:.2f}x (the medians of {len(p['rounds'])} alternating rounds: "
+                      f"{p['median_ratio_engines_first']:.2f}x with the engines first, "
+                      f"{p.get('median_ratio_llama_cpp_first', float('nan')):.2f}x second), faster in "
+                      f"{p['rounds_won']}", flush=True)
             run["paired_prefill"] += paired
         del engines
         if not (args.state_only or args.no_llama_cpp):

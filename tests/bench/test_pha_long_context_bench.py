@@ -232,8 +232,28 @@ def test_paired_prefill_alternates_the_order_and_takes_the_median_of_the_rounds_
     assert order == ["engine", "llama.cpp", "llama.cpp", "engine", "engine", "llama.cpp"]
     assert engine.asked == [100] * 3
     assert [r["ratio"] for r in row["rounds"]] == [0.5, 2.0, 0.5]
+    assert [r["engines_first"] for r in row["rounds"]] == [True, False, True]
     assert row["median_ratio"] == 0.5 and row["rounds_won"] == 1
+    # each order's rounds on their own, the verdict the lower median
+    assert row["median_ratio_engines_first"] == 0.5 and row["median_ratio_llama_cpp_first"] == 2.0
+    assert row["ratio"] == 0.5
     assert (row["model"], row["path"], row["dtype"], row["context"]) == ("pha", "op", "float32", 100)
+
+
+def test_the_paired_verdict_is_the_lower_of_the_two_orders_medians_and_summarize_recomputes_it():
+    """llama.cpp slowed right after the engines in some rounds: the rounds with the engines
+    first (even) can favour them, so the verdict is the lower order's median; ``--summarize``
+    gives an earlier run's rounds the same verdict."""
+    ratios = [1.8, 0.96, 1.7, 0.98, 2.0, 0.94]
+    summary = bench.paired_summary(ratios)
+    assert summary["median_ratio_engines_first"] == 1.8 and summary["median_ratio_llama_cpp_first"] == 0.96
+    assert summary["ratio"] == 0.96 and summary["rounds_won"] == 3 and summary["median_ratio"] == pytest.approx(1.34)
+    assert bench.paired_summary([1.2])["ratio"] == 1.2  # one round: one order
+    run = {"steps_per_call": 16, "rows": [], "llama_cpp": [],
+           "paired_prefill": [{"model": "pha", "context": 512, "rounds": [{"ratio": r} for r in ratios],
+                               "median_ratio": 1.34}]}
+    (paired,) = bench.summarized({"runs": [run]})["runs"][0]["paired_prefill"]
+    assert paired["ratio"] == 0.96 and paired["median_ratio_engines_first"] == 1.8
 
 
 def test_refill_regroups_a_batch_whose_first_row_a_fresh_state_replaces():
