@@ -377,10 +377,10 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
 
 def paired_summary(ratios: list[float]) -> dict:
     """The verdict of ``paired_prefill``'s rounds (their ratios, engine over llama.cpp, in
-    the order run: even rounds timed the engines first). llama.cpp ran about half as fast
-    right after the engines in some rounds of runs 90-91 (the engines' rate did not move
-    with the order), so each order's rounds get their own median, and ``ratio`` is the
-    lower of the two: a ratio no order of the timings favours."""
+    the order run: even rounds timed the engines first). On a shared host llama.cpp timed
+    right after the engines can run slower than after itself while the engines' rate does
+    not move with the order (docs/pha_engine.md), so each order's rounds get their own
+    median, and ``ratio`` is the lower of the two: a ratio no order of the timings favours."""
     first, second = ratios[0::2], ratios[1::2]
     by_order = {"median_ratio_engines_first": float(np.median(first))}
     if second:
@@ -586,9 +586,9 @@ def main(argv=None) -> dict:
                     help="positions the decode calls start from (default: n - steps - 1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired-rounds", type=int, default=0,
-                    help="also time each engine's prefill against llama.cpp's prompt in this many alternating "
-                         "rounds, each a ratio of timings seconds apart (their median does not move with the host's "
-                         "drift)")
+                    help="also time each engine's prefill against llama.cpp's prompt in this many rounds, the "
+                         "order alternating, each a ratio of timings seconds apart: the verdict is the lower of the "
+                         "two orders' medians, which the host's drift does not move")
     ap.add_argument("--donated", action="store_true",
                     help="also time the decode into donated states (the slot pool's calls: no copy of the caches)")
     ap.add_argument("--refill", action="store_true",
