@@ -676,9 +676,12 @@ def main(argv=None) -> dict:
                     row["prefill_percent_of_fma_peak"] = percent_of_peak(row["prefill_flops"], row["prefill_seconds"],
                                                                          run["fma_peak"])
         run["rows"] += rows
-        if args.paired_rounds and prefill and not (args.state_only or args.no_llama_cpp):
-            with tempfile.TemporaryDirectory() as tmp:
-                gguf, _ = pha_llama_cpp.write_gguf(configs("pha", n, args.quick), Path(tmp))
+        llama_cpp = not (args.state_only or args.no_llama_cpp)
+        # one folder for the context's same-shape Llama: its GGUF is written once, for the
+        # paired rounds and the runs below
+        with tempfile.TemporaryDirectory() as tmp:
+            if llama_cpp and args.paired_rounds and prefill:
+                gguf, _ = pha_llama_cpp.write_gguf(configs("pha", n, args.quick), Path(tmp) / str(n))
                 binary = pha_llama_cpp.build()
 
                 def llama_prompt_rate() -> float:
@@ -687,20 +690,20 @@ def main(argv=None) -> dict:
                     return row["prompt_tokens_per_s"]
 
                 paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng, llama_prompt_rate)
-            for p in paired:
-                print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} context {n:5d}: prefill over llama.cpp's "
-                      f"prompt {p['ratio']:.2f}x (the medians of {len(p['rounds'])} alternating rounds: "
-                      f"{p['median_ratio_engines_first']:.2f}x with the engines first, "
-                      f"{p.get('median_ratio_llama_cpp_first', float('nan')):.2f}x second), faster in "
-                      f"{p['rounds_won']}", flush=True)
-            run["paired_prefill"] += paired
-        del engines
-        if not (args.state_only or args.no_llama_cpp):
-            # right after the MAX engines at this context: the host's speed drifts within
-            # minutes, so each ratio compares timings taken as close together as they can be
-            with tempfile.TemporaryDirectory() as tmp:
+                for p in paired:
+                    print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} context {n:5d}: prefill over llama.cpp's "
+                          f"prompt {p['ratio']:.2f}x (the medians of {len(p['rounds'])} alternating rounds: "
+                          f"{p['median_ratio_engines_first']:.2f}x with the engines first, "
+                          f"{p.get('median_ratio_llama_cpp_first', float('nan')):.2f}x second), faster in "
+                          f"{p['rounds_won']}", flush=True)
+                run["paired_prefill"] += paired
+            del engines
+            if llama_cpp:
+                # right after the MAX engines at this context: the host's speed drifts within
+                # minutes, so each ratio compares timings taken as close together as they can be
                 llama = llama_cpp_rows([n], batches, args.steps, args.repeats, Path(tmp),
                                        lambda context: configs("pha", context, args.quick), args.llama_cpp_threads)
+        if llama_cpp:
             if "fma_peak" in run:
                 for ll in llama:
                     seconds = ll["batch"] * ll["prompt_tokens"] / ll["prompt_tokens_per_s"]
