@@ -17,6 +17,7 @@ them; it reports prompt tokens/s (``S_PP``) and decode tokens/s over all sequenc
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -68,6 +69,24 @@ def llama_config(pha_config):
                        tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
+def tokenizer_of_vocab(tokenizer_file: Path, vocab_size: int) -> dict:
+    """The BPE tokenizer in ``tokenizer_file`` cut to its first ``vocab_size`` ids (a JSON dict).
+
+    A BPE vocabulary grows one merge at a time, so the ids below ``vocab_size`` with the
+    merges that make them are a complete tokenizer of their own. A tokenizer no larger than
+    ``vocab_size`` comes back unchanged."""
+    spec = json.loads(Path(tokenizer_file).read_text())
+    model = spec["model"]
+    if model["type"] != "BPE":
+        raise ValueError(f"{tokenizer_file}: a BPE tokenizer is needed, not {model['type']}")
+    kept = {token: i for token, i in model["vocab"].items() if i < vocab_size}
+    model["vocab"] = kept
+    merges = [m if isinstance(m, list) else m.split(" ", 1) for m in model["merges"]]
+    model["merges"] = [[a, b] for a, b in merges if a in kept and b in kept and a + b in kept]
+    spec["added_tokens"] = [t for t in spec.get("added_tokens", []) if t["id"] < vocab_size]
+    return spec
+
+
 def write_gguf(pha_config, out_dir: Path, cache: Path = CACHE) -> tuple[Path, int]:
     """The same-shape Llama as a float32 GGUF in ``out_dir`` -> (its path, parameters)."""
     import torch
@@ -83,8 +102,12 @@ def write_gguf(pha_config, out_dir: Path, cache: Path = CACHE) -> tuple[Path, in
     if gguf.exists():
         return gguf, params
     model.save_pretrained(hf)
-    # any tokenizer of the vocabulary's size: the timing never tokenizes text
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(EMBEDDED_MODEL_DIR / "tokenizer.json"))
+    # any tokenizer of the vocabulary's size: the timing never tokenizes text, but the converter
+    # refuses a tokenizer with ids the model's embedding does not have
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "vocab-tokenizer.json").write_text(json.dumps(tokenizer_of_vocab(EMBEDDED_MODEL_DIR / "tokenizer.json",
+                                                                           pha_config.vocab_size)))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(hf / "vocab-tokenizer.json"))
     tokenizer.save_pretrained(hf)
     src = llama_cpp_dir(cache)
     # the converter tries sentencepiece first (not installed), then stops at a BPE
@@ -142,4 +165,4 @@ def run(gguf: Path, context: int, new_tokens: int, batches, threads: int = 2, bi
     raise RuntimeError(failure)
 
 
-__all__ = ["build", "llama_config", "parse_batched_bench", "run", "write_gguf"]
+__all__ = ["build", "llama_config", "parse_batched_bench", "run", "tokenizer_of_vocab", "write_gguf"]

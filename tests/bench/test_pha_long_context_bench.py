@@ -4,6 +4,7 @@ the comparison with llama.cpp's best run and the merging of runs."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -64,6 +65,25 @@ def test_the_llama_has_the_attention_branchs_shape():
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim, config.intermediate_size, config.vocab_size) == (256, 4, 4, 2, 64, 1024, 4096)
     assert config.tie_word_embeddings
+
+
+def test_the_llamas_tokenizer_has_no_id_beyond_a_smaller_models_vocabulary(tmp_path):
+    # the quick model's vocabulary (512) is smaller than the embedded tokenizer's; llama.cpp's
+    # converter refuses a tokenizer with ids the embedding lacks
+    from tokenizers import Tokenizer
+
+    from srm_max.embedded import EMBEDDED_MODEL_DIR
+
+    vocab = bench.configs("pha", 128, quick=True).vocab_size
+    spec = pha_llama_cpp.tokenizer_of_vocab(EMBEDDED_MODEL_DIR / "tokenizer.json", vocab)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == vocab
+    ids = tokenizer.encode("To be, or not to be, that is the question.").ids
+    assert ids and max(ids) < vocab and tokenizer.decode(ids) == "To be, or not to be, that is the question."
+    whole = Tokenizer.from_file(str(EMBEDDED_MODEL_DIR / "tokenizer.json"))
+    assert pha_llama_cpp.tokenizer_of_vocab(EMBEDDED_MODEL_DIR / "tokenizer.json", whole.get_vocab_size()) == \
+        json.loads((EMBEDDED_MODEL_DIR / "tokenizer.json").read_text())
 
 
 def test_a_step_reads_the_matrices_once_per_call_and_each_samples_state_every_step():
