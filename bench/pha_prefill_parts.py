@@ -19,7 +19,11 @@ of each per round (so that every best comes from the same minutes of the machine
   - the placement of every layer's state (``PrefillStates`` by its op, in a graph of its own
     on random inputs of the prefill's shapes, less the same idle call);
   - ``rest_ms``: the whole prefill less the parts' sum: the other plain ops and what the
-    graph spends between its ops.
+    graph spends between its ops;
+  - each dense layer with an activation (the GELU) once more without it, right after it in
+    every round: ``activations`` gives per such layer the median of the rounds' ratios of the
+    two calls, less 1 (what the activation in the op's epilogue adds to the layer), which
+    the machine's drift moves far less than two bests a few minutes apart.
 
 Each dense layer and the attention also against the FMA peak measured in the same run
 (bench/fma_peak.py): 2 T N K FLOPs per dense layer, the attention's causal scores and
@@ -71,6 +75,18 @@ def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> 
             "rest_percent_of_prefill": 100 * (whole_ms - total) / whole_ms,
             "dense_ms": 1e3 * n_layers * dense_s, "dense_percent_of_prefill": 100e3 * n_layers * dense_s / whole_ms,
             "dense_percent_of_fma_peak": 100 * dense_flops / dense_s / peak if dense_s else None}
+
+
+def activation_costs(seconds: dict[str, list[float]], activated: dict[str, str]) -> list[dict]:
+    """Per dense layer with an activation (``activated``: its name -> the name of its call
+    without it): the median over the rounds of (with / without) - 1, in percent, and how
+    many rounds the activation cost time in (the two calls ran one after the other)."""
+    out = []
+    for name, plain in activated.items():
+        ratios = [a / b for a, b in zip(seconds[name], seconds[plain])]
+        out.append({"name": name, "percent_of_layer": 100 * (float(np.median(ratios)) - 1),
+                    "rounds_slower": sum(r > 1 for r in ratios), "rounds": len(ratios)})
+    return out
 
 
 def ops_graph():
@@ -187,9 +203,13 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
         return executes(model, [a for other in OPS for a in (args if other == op else idle[other])])
 
     calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for op in OPS for a in idle[op]])}
-    flops = {}
+    flops, activated = {}, {}
     for d in dense_layers(config):
-        calls[d["name"]], flops[d["name"]] = alone("dense", inputs["dense"][d["name"]]), 2.0 * n * d["N"] * d["K"]
+        args = inputs["dense"][d["name"]]
+        calls[d["name"]], flops[d["name"]] = alone("dense", args), 2.0 * n * d["N"] * d["K"]
+        if d["act"]:  # the same product without its activation, timed right after it
+            activated[d["name"]] = f"{d['name']} without activation"
+            calls[activated[d["name"]]] = alone("dense", [*args[:2], np.array([0, 0], np.int64), *args[3:]])
     if "attn" in config.branches:
         calls["attention"], flops["attention"] = alone("attention", inputs["attention"]), attention_flops(config, n)
         calls["qk_rope"] = alone("qk_rope", inputs["qk_rope"])
@@ -201,15 +221,20 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
     seconds = in_rounds(calls, rounds)
     best = {name: min(times) for name, times in seconds.items()}
     # each op's call less an idle call's: the execute's own cost, which the prefill's ops do not pay
+    not_parts = {"prefill", "idle", *activated.values()}
     parts = [{"name": name, "seconds": max(0.0, best[name] - best["idle"]), "flops": flops.get(name),
-              "per_layer": name != "state_placement"} for name in calls if name not in ("prefill", "idle")]
+              "per_layer": name != "state_placement"} for name in calls if name not in not_parts]
     runs = seconds["prefill"]
     row = {"model": name, "context": n, "prefill_seconds_runs": runs, "prefill_spread": spread(runs),
-           "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, config.n_layers, peak)}
+           "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, config.n_layers, peak),
+           "activations": activation_costs(seconds, activated)}
     print(f"{name:9s} n={n:5d}: prefill {row['prefill_ms']:6.1f} ms = dense {row['dense_ms']:5.1f} "
           f"({row['dense_percent_of_fma_peak']:.0f} % of the FMA peak) + other ops "
           f"{row['parts_ms'] - row['dense_ms']:5.1f} + rest {row['rest_ms']:5.1f} "
           f"({row['rest_percent_of_prefill']:.0f} %)", flush=True)
+    if row["activations"]:
+        print(" " * 18 + "the activations add " + ", ".join(f"{a['percent_of_layer']:.0f} % to {a['name']}"
+                                                          for a in row["activations"]), flush=True)
     return row
 
 

@@ -246,9 +246,9 @@ comptime ERF_Q = (1.0, 0.49701088666915894, 0.11375634372234344, 0.0154232038185
 
 @always_inline
 def _erf[n: Int](v: SIMD[F32, n]) -> SIMD[F32, n]:
-    """erf in one branch of fused multiply-adds and a division: the standard library's takes
-    two (a polynomial, and an exp with a polynomial, then a select), about three times the
-    instructions, which the GELU epilogue of a dense layer's tiles pays on every output."""
+    """erf in one branch of fused multiply-adds and a division: the standard library's
+    computes two (a polynomial, and an exp with a polynomial) and selects, on every output of
+    a GELU layer's tiles."""
     var x = min(max(v, -ERF_CLAMP), ERF_CLAMP)
     var t = x * x
     var num = SIMD[F32, n](Float32(ERF_P[6]))

@@ -1,9 +1,9 @@
 """The coefficients of the float32 erf in mojo/pha_decode_step.mojo (``_erf``) and its error.
 
 erf(x) = x P(x^2) / Q(x^2) for |x| < CLAMP, P of degree 6 and Q of degree 5 with Q(0) = 1,
-and the value at +-CLAMP beyond it (erf(3.9) rounds to 1 in float32). One branch, no exp:
-the GELU's erf inside the dense op's tiles costs about a third of the standard library's
-two-branch erf (polynomial, exp, polynomial, select) on AVX2.
+and the value at +-CLAMP beyond it (erf(3.9) rounds to 1 in float32). One branch and no exp,
+where the standard library's erf computes two (a polynomial; an exp of a polynomial) and
+selects: the GELU layers' epilogue pays it on every output (docs/pha_engine.md).
 
 The fit: least squares of the linearized error x (P - f Q) over dense points of [0, CLAMP]
 (f = erf(x) / x), each point weighted by 1 / Q of the previous fit (so the error fitted is

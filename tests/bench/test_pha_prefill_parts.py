@@ -84,3 +84,12 @@ def test_a_part_of_the_whole_prefill_counts_once_and_is_not_a_dense_layer():
     s = pp.summarize(10e-3, parts, 4, 4e9)
     assert s["parts_ms"] == pytest.approx(5.0) and s["dense_ms"] == pytest.approx(4.0)
     assert s["parts"][1]["ms"] == pytest.approx(1.0)
+
+
+def test_an_activations_cost_is_the_median_of_the_rounds_ratios():
+    # rounds of (with, without): 1.2, 1.1 and 0.9 times; the drift moves both calls of a round
+    seconds = {"ffn_0.fc": [1.2, 2.2, 0.9], "ffn_0.fc without activation": [1.0, 2.0, 1.0]}
+    (cost,) = pp.activation_costs(seconds, {"ffn_0.fc": "ffn_0.fc without activation"})
+    assert cost["name"] == "ffn_0.fc" and cost["percent_of_layer"] == pytest.approx(10.0)
+    assert cost["rounds_slower"] == 2 and cost["rounds"] == 3
+    assert pp.activation_costs(seconds, {}) == []
