@@ -1,9 +1,9 @@
 """Shared helpers of the benchmarks in ``bench/``.
 
 Model builders at equal parameter counts (SRM, Llama-style Transformer, Mamba),
-the fixed prompts, thread control, wall-clock timing, machine facts, and the
-JSON + PNG writers. Every model is randomly initialised: the benchmarks measure
-speed and memory, which depend only on shapes.
+the fixed prompts, thread control, wall-clock timing, the verdict of an A/B timed in
+interleaved rounds, machine facts, and the JSON + PNG writers. Every model is randomly
+initialised: the benchmarks measure speed and memory, which depend only on shapes.
 """
 
 from __future__ import annotations
@@ -204,6 +204,18 @@ class Clock:
     @property
     def prefill(self) -> float:
         return (self.first or self.end) - self.t0
+
+
+def rounds_verdict(ratios) -> dict:
+    """The verdict of two things timed in interleaved rounds, from each round's ratio (above 1
+    where the second thing, the change or the engine, came out ahead): the median of the
+    ratios, and in how many of the rounds it was above 1. Ratios of timings seconds apart,
+    not a ratio of bests minutes apart: a shared host's speed drifts by tens of percent over
+    minutes, and both timings of a round share the drift."""
+    ratios = list(ratios)
+    if not ratios:
+        raise ValueError("no rounds to summarize")
+    return {"median": float(np.median(ratios)), "above_1": sum(r > 1 for r in ratios), "rounds": len(ratios)}
 
 
 def machine_info() -> dict:

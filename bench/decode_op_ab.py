@@ -28,7 +28,7 @@ import tempfile
 from io import BytesIO
 from pathlib import Path
 
-from bench.common import command_line, machine_info, write_json
+from bench.common import command_line, machine_info, rounds_verdict, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = Path(__file__).with_name("decode_op.mojo")
@@ -102,17 +102,16 @@ def run_binary(binary: Path, batch: int, calls: int, workers: int, dtype: str = 
 
 def summarize(rounds: list[tuple[float, float]]) -> dict:
     """Per-round ratios B/A of (A, B) tokens/s pairs: their median, range and B's wins."""
-    if not rounds:
-        raise ValueError("no rounds to summarize")
     ratios = [b / a for a, b in rounds]
+    verdict = rounds_verdict(ratios)
     return {
         "a_median_tok_s": statistics.median(a for a, _ in rounds),
         "b_median_tok_s": statistics.median(b for _, b in rounds),
-        "ratio_median": statistics.median(ratios),
+        "ratio_median": verdict["median"],
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
-        "b_faster_rounds": sum(r > 1 for r in ratios),
-        "rounds": len(ratios),
+        "b_faster_rounds": verdict["above_1"],
+        "rounds": verdict["rounds"],
     }
 
 

@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import command_line, machine_info, write_json
+from bench.common import command_line, machine_info, rounds_verdict, write_json
 from bench.decode_op_ab import ROOT, build, commit_of, export_ops, link_ops, run_driver, value_after
 
 DRIVER = Path(__file__).with_name("pha_attention_loop.mojo")
@@ -81,9 +81,9 @@ def against_base(cells: dict[str, list[float]]) -> dict:
     out = {}
     for where in SHAPES:
         if f"loop_{where}_base" in cells:
-            ratios = [new / old for new, old in zip(cells[f"loop_{where}"], cells[f"loop_{where}_base"])]
-            out[f"loop_{where}_over_base"] = round(statistics.median(ratios), 3)
-            out[f"loop_{where}_rounds_won"] = sum(r > 1 for r in ratios)
+            verdict = rounds_verdict(new / old for new, old in zip(cells[f"loop_{where}"], cells[f"loop_{where}_base"]))
+            out[f"loop_{where}_over_base"] = round(verdict["median"], 3)
+            out[f"loop_{where}_rounds_won"] = verdict["above_1"]
     return out
 
 

@@ -77,7 +77,7 @@ import numpy as np
 
 from bench import pha_llama_cpp
 from bench.fma_peak import fma_peak
-from bench.common import RESULTS, command_line, machine_info, write_json  # noqa: E402
+from bench.common import RESULTS, command_line, machine_info, rounds_verdict, write_json  # noqa: E402
 
 MODELS = ("pha", "pha-attn", "pha-gss", "pha-ffn", "srm")
 # the PHA's blocks with some branches left out: what each branch costs
@@ -382,11 +382,12 @@ def paired_summary(ratios: list[float]) -> dict:
     not move with the order (docs/pha_engine.md), so each order's rounds get their own
     median, and ``ratio`` is the lower of the two: a ratio no order of the timings favours."""
     first, second = ratios[0::2], ratios[1::2]
-    by_order = {"median_ratio_engines_first": float(np.median(first))}
+    by_order = {"median_ratio_engines_first": rounds_verdict(first)["median"]}
     if second:
-        by_order["median_ratio_llama_cpp_first"] = float(np.median(second))
-    return {"median_ratio": float(np.median(ratios)), **by_order, "ratio": min(by_order.values()),
-            "rounds_won": sum(r > 1 for r in ratios)}
+        by_order["median_ratio_llama_cpp_first"] = rounds_verdict(second)["median"]
+    verdict = rounds_verdict(ratios)
+    return {"median_ratio": verdict["median"], **by_order, "ratio": min(by_order.values()),
+            "rounds_won": verdict["above_1"]}
 
 
 def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import command_line, machine_info, write_json
+from bench.common import command_line, machine_info, rounds_verdict, write_json
 from bench.decode_op_ab import PACKAGE, ROOT, commit_of, export_ops
 from srm_max.runtime import cpu_target
 
@@ -55,16 +55,17 @@ def summarize(rounds: list[dict[str, tuple[dict, dict]]]) -> dict[str, dict]:
     for key in rounds[0]:
         pairs = [r[key] for r in rounds]
         step_ratios = [a["step_us"] / b["step_us"] for a, b in pairs]
-        product_ratios = [a["product_us"] / b["product_us"] for a, b in pairs]
+        step = rounds_verdict(step_ratios)
+        products = rounds_verdict(a["product_us"] / b["product_us"] for a, b in pairs)
         out[key] = {
             "step_us_a": round(statistics.median(a["step_us"] for a, _ in pairs), 1),
             "step_us_b": round(statistics.median(b["step_us"] for _, b in pairs), 1),
             "product_us_a": round(statistics.median(a["product_us"] for a, _ in pairs), 1),
             "product_us_b": round(statistics.median(b["product_us"] for _, b in pairs), 1),
-            "step_ratio": round(statistics.median(step_ratios), 3),
-            "product_ratio": round(statistics.median(product_ratios), 3),
-            "rounds_b_won": sum(r > 1 for r in step_ratios),
-            "rounds": len(pairs),
+            "step_ratio": round(step["median"], 3),
+            "product_ratio": round(products["median"], 3),
+            "rounds_b_won": step["above_1"],
+            "rounds": step["rounds"],
             "step_ratios": [round(r, 3) for r in step_ratios],
         }
     return out

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import RESULTS, command_line, machine_info, write_json
+from bench.common import RESULTS, command_line, machine_info, rounds_verdict, write_json
 from bench.pha_long_context import attention_flops, configs, dense_layers, engine_of, spread
 
 OUT = RESULTS / "pha_prefill_parts.json"
@@ -83,9 +83,9 @@ def activation_costs(seconds: dict[str, list[float]], activated: dict[str, str])
     many rounds the activation cost time in (the two calls ran one after the other)."""
     out = []
     for name, plain in activated.items():
-        ratios = [a / b for a, b in zip(seconds[name], seconds[plain])]
-        out.append({"name": name, "percent_of_layer": 100 * (float(np.median(ratios)) - 1),
-                    "rounds_slower": sum(r > 1 for r in ratios), "rounds": len(ratios)})
+        verdict = rounds_verdict(a / b for a, b in zip(seconds[name], seconds[plain]))
+        out.append({"name": name, "percent_of_layer": 100 * (verdict["median"] - 1),
+                    "rounds_slower": verdict["above_1"], "rounds": verdict["rounds"]})
     return out
 
 

@@ -251,6 +251,16 @@ def test_a_drivers_number_is_read_from_its_line_and_a_failed_driver_ends_the_run
         decode_op_ab.run_driver(driver("failed_driver", "", 3), [], "mode", "gbps")
 
 
+def test_a_verdict_of_interleaved_rounds_is_their_ratios_median_and_the_rounds_above_1():
+    from bench.common import rounds_verdict
+
+    # a generator as the tools pass it; an even count's median is the middle two's mean
+    assert rounds_verdict(r for r in (1.2, 0.8, 1.05, 1.0)) == {"median": pytest.approx(1.025), "above_1": 2,
+                                                               "rounds": 4}
+    with pytest.raises(ValueError, match="no rounds"):
+        rounds_verdict([])
+
+
 def test_decode_op_ab_summarizes_rounds():
     from bench import decode_op_ab
 
