@@ -33,8 +33,8 @@ def fit(clamp: float = CLAMP, p_degree: int = P_DEGREE, q_degree: int = Q_DEGREE
     t = x * x
     weights, q_prev = np.ones_like(t), np.ones_like(t)
     for _ in range(rounds):
-        a = np.concatenate([t[:, None] ** np.arange(p_degree + 1), -f[:, None] * t[:, None] ** np.arange(1, q_degree + 1)],
-                           axis=1)
+        powers = t[:, None] ** np.arange(max(p_degree, q_degree) + 1)
+        a = np.concatenate([powers[:, : p_degree + 1], -f[:, None] * powers[:, 1 : q_degree + 1]], axis=1)
         row_weight = weights * x / np.abs(q_prev) + 1e-12  # x = 0 kept, barely
         sol, *_ = np.linalg.lstsq(a * row_weight[:, None], f * row_weight, rcond=None)
         p, q = sol[: p_degree + 1], np.concatenate([[1.0], sol[p_degree + 1 :]])

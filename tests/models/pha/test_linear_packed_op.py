@@ -122,6 +122,35 @@ def test_the_gelu_over_the_whole_float_range_of_its_inputs():
     assert np.all(got[v < -8] == 0) and np.array_equal(got[v > 8], v[v > 8])
 
 
+def test_the_ops_erf_coefficients_are_the_fit_of_scripts_fit_erf():
+    """mojo/pha_decode_step.mojo's ERF_P, ERF_Q and ERF_CLAMP are what scripts/fit_erf.py
+    fits, and in float32 they are within the error the docs give, +-1 from the clamp on. The
+    fit solves ill-conditioned least squares: another machine's BLAS moves its float32
+    coefficients by a few units in the last place, so they are compared to 1e-4."""
+    import importlib.util
+    import re
+
+    from tests.support.paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("fit_erf", REPO_ROOT / "scripts" / "fit_erf.py")
+    fit_erf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit_erf)
+    source = (REPO_ROOT / "mojo" / "pha_decode_step.mojo").read_text()
+
+    def constant(name: str) -> np.ndarray:  # a number, or a tuple of them over lines
+        body = re.search(rf"comptime {name}(?:: Float32)? = (\([^)]*\)|\S+)", source).group(1)
+        return np.array([float(v) for v in body.strip("()").split(",")], np.float32)
+
+    p, q = constant("ERF_P"), constant("ERF_Q")
+    fitted = fit_erf.fit()
+    np.testing.assert_allclose(p, fitted[0], rtol=1e-4)
+    np.testing.assert_allclose(q, fitted[1], rtol=1e-4)
+    assert constant("ERF_CLAMP")[0] == np.float32(fit_erf.CLAMP)
+    x = np.linspace(-8, 8, 100_001, dtype=np.float32)
+    error = np.abs(fit_erf.erf_float32(x, p, q).astype(np.float64) - np.vectorize(math.erf)(x.astype(np.float64)))
+    assert error.max() < 3.2e-7 and np.all(fit_erf.erf_float32(np.array([3.9, 9.0, -9.0]), p, q) == [1, 1, -1])
+
+
 @pytest.mark.parametrize("act", [ACT_NONE, ACT_GELU, ACT_SILU])
 @pytest.mark.parametrize("R, K, N", [(1, 16, 16), (7, 3, 20), (61, 256, 1024), (5, 8, 80)])
 def test_the_products_times_a_scale(R, K, N, act):
