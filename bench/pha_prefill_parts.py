@@ -46,6 +46,7 @@ import numpy as np
 
 from bench.common import RESULTS, command_line, machine_info, rounds_verdict, write_json
 from bench.pha_long_context import attention_flops, configs, dense_layers, engine_of, spread
+from srm_max.graphs.ops import ACT_NONE
 
 OUT = RESULTS / "pha_prefill_parts.json"
 # the ops' graph: its pieces in this order (a call's inputs are the pieces' one after the other)
@@ -209,7 +210,8 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
         calls[d["name"]], flops[d["name"]] = alone("dense", args), 2.0 * n * d["N"] * d["K"]
         if d["act"]:  # the same product without its activation, timed right after it
             activated[d["name"]] = f"{d['name']} without activation"
-            calls[activated[d["name"]]] = alone("dense", [*args[:2], np.array([0, 0], np.int64), *args[3:]])
+            offset = args[2][0]
+            calls[activated[d["name"]]] = alone("dense", [*args[:2], np.array([offset, ACT_NONE], np.int64), *args[3:]])
     if "attn" in config.branches:
         calls["attention"], flops["attention"] = alone("attention", inputs["attention"]), attention_flops(config, n)
         calls["qk_rope"] = alone("qk_rope", inputs["qk_rope"])
