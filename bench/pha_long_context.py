@@ -401,10 +401,11 @@ def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_
     row per engine (``engines``: (name, path, dtype) -> engine)."""
     prompts = {key: [rng.integers(0, e.config.vocab_size, n).tolist()] for key, e in engines.items()}
     per_round: dict = {key: [] for key in engines}
-    for i in range(rounds):
-        def engines_rate() -> dict:
-            return {key: n / min(timed(repeats, lambda: e.prefill(prompts[key]))) for key, e in engines.items()}
 
+    def engines_rate() -> dict:
+        return {key: n / min(timed(repeats, lambda: e.prefill(prompts[key]))) for key, e in engines.items()}
+
+    for i in range(rounds):
         if i % 2 == 0:
             ours = engines_rate()
             theirs = llama_prompt_rate()

@@ -110,8 +110,8 @@ def test_the_activation_of_the_products(R, K, N, act):
 
 def test_the_gelu_over_the_whole_float_range_of_its_inputs():
     """The GELU's erf (one rational function up to |x| 3.9, +-1 beyond) on a dense grid of
-    pre-activations from -60 to 60: within a few float32 ulps of the float64 GELU (1e-6 where it nears 0), exactly 0
-    far below zero and the input itself far above."""
+    pre-activations from -60 to 60: within a few float32 ulps of the float64 GELU (1e-6 where
+    it nears 0), exactly 0 far below zero and the input itself far above."""
     v = np.linspace(-60, 60, 48_001, dtype=np.float32)
     x = np.concatenate([v, v[:7]]).reshape(-1, 8)  # rows of 8 inputs, each its own product by 1
     w = np.eye(8, dtype=np.float32)
