@@ -144,23 +144,28 @@ def matrix_bytes(name: str, config, weight_bytes: int = 4) -> int:
 
 def dense_layers(config) -> list[dict]:
     """A PHA block's matrices as its prefill graph multiplies by them: name, outputs N, inputs
-    K, the activation its product applies (the linear op's: 0 none, 1 the GELU) and whether it
-    multiplies by u (the GSS gate, ``linear(..., times=u)``)."""
+    K, the activation its product applies (the linear op's: 0 none, 1 the GELU), whether it
+    multiplies by u (the GSS gate, ``linear(..., times=u)``) and whether the last block
+    applies it to every row (``every_row``: what the state needs; the rest it applies at the
+    last token alone, graphs/pha/prefill.py ``pha_layers``' ``out_at``: in parallel mode all
+    but the GSS's DSS input and attention's queries, keys and values, in sequential mode the
+    FFNs, which come after the branches that carry state)."""
     c = config
     E, F, H = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim
     dq, dk = c.n_q_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    whole = c.mode != "parallel"  # the branches with a state run on every row in sequential mode
     layers = []
     if "gss" in c.branches:
-        layers += [dict(name="gss.to_u", N=F, K=E, act=1, times_u=False),
-                   dict(name="gss.to_v", N=H, K=E, act=1, times_u=False),
-                   dict(name="gss.to_gate", N=F, K=H, act=0, times_u=True),
-                   dict(name="gss.to_out", N=E, K=F, act=0, times_u=False)]
+        layers += [dict(name="gss.to_u", N=F, K=E, act=1, times_u=False, every_row=whole),
+                   dict(name="gss.to_v", N=H, K=E, act=1, times_u=False, every_row=True),
+                   dict(name="gss.to_gate", N=F, K=H, act=0, times_u=True, every_row=whole),
+                   dict(name="gss.to_out", N=E, K=F, act=0, times_u=False, every_row=whole)]
     if "attn" in c.branches:
-        layers += [dict(name=f"attn.{m}_proj", N=n, K=k, act=0, times_u=False)
+        layers += [dict(name=f"attn.{m}_proj", N=n, K=k, act=0, times_u=False, every_row=m != "o" or whole)
                    for m, n, k in (("q", dq, E), ("k", dk, E), ("v", dk, E), ("o", E, dq))]
     for i, f in enumerate(c.ffn_dims):
-        layers += [dict(name=f"ffn_{i}.fc", N=f, K=E, act=1, times_u=False),
-                   dict(name=f"ffn_{i}.proj", N=E, K=f, act=0, times_u=False)]
+        layers += [dict(name=f"ffn_{i}.fc", N=f, K=E, act=1, times_u=False, every_row=False),
+                   dict(name=f"ffn_{i}.proj", N=E, K=f, act=0, times_u=False, every_row=False)]
     return layers
 
 
@@ -208,22 +213,28 @@ def llama_cpp_step_bytes(config, batch: int, start: int, steps: int, parameters:
 def prefill_flops(name: str, config, n: int) -> float:
     """The FLOPs of the products a prefill of one ``n``-token prompt must do: every matrix
     a decode step multiplies by (``matrix_bytes``) once per token, but the output head once
-    (a prefill's logits are its last token's), and the attention's scores and weighted
-    values over the causal rows, n (n + 1) / 2 per query head and block. The GSS scan's own
-    arithmetic and the SRM's token mixing are left out: a lower bound for those models."""
+    (a prefill's logits are its last token's) and, in the PHA's last block, the matrices
+    whose output only the last token's logits read once too (``dense_layers``' every_row),
+    and the attention's scores and weighted values over the causal rows, n (n + 1) / 2 per
+    query head and block. The GSS scan's own arithmetic and the SRM's token mixing are left
+    out: a lower bound for those models."""
     c = config
     head = c.vocab_size * c.d_model
-    flops = 2.0 * ((matrix_bytes(name, c, 1) - head) * n + head)
+    last_token_only = 0 if name == "srm" else sum(d["N"] * d["K"] for d in dense_layers(c) if not d["every_row"])
+    flops = 2.0 * ((matrix_bytes(name, c, 1) - head) * n + head - last_token_only * (n - 1))
     return flops + (c.n_layers * attention_flops(c, n) if name != "srm" else 0.0)
 
 
 def llama_cpp_prefill_flops(config, tokens: int, parameters: int) -> float:
     """The same for llama.cpp's Llama of ``config``'s attention shape and ``parameters``
     (its tied embedding, the output head, once: ``llama-batched-bench`` asks for the
-    logits of each sequence's last prompt token only)."""
+    logits of each sequence's last prompt token only, and its last layer's FFN runs on
+    that token's row alone, the rows ``inp_out_ids`` keeps)."""
     c = config
     head = c.vocab_size * c.d_model
-    macs = (parameters - head) * tokens + head + c.n_layers * c.n_q_heads * c.head_dim * tokens * (tokens + 1)
+    ffn = 3 * c.d_model * pha_llama_cpp.llama_config(c).intermediate_size  # gate, up and down
+    macs = ((parameters - head) * tokens + head - ffn * (tokens - 1)
+            + c.n_layers * c.n_q_heads * c.head_dim * tokens * (tokens + 1))
     return 2.0 * macs
 
 

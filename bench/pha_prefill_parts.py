@@ -15,7 +15,9 @@ of each per round (so that every best comes from the same minutes of the machine
   - each op alone, in one graph holding the four ops side by side (tests/support's pieces:
     the others idle), on random data of a block's shapes, less an idle call of that graph
     (the execute's own cost, which the ops inside the prefill graph do not pay); every
-    block has the same shapes, so a block's parts count n_layers times;
+    block has the same shapes, so a block's parts count n_layers times, but the dense layers
+    the last block applies to the last token alone (``pha_long_context.dense_layers``'
+    every_row) n_layers - 1 times;
   - the placement of every layer's state (``PrefillStates`` by its op, in a graph of its own
     on random inputs of the prefill's shapes, less the same idle call);
   - ``rest_ms``: the whole prefill less the parts' sum: the other plain ops and what the
@@ -54,14 +56,14 @@ OPS = ("dense", "attention", "gss_scan", "qk_rope")
 NOT_DENSE = OPS[1:] + ("state_placement",)
 
 
-def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> dict:
-    """The whole prefill's seconds beside ``parts`` (each: name, seconds for one block, or for
-    the whole prefill where ``per_layer`` is False, FLOPs or None): per part its milliseconds
-    in the prefill, share of the whole and, with FLOPs, GFLOP/s and share of the FMA ``peak``;
-    the dense layers' and the rest's totals."""
+def summarize(whole_s: float, parts: list[dict], peak: float) -> dict:
+    """The whole prefill's seconds beside ``parts`` (each: name, seconds for one call, the
+    calls of it the prefill makes, ``blocks``, and FLOPs per call or None): per part its
+    milliseconds in the prefill, share of the whole and, with FLOPs, GFLOP/s and share of
+    the FMA ``peak``; the dense layers' and the rest's totals."""
     rows, total = [], 0.0
     for p in parts:
-        ms = 1e3 * (n_layers if p.get("per_layer", True) else 1) * p["seconds"]
+        ms = 1e3 * p["blocks"] * p["seconds"]
         total += ms
         row = {"name": p["name"], "ms": ms, "percent_of_prefill": 100 * ms / (1e3 * whole_s)}
         if p.get("flops") and p["seconds"] > 0:
@@ -69,12 +71,12 @@ def summarize(whole_s: float, parts: list[dict], n_layers: int, peak: float) -> 
                     "percent_of_fma_peak": 100 * p["flops"] / p["seconds"] / peak}
         rows.append(row)
     dense = [p for p in parts if p["name"] not in NOT_DENSE]
-    dense_s = sum(p["seconds"] for p in dense)
-    dense_flops = sum(p["flops"] for p in dense)
+    dense_s = sum(p["blocks"] * p["seconds"] for p in dense)
+    dense_flops = sum(p["blocks"] * p["flops"] for p in dense)
     whole_ms = 1e3 * whole_s
     return {"prefill_ms": whole_ms, "parts": rows, "parts_ms": total, "rest_ms": whole_ms - total,
             "rest_percent_of_prefill": 100 * (whole_ms - total) / whole_ms,
-            "dense_ms": 1e3 * n_layers * dense_s, "dense_percent_of_prefill": 100e3 * n_layers * dense_s / whole_ms,
+            "dense_ms": 1e3 * dense_s, "dense_percent_of_prefill": 100e3 * dense_s / whole_ms,
             "dense_percent_of_fma_peak": 100 * dense_flops / dense_s / peak if dense_s else None}
 
 
@@ -205,9 +207,14 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
 
     calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for op in OPS for a in idle[op]])}
     flops, activated = {}, {}
+    # the ops over every row of each block; the last block applies the layers its state does
+    # not need to the last token alone, a call of a few rows left to ``rest_ms``
+    blocks = {"attention": config.n_layers, "qk_rope": config.n_layers, "gss_scan": config.n_layers,
+              "state_placement": 1}
     for d in dense_layers(config):
         args = inputs["dense"][d["name"]]
         calls[d["name"]], flops[d["name"]] = alone("dense", args), 2.0 * n * d["N"] * d["K"]
+        blocks[d["name"]] = config.n_layers - (not d["every_row"])
         if d["act"]:  # the same product without its activation, timed right after it
             activated[d["name"]] = f"{d['name']} without activation"
             offset = args[2][0]
@@ -225,10 +232,10 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
     # each op's call less an idle call's: the execute's own cost, which the prefill's ops do not pay
     not_parts = {"prefill", "idle", *activated.values()}
     parts = [{"name": name, "seconds": max(0.0, best[name] - best["idle"]), "flops": flops.get(name),
-              "per_layer": name != "state_placement"} for name in calls if name not in not_parts]
+              "blocks": blocks[name]} for name in calls if name not in not_parts]
     runs = seconds["prefill"]
     row = {"model": name, "context": n, "prefill_seconds_runs": runs, "prefill_spread": spread(runs),
-           "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, config.n_layers, peak),
+           "idle_call_ms": 1e3 * best["idle"], **summarize(min(runs), parts, peak),
            "activations": activation_costs(seconds, activated)}
     print(f"{name:9s} n={n:5d}: prefill {row['prefill_ms']:6.1f} ms = dense {row['dense_ms']:5.1f} "
           f"({row['dense_percent_of_fma_peak']:.0f} % of the FMA peak) + other ops "

@@ -8,7 +8,7 @@ are float32; the big matrices take the weight dtype (float32 or bfloat16), and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +77,10 @@ class PackedWeights:
 # how ``linear`` runs a product: MAX's matmul (None), the linear op on a CPU device, or
 # the packed-weight linear op on the engine's packed copies
 Dense = DeviceRef | PackedWeights | None
+
+# a prefill's last block: a tensor [B, ..., X] -> [B, R, X] at the R rows per sample whose
+# output the graph uses (the last token's, the scored ones); None: every row
+Rows = Callable[[TensorValue], TensorValue] | None
 
 
 def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None,

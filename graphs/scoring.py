@@ -113,5 +113,10 @@ def rows_logprobs(x: TensorValue, score_at: TensorValue, head: TensorValue, targ
     """``head_logprobs`` at the positions ``score_at`` [B, R] of x [B, ..., d] (the last
     layer's output, its positions in order between the first and last axis) -> [B, R],
     [B, R, K], [B, R, K]."""
-    rows = ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(score_at, -1), batch_dims=1)
-    return head_logprobs(rows, head, targets, row_op_device, packed)
+    return head_logprobs(rows_at(x, score_at), head, targets, row_op_device, packed)
+
+
+def rows_at(x: TensorValue, at: TensorValue) -> TensorValue:
+    """x [B, ..., d] (positions in order between the first and last axis) at the positions
+    ``at`` [B, R] -> [B, R, d]."""
+    return ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(at, -1), batch_dims=1)

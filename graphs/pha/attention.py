@@ -9,12 +9,12 @@ from __future__ import annotations
 from max.graph import TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_PREFILL_ATTENTION, OP_PHA_QK_ROPE
-from ..ops import F32, Dense, linear
+from ..ops import F32, Dense, Rows, linear
 from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 
 def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
-                 K: _Consts, tiled: bool = False, dense_op: Dense = None):
+                 K: _Consts, tiled: bool = False, dense_op: Dense = None, kept: Rows = None):
     """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, T, Hkv*dh]),
     the keys and values at the T positions (``model.PrefillStates`` places them in the
     state's caches).
@@ -24,6 +24,8 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     memory, rows past each prompt's length zero); else
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
     path and the op's reference. ``dense_op``: the projections through the linear op.
+    ``kept``: out only at the rows it keeps ([B, R, E]; ``prefill.kept_rows``), the output
+    projection on those rows alone (the keys and values still come from every row).
     """
     if tiled:
         q, k = qk_rope_op(linear(x, a["q"], op_device=dense_op), linear(x, a["k"], op_device=dense_op), pos,
@@ -33,7 +35,7 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     else:
         q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
         att = full_attention(q, k, v, pos, pos_cols, c, K)
-    return linear(att, a["o"], op_device=dense_op), (k, v)
+    return linear(kept(att) if kept else att, a["o"], op_device=dense_op), (k, v)
 
 
 def full_attention(q: TensorValue, k: TensorValue, v: TensorValue, pos: TensorValue, pos_cols: TensorValue, c,

@@ -79,7 +79,7 @@ def step(W: PHAWeights, ids: TensorValue, pos: TensorValue, states: TensorValue,
     for l in range(c.n_layers):
         st = states[l]  # [B, X]
 
-        def run(name, h, l=l, st=st):
+        def run(name, h, kept, l=l, st=st):  # kept: None (``_block`` without it)
             if name == "gss":
                 out, re, im = gss_step(h, st[:, :HN], st[:, HN : 2 * HN], W.gss(l), c, K)
                 gss.append(ops.concat([re, im], axis=1))

@@ -31,7 +31,7 @@ import numpy as np
 from max.graph import TensorType, TensorValue, ops
 
 from ..op_names import OP_PHA_GSS_SCAN
-from ..ops import F32, I64, Dense, const, floor_div_nonnegative, linear
+from ..ops import F32, I64, Dense, Rows, const, floor_div_nonnegative, linear
 
 # Prefill chunk (tokens). The scan costs O(T C H) inside chunks and O((T / C)**2 N H)
 # between them on the plain path; 64 balances the two at T = 8192, N = 512.
@@ -114,10 +114,10 @@ def gss_table_shapes(config) -> dict[str, list[int]]:
             "taps": [H, C], "long_taps": [whole_prompt_rows(c), H], "p_out_t": [2 * N, C], "ct_rows": [H, 2 * N]}
 
 
-def _projections(x: TensorValue, g: dict, c, dense_op: Dense = None):
-    """(u = gelu(W_u x), the DSS input LN(gelu(W_v x + b_v))); ``dense_op``: the
-    products through the linear op (``graphs.ops.linear``)."""
-    u = linear(x, g["to_u"], op_device=dense_op, activation="gelu")
+def _projections(x: TensorValue, g: dict, c, dense_op: Dense = None, keep=lambda t: t):
+    """(u = gelu(W_u x) at the rows ``keep`` keeps, the DSS input LN(gelu(W_v x + b_v)));
+    ``dense_op``: the products through the linear op (``graphs.ops.linear``)."""
+    u = linear(keep(x), g["to_u"], op_device=dense_op, activation="gelu")
     xn = ops.layer_norm(linear(x, g["to_v"], g["to_v_b"], dense_op, activation="gelu"), g["norm_w"], g["norm_b"],
                         epsilon=c.norm_eps)
     return u, xn
@@ -133,7 +133,7 @@ def _cmul(ar, ai, br, bi):
 
 
 def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue, lengths: TensorValue,
-                g: dict, c, device, scan_op: bool = False, dense_op: Dense = None):
+                g: dict, c, device, scan_op: bool = False, dense_op: Dense = None, kept: Rows = None):
     """x [B, M, C, E] -> (out [B, M, C, E], state [B, 2*H*N] after each sample's last real token).
 
     chunk_rows, chunk_cols [M] int64: 0 .. M-1, twice (two graph inputs: see prefill.py).
@@ -142,14 +142,17 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     final state as matmuls, the state carried across the chunks by [M, M] decay matmuls per
     mode (``carried_by_matmuls``, O(M**2 H N)) and through the last chunk's tokens by its
     powers of A (``_state_after_last``): the GPU path and the op's reference.
-    ``dense_op``: the layers' products through the linear op.
+    ``dense_op``: the layers' products through the linear op. ``kept``: out only at the rows
+    it keeps ([B, R, E]; ``prefill.kept_rows``): the state still reads every row's DSS input,
+    but the gate's two products and the output layer run on those rows alone.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]
-    u, xs = _projections(x, g, c, dense_op)  # xs [B, M, C, H]
+    keep = kept or (lambda t: t)
+    u, xs = _projections(x, g, c, dense_op, keep)  # xs [B, M, C, H]
     if scan_op:
         y, state = scanned_by_op(xs, lengths, g, c, device)
-        return _out(y, u, g, dense_op), state
+        return _out(keep(y), u, g, dense_op), state
 
     # inside each chunk: [H, C, C] @ [H, C, B*M]
     xh = ops.reshape(ops.permute(xs, [3, 2, 0, 1]), [H, C, -1])
@@ -163,7 +166,7 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     m = floor_div_nonnegative(last, C)  # each sample's last chunk
     j = last - m * C
     y_carry, entering = carried_by_matmuls(ends, chunk_rows, chunk_cols, m, g, c)
-    out = _out(y_in + y_carry + xs * g["D"], u, g, dense_op)
+    out = _out(keep(y_in + y_carry + xs * g["D"]), u, g, dense_op)
     return out, _state_after_last(entering, xs, m, j, g, c, device)
 
 

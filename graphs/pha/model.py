@@ -10,7 +10,7 @@ from max.graph import DeviceRef, TensorType, TensorValue, Weight, ops
 
 from .. import ops as gops
 from ..op_names import OP_PHA_PREFILL_STATE
-from ..ops import F32, I64, Dense, linear
+from ..ops import F32, I64, Dense, Rows, linear
 from .gss import gss_table_shapes, gss_tables
 
 
@@ -289,22 +289,38 @@ def _masked_softmax(logits: TensorValue, keep: TensorValue, bound: float) -> Ten
     return e / ops.sum(e, axis=-1)
 
 
-def _block(x: TensorValue, l: int, W: PHAWeights, run) -> TensorValue:
-    """The block around ``run(name, h) -> branch output`` (reference ``PHABlock._combine``)."""
+# the branches that carry state out of a prefill (so read every row of it); config order
+# puts them before the FFNs
+STATE_BRANCHES = ("gss", "attn")
+
+
+def _block(x: TensorValue, l: int, W: PHAWeights, run, kept: Rows = None) -> TensorValue:
+    """The block around ``run(name, h, kept) -> branch output`` (reference ``PHABlock._combine``).
+
+    ``kept`` (a prefill's last block): the block's output only at the rows it keeps. The
+    branches that carry state (the GSS and attention, first in block order) still read every
+    row, and in parallel mode return their output at the kept rows (``kept`` passed on); the
+    rest, and the combine, run on the kept rows alone. Every step is row by row, so those
+    rows come out as they would with every row computed.
+    """
     c = W.config
     alpha, eps = c.deepnorm_alpha, c.norm_eps
     if c.mode == "parallel":
+        at_kept = kept(x) if kept else x
         mixed = None
         for name in c.branch_names:  # the mixing weight is folded into the norm's weight
-            b = ops.rms_norm(run(name, x), W.branch_norm(l, name), epsilon=eps)
+            out = run(name, x, kept) if name in STATE_BRANCHES else run(name, at_kept, None)
+            b = ops.rms_norm(out, W.branch_norm(l, name), epsilon=eps)
             mixed = b if mixed is None else mixed + b
         w, bias = W.post_norm(l, "")
-        return ops.layer_norm(alpha * x + mixed, w, bias, epsilon=eps)
+        return ops.layer_norm(alpha * at_kept + mixed, w, bias, epsilon=eps)
     for name in c.branch_names:
-        b = ops.rms_norm(run(name, x), W.branch_norm(l, name), epsilon=eps)
+        if kept and name not in STATE_BRANCHES:  # each later branch reads this one's output
+            x, kept = kept(x), None
+        b = ops.rms_norm(run(name, x, None), W.branch_norm(l, name), epsilon=eps)
         w, bias = W.post_norm(l, name)
         x = ops.layer_norm(alpha * x + b, w, bias, epsilon=eps)
-    return x
+    return kept(x) if kept else x
 
 
 class PrefillStates:

@@ -16,7 +16,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
 from ..ops import F32, I64, Dense, PackedWeights, cpu_ops_run, floor_div_nonnegative, linear
-from ..scoring import rows_logprobs, score_input_types
+from ..scoring import head_logprobs, rows_at, score_input_types
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
 from .model import PHAWeights, PrefillStates, _Consts, _block, _embed, _ffn
@@ -44,13 +44,17 @@ def dense_op_device(wdtype: DType, tiled: bool, device: DeviceRef) -> DeviceRef 
 
 
 def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue,
-               device: DeviceRef, tiled: bool = False,
-               dense_op: Dense = None) -> tuple[TensorValue, TensorValue]:
-    """Every layer over right-padded prompts -> (x [B, M, C, E] after the last block,
-    every layer's state [L, B, X] after each prompt's last token). ``tiled``: the attention
-    and the GSS's scan across chunks are the Mojo ops (``attention.attn_prefill``,
-    ``gss.gss_prefill``; the graph needs the kernel library); ``dense_op``: the dense
-    layers through the linear op (``dense_op_device``) or the packed-weight one."""
+               device: DeviceRef, tiled: bool = False, dense_op: Dense = None,
+               out_at: TensorValue | None = None) -> tuple[TensorValue, TensorValue]:
+    """Every layer over right-padded prompts -> (x after the last block, every layer's state
+    [L, B, X] after each prompt's last token). x is [B, M, C, E], or with ``out_at`` [B, R]
+    (positions 0 .. T-1) [B, R, E] at those positions alone: the last block computes only what
+    its state and those rows need (``model._block``'s ``kept``), as a prefill that wants the
+    last token's logits and a few scored rows needs (in a model of L blocks, most of a
+    1/L share of the prefill's products). ``tiled``: the attention and the GSS's scan across
+    chunks are the Mojo ops (``attention.attn_prefill``, ``gss.gss_prefill``; the graph needs
+    the kernel library); ``dense_op``: the dense layers through the linear op
+    (``dense_op_device``) or the packed-weight one."""
     c, C = W.config, CHUNK
     K = _Consts(c, device)
     B, M = ids.shape[0], ids.shape[1]
@@ -63,19 +67,21 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
     for l in range(c.n_layers):
         found: dict = {}
 
-        def run(name, h, l=l, found=found):
+        def run(name, h, kept, l=l, found=found):
             if name == "gss":
                 out, found["gss"] = gss_prefill(h, chunk_rows, chunk_cols, lengths, W.gss(l), c, device, tiled,
-                                                dense_op)
+                                                dense_op, kept)
             elif name == "attn":
                 out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols, lengths,
-                                                  W.attn(l), c, K, tiled, dense_op)
-                out = ops.reshape(out, [B, M, C, E])
+                                                  W.attn(l), c, K, tiled, dense_op, kept)
+                out = out if kept else ops.reshape(out, [B, M, C, E])
             else:
                 out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))), dense_op)
             return out
 
-        x = _block(x, l, W, run)
+        last_block = l == c.n_layers - 1
+        kept = (lambda t: rows_at(t, out_at)) if last_block and out_at is not None else None
+        x = _block(x, l, W, run, kept)
         found_by_layer.append(found)
     return x, layer_state.stacked(found_by_layer)
 
@@ -101,10 +107,11 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
     Outputs: logits [B, V] at each prompt's last token (the engine draws the first new
              token from them with the sample graph), states [L, B, X], then at each
              scored position log_softmax(logits)[target] [B, R] and the K likeliest
-             tokens' values [B, R, K] and ids [B, R, K] (``graphs/scoring.py``).
+             tokens' values [B, R, K] and ids [B, R, K] (``graphs/scoring.py``). The last block
+             runs its output rows only at those positions (``pha_layers``' ``out_at``).
     """
     device = device or DeviceRef.CPU()
-    c, C = config, CHUNK
+    c = config
     dt = "bf16" if wdtype == DType.bfloat16 else "f32"
     tiled = cpu_ops_run(kernel_library is not None, device)  # the op is CPU code
     if packed is not None and not tiled:
@@ -118,11 +125,10 @@ def build_pha_prefill_graph(config, wdtype: DType = DType.float32, device: Devic
         W = PHAWeights(c, wdtype, device)
         copies = PackedWeights.in_one_array(mats[0], packed, device) if mats else None
         dense_op = copies if copies is not None else dense_op_device(wdtype, tiled, device)
-        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled, dense_op)
-        last = lengths - 1
-        m = floor_div_nonnegative(last, C)
-        at = ops.stack([m, last - m * C], axis=1)  # [B, 2]: (chunk, offset) of the last token
-        logits = linear(ops.gather_nd(x, at, batch_dims=1), W.output(), op_device=dense_op)
+        # the last block's output only at each prompt's last token (its logits) and the scored rows
+        out_at = ops.concat([ops.unsqueeze(lengths - 1, 1), score_at], axis=1)  # [B, 1 + R]
+        x, states = pha_layers(W, ids, pos, pos_cols, lengths, device, tiled, dense_op, out_at)
+        logits = linear(x[:, 0], W.output(), op_device=dense_op)
         row_op = device if tiled else None  # the Mojo row op is CPU code, as the attention op
-        g.output(logits, states, *rows_logprobs(x, score_at, W.output(), targets, row_op, copies))
+        g.output(logits, states, *head_logprobs(x[:, 1:], W.output(), targets, row_op, copies))
     return g

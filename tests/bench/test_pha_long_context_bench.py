@@ -303,16 +303,28 @@ def test_the_branch_variants_are_the_pha_with_branches_left_out():
 
 
 def test_a_prefills_flops_count_each_matrix_per_token_the_head_once_and_the_causal_attention():
+    """Every matrix once per token, but the head once and, in the last block, the matrices whose
+    output only the last token's logits read (graphs/pha/prefill.py ``out_at``) once."""
+    import dataclasses
+
     c = bench.configs("pha", 512, quick=True)
-    head = c.vocab_size * c.d_model
+    E, F, H, dq = c.d_model, c.gss_expansion_dim, c.gss_hidden_dim, c.n_q_heads * c.head_dim
+    head = c.vocab_size * E
     matrices = bench.matrix_bytes("pha", c, weight_bytes=1) - head  # elements, the head apart
+    ffns = sum(2 * f * E for f in c.ffn_dims)
     # 10 tokens: 1 + 2 + ... + 10 = 55 causal rows per query head, a score and a weighted value each
     attention = c.n_layers * c.n_q_heads * c.head_dim * 2 * 55
-    assert bench.prefill_flops("pha", c, 10) == 2 * (10 * matrices + head + attention)
+    # the last block: the GSS's u, gate and output layer, attention's output projection, the FFNs
+    last_token_only = 2 * F * E + F * H + E * dq + ffns
+    assert bench.prefill_flops("pha", c, 10) == 2 * (10 * matrices + head + attention - 9 * last_token_only)
+    sequential = dataclasses.replace(c, mode="sequential")  # the branches with a state run whole
+    assert bench.prefill_flops("pha", sequential, 10) == 2 * (10 * matrices + head + attention - 9 * ffns)
     gss = bench.configs("pha-gss", 512, quick=True)  # no attention branch
-    assert bench.prefill_flops("pha-gss", gss, 10) == 2 * (10 * (bench.matrix_bytes("pha-gss", gss, 1) - head) + head)
-    # llama.cpp's Llama: its parameters, the tied embedding as the head once
-    assert bench.llama_cpp_prefill_flops(c, 10, 5000 + head) == 2 * (10 * 5000 + head + attention)
+    gss_matrices = bench.matrix_bytes("pha-gss", gss, 1) - head
+    assert bench.prefill_flops("pha-gss", gss, 10) == 2 * (10 * gss_matrices + head - 9 * (2 * F * E + F * H + ffns))
+    # llama.cpp's Llama: its parameters, the tied embedding as the head once, its last FFN at one row
+    ffn = 3 * E * 4 * E
+    assert bench.llama_cpp_prefill_flops(c, 10, 5000 + head) == 2 * (10 * 5000 + head - 9 * ffn + attention)
 
 
 def test_the_prefill_per_flop_weighs_the_ratio_by_the_flops_per_token():

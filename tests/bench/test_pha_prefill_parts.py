@@ -16,11 +16,18 @@ MODELS = ("pha", "pha-attn", "pha-gss", "pha-ffn")
 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_parts_flops_are_the_prefills(name):
-    """Every matrix of a block once per token, the attention's causal rows, the output layer
-    once: what the benchmark's prefill is weighed by, part by part."""
+    """Every matrix of a block once per token, but in the last block those whose output only
+    the last token's logits read once (what its state needs on every row: the GSS's DSS
+    input, attention's queries, keys and values), the attention's causal rows, the output
+    layer once: what the benchmark's prefill is weighed by, part by part."""
     c, n = plc.configs(name, 512, False), 512
-    per_block = sum(2.0 * n * d["N"] * d["K"] for d in plc.dense_layers(c)) + plc.attention_flops(c, n)
-    assert c.n_layers * per_block + 2.0 * c.vocab_size * c.d_model == plc.prefill_flops(name, c, n)
+    dense = plc.dense_layers(c)
+    per_block = sum(2.0 * n * d["N"] * d["K"] for d in dense) + plc.attention_flops(c, n)
+    last_block = sum(2.0 * (n if d["every_row"] else 1) * d["N"] * d["K"] for d in dense) + plc.attention_flops(c, n)
+    flops = (c.n_layers - 1) * per_block + last_block + 2.0 * c.vocab_size * c.d_model
+    assert flops == pytest.approx(plc.prefill_flops(name, c, n), rel=1e-12)
+    assert {d["name"] for d in dense if d["every_row"]} == {"gss.to_v", "attn.q_proj", "attn.k_proj", "attn.v_proj"} & {
+        d["name"] for d in dense}
     names = [d["name"] for d in plc.dense_layers(c)]
     assert ("gss.to_u" in names) == ("gss" in c.branches) and ("attn.q_proj" in names) == ("attn" in c.branches)
     assert len(names) == len(set(names)) and sum(n.startswith("ffn_") for n in names) == 2 * len(c.ffn_dims)
@@ -59,7 +66,7 @@ def test_a_prefill_is_its_parts_and_the_rest():
     # two blocks in a prefill of 10 ms, at a peak of 4e9 FLOP/s
     parts = [{"name": "ffn_0.fc", "seconds": 1e-3, "flops": 2e6}, {"name": "attention", "seconds": 1e-3, "flops": 1e6},
              {"name": "gss_scan", "seconds": 2e-3, "flops": None}]
-    s = pp.summarize(10e-3, parts, 2, 4e9)
+    s = pp.summarize(10e-3, [p | {"blocks": 2} for p in parts], 4e9)
     assert s["prefill_ms"] == pytest.approx(10.0) and s["parts_ms"] == pytest.approx(8.0)
     assert s["rest_ms"] == pytest.approx(2.0) and s["rest_percent_of_prefill"] == pytest.approx(20.0)
     assert s["dense_ms"] == pytest.approx(2.0) and s["dense_percent_of_prefill"] == pytest.approx(20.0)
@@ -67,8 +74,12 @@ def test_a_prefill_is_its_parts_and_the_rest():
     fc, attention, scan = s["parts"]
     assert fc["gflop_per_s"] == pytest.approx(2.0) and attention["percent_of_fma_peak"] == pytest.approx(25.0)
     assert "gflop_per_s" not in scan and scan["percent_of_prefill"] == pytest.approx(40.0)
-    idle = pp.summarize(10e-3, [{"name": "ffn_0.fc", "seconds": 0.0, "flops": 2e6}], 2, 4e9)
+    idle = pp.summarize(10e-3, [{"name": "ffn_0.fc", "seconds": 0.0, "flops": 2e6, "blocks": 2}], 4e9)
     assert "gflop_per_s" not in idle["parts"][0] and idle["dense_percent_of_fma_peak"] is None
+    # a layer the last block applies to one token: one block fewer of it
+    fewer = pp.summarize(10e-3, [parts[0] | {"blocks": 1}, {"name": "attn.q_proj", "seconds": 1e-3, "flops": 4e6,
+                                                              "blocks": 2}], 4e9)
+    assert fewer["dense_ms"] == pytest.approx(3.0) and fewer["dense_percent_of_fma_peak"] == pytest.approx(10e6 / 3e-3 / 4e7)
 
 
 def test_rounds_call_each_once_per_round_after_a_warm_up():
@@ -79,9 +90,9 @@ def test_rounds_call_each_once_per_round_after_a_warm_up():
 
 
 def test_a_part_of_the_whole_prefill_counts_once_and_is_not_a_dense_layer():
-    parts = [{"name": "ffn_0.fc", "seconds": 1e-3, "flops": 2e6},
-             {"name": "state_placement", "seconds": 1e-3, "flops": None, "per_layer": False}]
-    s = pp.summarize(10e-3, parts, 4, 4e9)
+    parts = [{"name": "ffn_0.fc", "seconds": 1e-3, "flops": 2e6, "blocks": 4},
+             {"name": "state_placement", "seconds": 1e-3, "flops": None, "blocks": 1}]
+    s = pp.summarize(10e-3, parts, 4e9)
     assert s["parts_ms"] == pytest.approx(5.0) and s["dense_ms"] == pytest.approx(4.0)
     assert s["parts"][1]["ms"] == pytest.approx(1.0)
 
