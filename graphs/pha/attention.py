@@ -24,8 +24,8 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     memory, rows past each prompt's length zero); else
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
     path and the op's reference. ``dense_op``: the projections through the linear op.
-    ``kept``: out only at the rows it keeps ([B, R, E]; ``prefill.kept_rows``), the output
-    projection on those rows alone (the keys and values still come from every row).
+    ``kept``: out only at the rows it keeps ([B, R, E]; ``prefill.pha_layers``' ``out_at``),
+    the output projection on those rows alone (the keys and values still come from every row).
     """
     if tiled:
         q, k = qk_rope_op(linear(x, a["q"], op_device=dense_op), linear(x, a["k"], op_device=dense_op), pos,

@@ -143,8 +143,8 @@ def gss_prefill(x: TensorValue, chunk_rows: TensorValue, chunk_cols: TensorValue
     mode (``carried_by_matmuls``, O(M**2 H N)) and through the last chunk's tokens by its
     powers of A (``_state_after_last``): the GPU path and the op's reference.
     ``dense_op``: the layers' products through the linear op. ``kept``: out only at the rows
-    it keeps ([B, R, E]; ``prefill.kept_rows``): the state still reads every row's DSS input,
-    but the gate's two products and the output layer run on those rows alone.
+    it keeps ([B, R, E]; ``prefill.pha_layers``' ``out_at``): the state still reads every
+    row's DSS input, but u, the gate's product and the output layer run on those rows alone.
     """
     H, N, C = c.gss_hidden_dim, c.dss_state_size, CHUNK
     B, M = x.shape[0], x.shape[1]

@@ -77,9 +77,11 @@ def test_a_prefill_is_its_parts_and_the_rest():
     idle = pp.summarize(10e-3, [{"name": "ffn_0.fc", "seconds": 0.0, "flops": 2e6, "blocks": 2}], 4e9)
     assert "gflop_per_s" not in idle["parts"][0] and idle["dense_percent_of_fma_peak"] is None
     # a layer the last block applies to one token: one block fewer of it
-    fewer = pp.summarize(10e-3, [parts[0] | {"blocks": 1}, {"name": "attn.q_proj", "seconds": 1e-3, "flops": 4e6,
-                                                              "blocks": 2}], 4e9)
-    assert fewer["dense_ms"] == pytest.approx(3.0) and fewer["dense_percent_of_fma_peak"] == pytest.approx(10e6 / 3e-3 / 4e7)
+    q_proj = {"name": "attn.q_proj", "seconds": 1e-3, "flops": 4e6, "blocks": 2}
+    fewer = pp.summarize(10e-3, [parts[0] | {"blocks": 1}, q_proj], 4e9)
+    # 1 ms of ffn_0.fc and 2 ms of q_proj; 2e6 + 8e6 FLOPs in those 3 ms, at a peak of 4e9
+    assert fewer["dense_ms"] == pytest.approx(3.0)
+    assert fewer["dense_percent_of_fma_peak"] == pytest.approx(100 * 10e6 / 3e-3 / 4e9)
 
 
 def test_rounds_call_each_once_per_round_after_a_warm_up():
