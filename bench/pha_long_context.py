@@ -169,11 +169,13 @@ def dense_layers(config) -> list[dict]:
     return layers
 
 
-def attention_flops(config, n: int) -> float:
+def attention_flops(config, n: int, last_query_only: bool = False) -> float:
     """One PHA block's causal attention over a prompt of n tokens: the scores and the
-    weighted values, n (n + 1) / 2 rows each per query head (0 without the branch)."""
+    weighted values, n (n + 1) / 2 rows each per query head (0 without the branch); with
+    ``last_query_only`` (a prefill's last block) the last token's query alone, n rows."""
     c = config
-    return 2.0 * c.n_q_heads * c.head_dim * n * (n + 1) if "attn" in c.branches else 0.0
+    rows = n if last_query_only else n * (n + 1) / 2
+    return 4.0 * c.n_q_heads * c.head_dim * rows if "attn" in c.branches else 0.0
 
 
 def sample_bytes(name: str, config, position: int) -> int:
@@ -216,13 +218,16 @@ def prefill_flops(name: str, config, n: int) -> float:
     (a prefill's logits are its last token's) and, in the PHA's last block, the matrices
     whose output only the last token's logits read once too (``dense_layers``' every_row),
     and the attention's scores and weighted values over the causal rows, n (n + 1) / 2 per
-    query head and block. The GSS scan's own arithmetic and the SRM's token mixing are left
-    out: a lower bound for those models."""
+    query head and block, but the last token's query alone in the last block. The GSS
+    scan's own arithmetic and the SRM's token mixing are left out: a lower bound for those
+    models."""
     c = config
     head = c.vocab_size * c.d_model
-    last_token_only = 0 if name == "srm" else sum(d["N"] * d["K"] for d in dense_layers(c) if not d["every_row"])
+    if name == "srm":
+        return 2.0 * ((matrix_bytes(name, c, 1) - head) * n + head)
+    last_token_only = sum(d["N"] * d["K"] for d in dense_layers(c) if not d["every_row"])
     flops = 2.0 * ((matrix_bytes(name, c, 1) - head) * n + head - last_token_only * (n - 1))
-    return flops + (c.n_layers * attention_flops(c, n) if name != "srm" else 0.0)
+    return flops + (c.n_layers - 1) * attention_flops(c, n) + attention_flops(c, n, last_query_only=True)
 
 
 def llama_cpp_prefill_flops(config, tokens: int, parameters: int) -> float:

@@ -17,7 +17,7 @@ of each per round (so that every best comes from the same minutes of the machine
     (the execute's own cost, which the ops inside the prefill graph do not pay); every
     block has the same shapes, so a block's parts count n_layers times, but the dense layers
     the last block applies to the last token alone (``pha_long_context.dense_layers``'
-    every_row) n_layers - 1 times;
+    every_row) and the attention n_layers - 1 times;
   - the placement of every layer's state (``PrefillStates`` by its op, in a graph of its own
     on random inputs of the prefill's shapes, less the same idle call);
   - ``rest_ms``: the whole prefill less the parts' sum: the other plain ops and what the
@@ -146,7 +146,8 @@ def op_inputs(config, n: int, rng) -> dict[str, list]:
     Hq, Hkv, dh = c.n_q_heads, c.n_kv_heads, c.head_dim
     lengths = np.array([T], np.int64)
     out = {"dense": dense,
-           "attention": [r(1, T, Hq, dh), r(1, T, Hkv, dh), r(1, T, Hkv, dh), lengths],
+           "attention": [r(1, T, Hq, dh), r(1, T, Hkv, dh), r(1, T, Hkv, dh), lengths,
+                         np.arange(T, dtype=np.int64).reshape(1, T)],
            "qk_rope": [r(1, T, Hq * dh), r(1, T, Hkv * dh), np.arange(T, dtype=np.int64), r(dh // 2), r(Hq * dh)]}
     if "gss" in c.branches:
         shapes = gss_table_shapes(c)
@@ -207,9 +208,10 @@ def measure(name: str, n: int, rounds: int, peak: float, graph) -> dict:
 
     calls = {"prefill": lambda: engine.prefill(prompt), "idle": executes(model, [a for op in OPS for a in idle[op]])}
     flops, activated = {}, {}
-    # the ops over every row of each block; the last block applies the layers its state does
-    # not need to the last token alone, a call of a few rows left to ``rest_ms``
-    blocks = {"attention": config.n_layers, "qk_rope": config.n_layers, "gss_scan": config.n_layers,
+    # the ops over every row of each block; the last block applies the attention and the
+    # layers its state does not need to the last token alone, calls of a few rows left to
+    # ``rest_ms``
+    blocks = {"attention": config.n_layers - 1, "qk_rope": config.n_layers, "gss_scan": config.n_layers,
               "state_placement": 1}
     for d in dense_layers(config):
         args = inputs["dense"][d["name"]]

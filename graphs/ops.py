@@ -8,7 +8,7 @@ are float32; the big matrices take the weight dtype (float32 or bfloat16), and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,9 +78,25 @@ class PackedWeights:
 # the packed-weight linear op on the engine's packed copies
 Dense = DeviceRef | PackedWeights | None
 
-# a prefill's last block: a tensor [B, ..., X] -> [B, R, X] at the R rows per sample whose
-# output the graph uses (the last token's, the scored ones); None: every row
-Rows = Callable[[TensorValue], TensorValue] | None
+def rows_at(x: TensorValue, at: TensorValue) -> TensorValue:
+    """x [B, ..., d] (positions in order between the first and last axis) at the positions
+    ``at`` [B, R] -> [B, R, d]."""
+    return ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(at, -1), batch_dims=1)
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """A prefill's last block: the R positions per sample whose output the graph uses (the
+    last token's, the scored ones), ``at`` [B, R] int64; called on a tensor [B, ..., X] of
+    every position, its rows there [B, R, X]."""
+
+    at: TensorValue
+
+    def __call__(self, x: TensorValue) -> TensorValue:
+        return rows_at(x, self.at)
+
+
+Rows = KeptRows | None  # None: every row
 
 
 def linear(x: TensorValue, w: Weight | TensorValue, b: TensorValue | None = None,

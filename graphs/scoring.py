@@ -29,7 +29,7 @@ from max.dtype import DType
 from max.graph import DeviceRef, TensorType, TensorValue, ops
 
 from .op_names import OP_SCORE_HEAD, OP_SCORE_ROWS
-from .ops import PackedWeights, const, linear, rounded_to_weights
+from .ops import PackedWeights, const, linear, rounded_to_weights, rows_at
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 TOP_N = 20
@@ -114,9 +114,3 @@ def rows_logprobs(x: TensorValue, score_at: TensorValue, head: TensorValue, targ
     layer's output, its positions in order between the first and last axis) -> [B, R],
     [B, R, K], [B, R, K]."""
     return head_logprobs(rows_at(x, score_at), head, targets, row_op_device, packed)
-
-
-def rows_at(x: TensorValue, at: TensorValue) -> TensorValue:
-    """x [B, ..., d] (positions in order between the first and last axis) at the positions
-    ``at`` [B, R] -> [B, R, d]."""
-    return ops.gather_nd(ops.reshape(x, [x.shape[0], -1, x.shape[-1]]), ops.unsqueeze(at, -1), batch_dims=1)

@@ -1,23 +1,27 @@
 """The PHA prefill's causal GQA attention on the CPU, in tiles with an online softmax:
 no [T, T] score matrix; besides its inputs and output, each worker holds a few tiles.
 
-    pha_prefill_attention(q [B, T, Hq, dh] f32, k [B, T, Hkv, dh] f32,
-                          v [B, T, Hkv, dh] f32, lengths [B] int64)
-        -> attended [B, T, Hq, dh] f32
+    pha_prefill_attention(q [B, R, Hq, dh] f32, k [B, T, Hkv, dh] f32,
+                          v [B, T, Hkv, dh] f32, lengths [B] int64, at [B, R] int64)
+        -> attended [B, R, Hq, dh] f32
 
-Query head h reads KV head h // (Hq / Hkv). For t < lengths[b]:
+Query row r of sample b is the query at position t = at[b, r] (0 <= t < T); query head h
+reads KV head g = h // (Hq / Hkv). For t < lengths[b]:
 
-    attended[b, t, h] = sum_{j <= t} softmax_j(q[b, t, h] . k[b, j, g]) v[b, j, g]
+    attended[b, r, h] = sum_{j <= t} softmax_j(q[b, r, h] . k[b, j, g]) v[b, j, g]
 
-q already carries the logit scale (mojo/pha_qk_rope.mojo prepares it), so the logits are
-plain dot products. Rows t >= lengths[b] (a right-padded prompt's padding) are zeros:
-causal attention never lets them reach a row before them. The tensors must be
-contiguous and row-major (the graph's reshapes of its products are).
+A prefill's blocks ask for every position (at[b] = 0 .. T-1, R = T); its last block only
+for the rows the graph reads (the last token's, the scored ones: graphs/pha/prefill.py),
+in any order. q already carries the logit scale (mojo/pha_qk_rope.mojo prepares it), so
+the logits are plain dot products. Rows at t >= lengths[b] (a right-padded prompt's
+padding) are zeros: causal attention never lets them reach a row before them. The
+tensors must be contiguous and row-major (the graph's reshapes of its products are).
 
-Work: a unit is (sample, query head, block of QB queries); the workers claim units from
-an atomic counter, the latest blocks (the most keys) first so that the last units
-claimed are short. A unit packs its queries transposed (Qt [dh, QB]) and walks the keys
-0 .. its last query in tiles of KB rows:
+Work: a unit is (sample, query head, block of QB query rows); the workers claim units
+from an atomic counter, the latest blocks first so that the last units claimed are short
+(with every position asked for, the latest rows attend the most keys). A unit packs its
+queries transposed (Qt [dh, QB]) and walks the keys 0 .. its latest query in tiles of KB
+rows:
 
     S  [KB, QB] = K_tile Qt                  keys down, queries across
     m, l        the running max and sum per query, over the tiles so far
@@ -25,7 +29,8 @@ claimed are short. A unit packs its queries transposed (Qt [dh, QB]) and walks t
 
 so both products broadcast one element of K or V (read in place, rows of dh) against
 vectors of queries, and the softmax's max, exponentials and sums run a vector of
-queries at a time. Only the tile on the diagonal is masked (keys after the query).
+queries at a time. Only tiles past a block's earliest query are masked (keys after each
+query): with every position asked for, the tile on the diagonal.
 At the end attended = Ot^T / l. Register tiles of MR rows by NVT vectors of queries;
 QB = KB = NVT * W * 2 follows the SIMD width W (32 queries with AVX2, 64 with AVX-512).
 """
@@ -56,7 +61,8 @@ struct Attn(ImplicitlyCopyable, Movable):
     """Sizes and addresses of one call."""
 
     var B: Int
-    var T: Int
+    var R: Int  # query rows per sample
+    var T: Int  # keys per sample
     var Hq: Int
     var Hkv: Int
     var dh: Int
@@ -65,6 +71,7 @@ struct Attn(ImplicitlyCopyable, Movable):
     var v: F32P
     var o: F32P
     var lengths: I64P
+    var at: I64P  # [B, R]: each query row's position
 
 
 @always_inline
@@ -110,11 +117,12 @@ def _product[accumulate: Bool](dst: F32P, x: F32P, xr: Int, xk: Int, p: F32P, K:
         r0 += rr
 
 
-def _mask_diagonal(s: F32P, kb: Int, key0: Int, query0: Int):
-    """Keys after a query get NEG in the tile S [kb, QB] (key key0 + j, query query0 + i)."""
-    for j in range(kb):
-        var first_kept = key0 + j - query0  # queries i >= this see key j
-        for i in range(min(max(first_kept, 0), QB)):
+def _mask_after(s: F32P, kb: Int, key0: Int, pos: I64P):
+    """Keys after a query get NEG in the tile S [kb, QB] (key key0 + j, query i at position
+    pos[i]; -1 for a column without a query, which sees no key)."""
+    for i in range(QB):
+        var first_masked = max(Int(pos[unsafe_offset=i]) + 1 - key0, 0)  # keys j >= this are after it
+        for j in range(first_masked, kb):
             s[unsafe_offset=j * QB + i] = NEG
 
 
@@ -139,42 +147,40 @@ def _softmax_tile(s: F32P, kb: Int, ot: F32P, dh: Int, m: F32P, l: F32P):
             ot.unsafe_store(c * QB + at, ot.unsafe_load[width=W](c * QB + at) * alpha)
 
 
-def _zero_rows(a: Attn, b: Int, h: Int, first: Int, last: Int):
-    for t in range(first, last):
-        var row = a.o.unsafe_offset(((b * a.T + t) * a.Hq + h) * a.dh)
-        for c in range(a.dh):
-            row[unsafe_offset=c] = 0
-
-
 def _units(a: Attn) -> Int:
-    return a.B * a.Hq * ((a.T + QB - 1) // QB)
+    return a.B * a.Hq * ((a.R + QB - 1) // QB)
 
 
-def _unit(a: Attn, u: Int, qt: F32P, s: F32P, ot: F32P, m: F32P, l: F32P):
-    """One (sample, query head, query block): the latest blocks first."""
-    var blocks = (a.T + QB - 1) // QB
+def _unit(a: Attn, u: Int, qt: F32P, s: F32P, ot: F32P, m: F32P, l: F32P, pos: I64P):
+    """One (sample, query head, block of query rows): the latest blocks first. ``pos``
+    [QB]: each column's query position, -1 where the column has no query (past R, or a
+    row at the prompt's padding, whose output is zeros)."""
+    var blocks = (a.R + QB - 1) // QB
     var heads = a.B * a.Hq
-    var i0 = (blocks - 1 - u // heads) * QB
+    var r0 = (blocks - 1 - u // heads) * QB
     var b = (u % heads) // a.Hq
     var h = u % a.Hq
     var dh = a.dh
-    var rows_here = min(QB, a.T - i0)
-    var nq = min(rows_here, Int(a.lengths[unsafe_offset=b]) - i0)  # queries inside the prompt
-    if nq <= 0:
-        _zero_rows(a, b, h, i0, i0 + rows_here)
-        return
+    var rows_here = min(QB, a.R - r0)
+    var length = Int(a.lengths[unsafe_offset=b])
+    var end = 0  # keys 0 .. end - 1: up to the block's latest query
+    var earliest = a.T  # the keys after the earliest query need the mask
+    for i in range(QB):
+        var t = Int(a.at[unsafe_offset=b * a.R + r0 + i]) if i < rows_here else -1
+        t = t if t < length else -1
+        pos[unsafe_offset=i] = Int64(t)
+        if t >= 0:
+            end = max(end, t + 1)
+            earliest = min(earliest, t)
     var g = h // (a.Hq // a.Hkv)
     var ldq = a.Hq * dh
     var ldkv = a.Hkv * dh
-    # Qt [dh, QB]: the block's queries across, zeros past the prompt
+    # Qt [dh, QB]: the block's queries across, zeros where a column has none
     for i in range(QB):
-        if i < nq:
-            var qrow = a.q.unsafe_offset((b * a.T + i0 + i) * ldq + h * dh)
-            for c in range(dh):
-                qt[unsafe_offset=c * QB + i] = qrow[unsafe_offset=c]
-        else:
-            for c in range(dh):
-                qt[unsafe_offset=c * QB + i] = 0
+        var live = Int(pos[unsafe_offset=i]) >= 0
+        var qrow = a.q.unsafe_offset((b * a.R + r0 + i) * ldq + h * dh)
+        for c in range(dh):
+            qt[unsafe_offset=c * QB + i] = qrow[unsafe_offset=c] if live else 0
     for c in range(dh * QB):
         ot[unsafe_offset=c] = 0
     for i in range(QB):
@@ -182,22 +188,24 @@ def _unit(a: Attn, u: Int, qt: F32P, s: F32P, ot: F32P, m: F32P, l: F32P):
         l[unsafe_offset=i] = 0
     var keys = a.k.unsafe_offset(b * a.T * ldkv + g * dh)
     var values = a.v.unsafe_offset(b * a.T * ldkv + g * dh)
-    var end = i0 + nq  # keys 0 .. end - 1
     var j0 = 0
     while j0 < end:
         var kb = min(KB, end - j0)
         _product[False](s, keys.unsafe_offset(j0 * ldkv), ldkv, 1, qt, dh, kb)  # S = K Qt
-        if j0 + kb > i0 + 1:
-            _mask_diagonal(s, kb, j0, i0)
+        if j0 + kb > earliest + 1:
+            _mask_after(s, kb, j0, pos)
         _softmax_tile(s, kb, ot, dh, m, l)
         _product[True](ot, values.unsafe_offset(j0 * ldkv), 1, ldkv, s, kb, dh)  # Ot += V^T S
         j0 += kb
-    for i in range(nq):
+    for i in range(rows_here):
+        var row = a.o.unsafe_offset(((b * a.R + r0 + i) * a.Hq + h) * dh)
+        if Int(pos[unsafe_offset=i]) < 0:
+            for c in range(dh):
+                row[unsafe_offset=c] = 0
+            continue
         var inv = 1 / l[unsafe_offset=i]
-        var row = a.o.unsafe_offset(((b * a.T + i0 + i) * a.Hq + h) * dh)
         for c in range(dh):
             row[unsafe_offset=c] = ot[unsafe_offset=c * QB + i] * inv
-    _zero_rows(a, b, h, i0 + nq, i0 + rows_here)
 
 
 def _worker(a: Attn, counter: I64P):
@@ -207,13 +215,16 @@ def _worker(a: Attn, counter: I64P):
     var s = ot.unsafe_offset(a.dh * QB)
     var m = s.unsafe_offset(KB * QB)
     var l = m.unsafe_offset(QB)
+    var positions = List[Int64](length=QB, fill=-1)
+    var pos = I64P(unsafe_from_address=Int(positions.unsafe_ptr()))
     var n = _units(a)
     while True:
         var u = Int(Atomic[Int64].fetch_add(counter, 1))
         if u >= n:
             break
-        _unit(a, u, qt, s, ot, m, l)
+        _unit(a, u, qt, s, ot, m, l, pos)
     _ = scratch^
+    _ = positions^
 
 
 def _ptr(t: InputTensor[dtype=F32, ...]) -> F32P:
@@ -231,22 +242,27 @@ struct PhaPrefillAttention:
         k: InputTensor[dtype=DType.float32, rank=4, ...],
         v: InputTensor[dtype=DType.float32, rank=4, ...],
         lengths: InputTensor[dtype=DType.int64, rank=1, ...],
+        at: InputTensor[dtype=DType.int64, rank=2, ...],
         ctx: DeviceContext,
     ) raises:
         comptime if target != "cpu":
             raise Error("pha_prefill_attention: CPU only")
         var B = q.dim_size(0)
-        var T = q.dim_size(1)
+        var R = q.dim_size(1)
         var Hq = q.dim_size(2)
         var dh = q.dim_size(3)
+        var T = k.dim_size(1)
         var Hkv = k.dim_size(2)
         for d in range(4):
             if attended.dim_size(d) != q.dim_size(d):
-                raise Error("pha_prefill_attention: the output must have q's shape [B, T, Hq, dh]")
+                raise Error("pha_prefill_attention: the output must have q's shape [B, R, Hq, dh]")
             if v.dim_size(d) != k.dim_size(d):
                 raise Error("pha_prefill_attention: k and v must have the same shape [B, T, Hkv, dh]")
-        if k.dim_size(0) != B or k.dim_size(1) != T or k.dim_size(3) != dh:
-            raise Error("pha_prefill_attention: k must be [B, T, Hkv, dh] with q's B, T and dh")
+        if k.dim_size(0) != B or k.dim_size(3) != dh:
+            raise Error("pha_prefill_attention: k must be [B, T, Hkv, dh] with q's B and dh")
+        if at.dim_size(0) != B or at.dim_size(1) != R:
+            raise Error("pha_prefill_attention: at must be [B, R], a position per query row: [",
+                        at.dim_size(0), ", ", at.dim_size(1), "] for q's [", B, ", ", R, "]")
         if Hkv < 1 or Hq % Hkv != 0:
             raise Error("pha_prefill_attention: ", Hq, " query heads are not a multiple of ", Hkv, " KV heads")
         if lengths.dim_size(0) != B:
@@ -255,9 +271,14 @@ struct PhaPrefillAttention:
             var n = Int(lengths[b])
             if n < 0 or n > T:
                 raise Error("pha_prefill_attention: lengths[", b, "] = ", n, " outside [0, ", T, "]")
-        var a = Attn(B, T, Hq, Hkv, dh, _ptr(q), _ptr(k), _ptr(v),
+            for r in range(R):
+                var t = Int(at[b, r])
+                if t < 0 or t >= T:
+                    raise Error("pha_prefill_attention: at[", b, ", ", r, "] = ", t, " outside [0, ", T, ")")
+        var a = Attn(B, R, T, Hq, Hkv, dh, _ptr(q), _ptr(k), _ptr(v),
                      F32P(unsafe_from_address=Int(attended.unsafe_ptr())),
-                     I64P(unsafe_from_address=Int(lengths.unsafe_ptr())))
+                     I64P(unsafe_from_address=Int(lengths.unsafe_ptr())),
+                     I64P(unsafe_from_address=Int(at.unsafe_ptr())))
         var units = _units(a)
         if units == 0:
             return

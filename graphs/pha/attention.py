@@ -25,16 +25,18 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     plain ops with a [B, T, T] score matrix per query head (``full_attention``), the GPU
     path and the op's reference. ``dense_op``: the projections through the linear op.
     ``kept``: out only at the rows it keeps ([B, R, E]; ``prefill.pha_layers``' ``out_at``),
-    the output projection on those rows alone (the keys and values still come from every row).
+    the output projection on those rows alone, and the op's attention for those queries alone
+    (the keys and values still come from every row).
     """
     if tiled:
         q, k = qk_rope_op(linear(x, a["q"], op_device=dense_op), linear(x, a["k"], op_device=dense_op), pos,
                           a["scale"], K)
         v = linear(x, a["v"], op_device=dense_op)
-        att = tiled_attention(q, k, v, lengths, c, K.device)
-    else:
-        q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
-        att = full_attention(q, k, v, pos, pos_cols, c, K)
+        at = kept.at if kept else ops.broadcast_to(ops.unsqueeze(pos, 0), [x.shape[0], pos.shape[0]])
+        att = tiled_attention(kept(q) if kept else q, k, v, lengths, at, c, K.device)
+        return linear(att, a["o"], op_device=dense_op), (k, v)
+    q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
+    att = full_attention(q, k, v, pos, pos_cols, c, K)
     return linear(kept(att) if kept else att, a["o"], op_device=dense_op), (k, v)
 
 
@@ -63,14 +65,16 @@ def qk_rope_op(q: TensorValue, k: TensorValue, pos: TensorValue, scale: TensorVa
     return q_out.tensor, k_out.tensor
 
 
-def tiled_attention(q: TensorValue, k: TensorValue, v: TensorValue, lengths: TensorValue, c, device) -> TensorValue:
-    """Causal attention as the Mojo op over [B, T, heads, dh] views -> [B, T, Hq*dh]."""
-    B, T = q.shape[0], q.shape[1]
-    q4 = ops.reshape(q, [B, T, c.n_q_heads, c.head_dim])
+def tiled_attention(q: TensorValue, k: TensorValue, v: TensorValue, lengths: TensorValue, at: TensorValue, c,
+                    device) -> TensorValue:
+    """Causal attention as the Mojo op over [B, ., heads, dh] views: the queries q [B, R, Hq*dh]
+    at the positions ``at`` [B, R] over the keys and values [B, T, Hkv*dh] -> [B, R, Hq*dh]."""
+    B, R, T = q.shape[0], q.shape[1], k.shape[1]
+    q4 = ops.reshape(q, [B, R, c.n_q_heads, c.head_dim])
     k4, v4 = (ops.reshape(t, [B, T, c.n_kv_heads, c.head_dim]) for t in (k, v))
-    (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=device, values=[q4, k4, v4, lengths],
+    (att,) = ops.custom(OP_PHA_PREFILL_ATTENTION, device=device, values=[q4, k4, v4, lengths, at],
                         out_types=[TensorType(F32, q4.shape, device)])
-    return ops.reshape(att.tensor, [B, T, c.n_q_heads * c.head_dim])
+    return ops.reshape(att.tensor, [B, R, c.n_q_heads * c.head_dim])
 
 
 def attn_step(x: TensorValue, pos: TensorValue, st: TensorValue, a: dict, c, K: _Consts, lay: StateLayout):

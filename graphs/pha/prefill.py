@@ -15,8 +15,8 @@ from pathlib import Path
 from max.dtype import DType
 from max.graph import DeviceRef, Graph, TensorType, TensorValue, ops
 
-from ..ops import F32, I64, Dense, PackedWeights, cpu_ops_run, floor_div_nonnegative, linear
-from ..scoring import head_logprobs, rows_at, score_input_types
+from ..ops import F32, I64, Dense, KeptRows, PackedWeights, cpu_ops_run, floor_div_nonnegative, linear
+from ..scoring import head_logprobs, score_input_types
 from .attention import attn_prefill
 from .gss import CHUNK, gss_prefill
 from .model import PHAWeights, PrefillStates, _Consts, _block, _embed, _ffn
@@ -80,7 +80,7 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
             return out
 
         last_block = l == c.n_layers - 1
-        kept = (lambda t: rows_at(t, out_at)) if last_block and out_at is not None else None
+        kept = KeptRows(out_at) if last_block and out_at is not None else None
         x = _block(x, l, W, run, kept)
         found_by_layer.append(found)
     return x, layer_state.stacked(found_by_layer)

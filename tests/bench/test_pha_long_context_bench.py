@@ -312,8 +312,9 @@ def test_a_prefills_flops_count_each_matrix_per_token_the_head_once_and_the_caus
     head = c.vocab_size * E
     matrices = bench.matrix_bytes("pha", c, weight_bytes=1) - head  # elements, the head apart
     ffns = sum(2 * f * E for f in c.ffn_dims)
-    # 10 tokens: 1 + 2 + ... + 10 = 55 causal rows per query head, a score and a weighted value each
-    attention = c.n_layers * c.n_q_heads * c.head_dim * 2 * 55
+    # 10 tokens: 1 + 2 + ... + 10 = 55 causal rows per query head, a score and a weighted value
+    # each; the last block the last token's query alone, 10 rows
+    attention = (c.n_layers - 1) * c.n_q_heads * c.head_dim * 2 * 55 + c.n_q_heads * c.head_dim * 2 * 10
     # the last block: the GSS's u, gate and output layer, attention's output projection, the FFNs
     last_token_only = 2 * F * E + F * H + E * dq + ffns
     assert bench.prefill_flops("pha", c, 10) == 2 * (10 * matrices + head + attention - 9 * last_token_only)
@@ -322,9 +323,12 @@ def test_a_prefills_flops_count_each_matrix_per_token_the_head_once_and_the_caus
     gss = bench.configs("pha-gss", 512, quick=True)  # no attention branch
     gss_matrices = bench.matrix_bytes("pha-gss", gss, 1) - head
     assert bench.prefill_flops("pha-gss", gss, 10) == 2 * (10 * gss_matrices + head - 9 * (2 * F * E + F * H + ffns))
-    # llama.cpp's Llama: its parameters, the tied embedding as the head once, its last FFN at one row
+    # llama.cpp's Llama: its parameters, the tied embedding as the head once, its last FFN at one
+    # row (its attention runs every query)
     ffn = 3 * E * 4 * E
-    assert bench.llama_cpp_prefill_flops(c, 10, 5000 + head) == 2 * (10 * 5000 + head - 9 * ffn + attention)
+    attention_every_query = c.n_layers * c.n_q_heads * c.head_dim * 2 * 55
+    assert bench.llama_cpp_prefill_flops(c, 10, 5000 + head) == 2 * (10 * 5000 + head - 9 * ffn
+                                                                      + attention_every_query)
 
 
 def test_the_prefill_per_flop_weighs_the_ratio_by_the_flops_per_token():

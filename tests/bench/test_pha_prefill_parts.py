@@ -18,12 +18,15 @@ MODELS = ("pha", "pha-attn", "pha-gss", "pha-ffn")
 def test_the_parts_flops_are_the_prefills(name):
     """Every matrix of a block once per token, but in the last block those whose output only
     the last token's logits read once (what its state needs on every row: the GSS's DSS
-    input, attention's queries, keys and values), the attention's causal rows, the output
-    layer once: what the benchmark's prefill is weighed by, part by part."""
+    input, attention's queries, keys and values), the attention's causal rows (the last
+    token's query alone in the last block), the output layer once: what the benchmark's
+    prefill is weighed by, part by part."""
     c, n = plc.configs(name, 512, False), 512
     dense = plc.dense_layers(c)
     per_block = sum(2.0 * n * d["N"] * d["K"] for d in dense) + plc.attention_flops(c, n)
-    last_block = sum(2.0 * (n if d["every_row"] else 1) * d["N"] * d["K"] for d in dense) + plc.attention_flops(c, n)
+    last_query = plc.attention_flops(c, n, last_query_only=True)
+    assert last_query == (4.0 * c.n_q_heads * c.head_dim * n if "attn" in c.branches else 0.0)
+    last_block = sum(2.0 * (n if d["every_row"] else 1) * d["N"] * d["K"] for d in dense) + last_query
     flops = (c.n_layers - 1) * per_block + last_block + 2.0 * c.vocab_size * c.d_model
     assert flops == pytest.approx(plc.prefill_flops(name, c, n), rel=1e-12)
     assert {d["name"] for d in dense if d["every_row"]} == {"gss.to_v", "attn.q_proj", "attn.k_proj", "attn.v_proj"} & {
@@ -43,9 +46,9 @@ def test_a_blocks_op_inputs_have_the_shapes_the_ops_take():
         x, mats, layer, bias, scale = inputs["dense"][d["name"]]
         assert x.shape == (T, d["K"]) and mats.size == padded(d["N"]) * d["K"] and bias.shape == (d["N"],)
         assert layer.tolist() == [0, d["act"]] and scale.shape == ((T, d["N"]) if d["times_u"] else (0, 0))
-    q, k, v, lengths = inputs["attention"]
+    q, k, v, lengths, at = inputs["attention"]
     assert q.shape == (1, T, c.n_q_heads, c.head_dim) and k.shape == v.shape == (1, T, c.n_kv_heads, c.head_dim)
-    assert lengths.tolist() == [T]
+    assert lengths.tolist() == [T] and at.tolist() == [list(range(T))]  # every query, as a block but the last
     xs = inputs["gss_scan"][0]
     assert xs.shape == (1, 2, 64, c.gss_hidden_dim)  # 100 tokens in chunks of 64
     assert "gss_scan" not in pp.op_inputs(plc.configs("pha-attn", 128, True), T, np.random.default_rng(0))

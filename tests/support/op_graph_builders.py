@@ -276,15 +276,15 @@ def sample_rows_graph(dev, vocab: int):
 
 
 def _attention_body(values, dev):
-    q, k, v, lengths = values
-    return ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=[q, k, v, lengths],
-                      out_types=[TensorType(F32, q.shape, dev)])
+    q = values[0]
+    return ops.custom(OP_PHA_PREFILL_ATTENTION, device=dev, values=values, out_types=[TensorType(F32, q.shape, dev)])
 
 
-# (q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended [B, T, Hq, dh]
-PHA_ATTENTION = OpPiece(lambda dev: [TensorType(F32, ["B", "T", "Hq", "dh"], dev),
+# (q [B, R, Hq, dh], k, v [B, T, Hkv, dh], lengths [B], at [B, R]) -> attended [B, R, Hq, dh]
+PHA_ATTENTION = OpPiece(lambda dev: [TensorType(F32, ["B", "R", "Hq", "dh"], dev),
                                      TensorType(F32, ["B", "T", "Hkv", "dh"], dev),
-                                     TensorType(F32, ["B", "T", "Hkv", "dh"], dev), TensorType(I64, ["B"], dev)],
+                                     TensorType(F32, ["B", "T", "Hkv", "dh"], dev), TensorType(I64, ["B"], dev),
+                                     TensorType(I64, ["B", "R"], dev)],
                         _attention_body, 1, {"Hq": 1, "Hkv": 1})
 
 

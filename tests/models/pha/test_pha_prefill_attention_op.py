@@ -4,7 +4,9 @@ prefill graph (``kernels=False``) and the PyTorch reference.
 
 The op alone runs in a graph of its own with every dimension symbolic (one compile), on
 shapes whose lengths end inside, on and across its query and key tiles (32 queries with
-AVX2, 64 with AVX-512), one token, padding past each prompt and an empty prompt. The
+AVX2, 64 with AVX-512), one token, padding past each prompt and an empty prompt, and on
+query rows at given positions (a prefill's last block asks for the last token's and the
+scored ones alone). The
 engine tests reuse tests/models/pha/test_pha_engine.py's CONFIG: its default engine's
 prefill graph (declared there) and the plain engine's (declared in
 test_pha_decode_op.py); attention alone, the ablation whose prefill passes through the op
@@ -34,14 +36,17 @@ LENGTHS = [1, 31, 32, 33, 63, 64, 65, 100, 160]
 
 @pytest.fixture
 def op_graph():
-    """The op alone: (q [B, T, Hq, dh], k, v [B, T, Hkv, dh], lengths [B]) -> attended."""
+    """The op alone: (q [B, R, Hq, dh], k, v [B, T, Hkv, dh], lengths [B], at [B, R]) -> attended."""
     return op_graph_model(OP_PHA_PREFILL_ATTENTION)
 
 
-def run_op(model, q, k, v, lengths) -> np.ndarray:
+def run_op(model, q, k, v, lengths, at=None) -> np.ndarray:
+    """The op's attention for the queries q at the positions ``at`` (default: every position)."""
     from max.driver import Buffer
 
-    arrays = (q, k, v, np.asarray(lengths, np.int64))
+    B, R = q.shape[:2]
+    at = np.tile(np.arange(R), (B, 1)) if at is None else at
+    arrays = (q, k, v, np.asarray(lengths, np.int64), np.asarray(at, np.int64))
     (att,) = model.execute(*(Buffer.from_numpy(np.ascontiguousarray(a)) for a in arrays))
     return att.to_numpy()
 
@@ -93,16 +98,39 @@ def test_the_op_equals_float64_causal_attention(op_graph, B, T, Hq, Hkv, dh, len
 
 
 @op_alone
-@pytest.mark.parametrize("shapes, lengths, problem", [
-    (((1, 8, 3, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], "3 query heads are not a multiple of 2 KV heads"),
-    (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [9], r"lengths\[0\] = 9 outside \[0, 8\]"),
+@pytest.mark.parametrize("T, R, lengths, dh", [
+    (100, 40, [100, 70], 16),  # 40 rows: a block of 32 queries and one of 8
+    (65, 2, [65, 65], 7),  # a prefill's last block: the last token's query and one scored row
+    (1, 3, [1, 0], 16),  # one token, the same position asked for three times; an empty prompt
 ])
-def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths, problem):
-    """What the graph's symbolic dimensions let through (a batch or head count that
+def test_queries_at_given_positions_equal_those_rows_of_causal_attention(op_graph, T, R, lengths, dh):
+    """What a prefill's last block asks for: query rows at positions in any order, repeated,
+    some past the prompt (those rows zero), each attending the keys up to its position."""
+    B = len(lengths)
+    q, k, v = random_qkv(B, T, 4, 2, dh, 10.0, seed=T + R)
+    at = np.random.default_rng(R).integers(0, T, (B, R))
+    at[0, 0] = T - 1  # the last position, whose query attends every key
+    rows = np.stack([q[b, at[b]] for b in range(B)])
+    got = run_op(op_graph, rows, k, v, lengths, at)
+    every = causal_gqa(q, k, v, lengths)
+    expected = np.stack([every[b, at[b]] for b in range(B)])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(v).max())
+    assert not got[np.asarray(at) >= np.asarray(lengths)[:, None]].any()
+
+
+@op_alone
+@pytest.mark.parametrize("shapes, lengths, at, problem", [
+    (((1, 8, 3, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], None, "3 query heads are not a multiple of 2 KV heads"),
+    (((1, 8, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [9], None, r"lengths\[0\] = 9 outside \[0, 8\]"),
+    (((1, 2, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], [[7, 8]], r"at\[0, 1\] = 8 outside \[0, 8\)"),
+    (((1, 1, 4, 4), (1, 8, 2, 4), (1, 8, 2, 4)), [8], [[-1]], r"at\[0, 0\] = -1 outside \[0, 8\)"),
+])
+def test_the_op_refuses_bad_shapes_naming_the_problem(op_graph, shapes, lengths, at, problem):
+    """What the graph's symbolic dimensions let through (a batch, head or row count that
     disagrees is refused by the graph before the op runs)."""
     q, k, v = (np.zeros(s, np.float32) for s in shapes)
     with pytest.raises(Exception, match=problem):
-        run_op(op_graph, q, k, v, lengths)
+        run_op(op_graph, q, k, v, lengths, at)
 
 
 def test_the_cpu_graphs_take_the_op_and_the_plain_ones_do_not(weights):
