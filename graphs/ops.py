@@ -78,6 +78,7 @@ class PackedWeights:
 # the packed-weight linear op on the engine's packed copies
 Dense = DeviceRef | PackedWeights | None
 
+
 def rows_at(x: TensorValue, at: TensorValue) -> TensorValue:
     """x [B, ..., d] (positions in order between the first and last axis) at the positions
     ``at`` [B, R] -> [B, R, d]."""
