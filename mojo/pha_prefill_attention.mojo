@@ -119,9 +119,13 @@ def _product[accumulate: Bool](dst: F32P, x: F32P, xr: Int, xk: Int, p: F32P, K:
 
 def _mask_after(s: F32P, kb: Int, key0: Int, pos: I64P):
     """Keys after a query get NEG in the tile S [kb, QB] (key key0 + j, query i at position
-    pos[i]; -1 for a column without a query, which sees no key)."""
+    pos[i]). A column without a query (pos -1) is left as it is: its output row is written
+    as zeros, its scores never read."""
     for i in range(QB):
-        var first_masked = max(Int(pos[unsafe_offset=i]) + 1 - key0, 0)  # keys j >= this are after it
+        var p = Int(pos[unsafe_offset=i])
+        if p < 0:
+            continue
+        var first_masked = max(p + 1 - key0, 0)  # keys j >= this are after it
         for j in range(first_masked, kb):
             s[unsafe_offset=j * QB + i] = NEG
 
@@ -177,10 +181,13 @@ def _unit(a: Attn, u: Int, qt: F32P, s: F32P, ot: F32P, m: F32P, l: F32P, pos: I
     var ldkv = a.Hkv * dh
     # Qt [dh, QB]: the block's queries across, zeros where a column has none
     for i in range(QB):
-        var live = Int(pos[unsafe_offset=i]) >= 0
-        var qrow = a.q.unsafe_offset((b * a.R + r0 + i) * ldq + h * dh)
-        for c in range(dh):
-            qt[unsafe_offset=c * QB + i] = qrow[unsafe_offset=c] if live else 0
+        if Int(pos[unsafe_offset=i]) >= 0:
+            var qrow = a.q.unsafe_offset((b * a.R + r0 + i) * ldq + h * dh)
+            for c in range(dh):
+                qt[unsafe_offset=c * QB + i] = qrow[unsafe_offset=c]
+        else:
+            for c in range(dh):
+                qt[unsafe_offset=c * QB + i] = 0
     for c in range(dh * QB):
         ot[unsafe_offset=c] = 0
     for i in range(QB):
