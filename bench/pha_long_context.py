@@ -47,7 +47,10 @@ memory depend only on shapes):
   - llama.cpp (bench/pha_llama_cpp.py): a Llama of the attention branch's shape, f32
     GGUF, ``llama-batched-bench`` on both cores at the same contexts and batches (prompt
     n - steps tokens, then ``steps`` decode steps), and the PHA's ratios to it; timed at
-    each context right after the MAX engines.
+    each context right after the MAX engines; with ``--paired-rounds R``, also each engine's
+    prefill against llama.cpp's prompt and its decode into the states against llama.cpp's
+    at each batch in R rounds of timings seconds apart, the order alternating
+    (``paired_prefill``, ``paired_decode``: a verdict the host's drift does not move).
 Every timing is run ``--repeats`` times after one warm-up; the JSON keeps every run
 (``*_runs``), the best, and the spread (slowest / fastest - 1). Graphs are compiled (or
 loaded from the cache) before anything is timed, per context (the KV cache length is a
@@ -61,6 +64,7 @@ bench/results/pha_long_context[-quick].json.
     python -m bench.pha_long_context --models pha --no-prefill --no-llama-cpp --paths op graph
     python -m bench.pha_long_context --no-decode --batches 1 --paths op graph   # prefill against llama.cpp
     python -m bench.pha_long_context --no-decode --batches 1 --paired-rounds 10 --contexts 512   # drift-proof
+    python -m bench.pha_long_context --no-prefill --paired-rounds 6 --contexts 512 2048   # decode, drift-proof
     python -m bench.pha_long_context --summarize    # the comparisons recomputed from the JSON's runs
 """
 
@@ -71,6 +75,7 @@ import json
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -392,8 +397,8 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
 
 
 def paired_summary(ratios: list[float]) -> dict:
-    """The verdict of ``paired_prefill``'s rounds (their ratios, engine over llama.cpp, in
-    the order run: even rounds timed the engines first). On a shared host llama.cpp timed
+    """The verdict of ``paired_prefill``'s or ``paired_decode``'s rounds (their ratios, engine
+    over llama.cpp, in the order run: even rounds timed the engines first). On a shared host llama.cpp timed
     right after the engines can run slower than after itself while the engines' rate does
     not move with the order (docs/pha_engine.md), so each order's rounds get their own
     median, and ``ratio`` is the lower of the two: a ratio no order of the timings favours."""
@@ -404,6 +409,22 @@ def paired_summary(ratios: list[float]) -> dict:
     verdict = rounds_verdict(ratios)
     return {"median_ratio": verdict["median"], **by_order, "ratio": min(by_order.values()),
             "rounds_won": verdict["above_1"]}
+
+
+def alternating_rounds(rounds: int, ours, theirs) -> list[tuple[bool, object, object]]:
+    """``rounds`` rounds of the engines' timing (``ours()``) and one llama.cpp run's
+    (``theirs()``) seconds apart, the engines first in even rounds and second in odd ones:
+    (engines first, ours, theirs) per round."""
+    got = []
+    for i in range(rounds):
+        if i % 2 == 0:
+            mine = ours()
+            other = theirs()
+        else:
+            other = theirs()
+            mine = ours()
+        got.append((i % 2 == 0, mine, other))
+    return got
 
 
 def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:
@@ -421,19 +442,54 @@ def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_
     def engines_rate() -> dict:
         return {key: n / min(timed(repeats, lambda: e.prefill(prompts[key]))) for key, e in engines.items()}
 
-    for i in range(rounds):
-        if i % 2 == 0:
-            ours = engines_rate()
-            theirs = llama_prompt_rate()
-        else:
-            theirs = llama_prompt_rate()
-            ours = engines_rate()
+    for first, ours, theirs in alternating_rounds(rounds, engines_rate, llama_prompt_rate):
         for key, rate in ours.items():
-            per_round[key].append({"engines_first": i % 2 == 0, "prefill_tokens_per_s": rate,
+            per_round[key].append({"engines_first": first, "prefill_tokens_per_s": rate,
                                    "llama_cpp_prompt_tokens_per_s": theirs, "ratio": rate / theirs})
     return [{"model": name, "path": path, "dtype": dtype, "context": n, "rounds": got,
              **paired_summary([r["ratio"] for r in got])}
             for (name, path, dtype), got in per_round.items()]
+
+
+def paired_decode(engines: dict, n: int, rounds: int, repeats: int, steps: int, batches, rng,
+                  llama_decode_rates) -> list[dict]:
+    """Each engine's decode at each batch against llama.cpp's, in rounds as
+    ``paired_prefill``'s: a round times every engine's decode into its states (``steps``
+    tokens a call from position n - steps - 1, best of ``repeats`` calls after a warm-up:
+    the slot pool's calls, and llama.cpp's, which decodes into its KV cache) and one
+    llama.cpp run at every batch (``llama_decode_rates()``: batch -> its decode tokens/s).
+    One row per engine and batch."""
+    from srm_max.runtime.call_types import SamplingArrays
+
+    calls = {}
+    for key, e in engines.items():
+        for B in batches:
+            ids = rng.integers(0, e.config.vocab_size, B).astype(np.int64)
+            pos = np.full(B, n - steps - 1, np.int64)
+            states, greedy = e.empty_states(B), SamplingArrays.greedy(B)
+            calls[key, B] = partial(e.decode, ids, pos, states, greedy, steps, donate_states=True)
+
+    def engines_rate() -> dict:
+        return {(key, B): B * steps / min(timed(repeats, call)) for (key, B), call in calls.items()}
+
+    per_round: dict = {cell: [] for cell in calls}
+    for first, ours, theirs in alternating_rounds(rounds, engines_rate, llama_decode_rates):
+        for (key, B), rate in ours.items():
+            per_round[key, B].append({"engines_first": first, "decode_tokens_per_s": rate,
+                                      "llama_cpp_decode_tokens_per_s": theirs[B], "ratio": rate / theirs[B]})
+    return [{"model": name, "path": path, "dtype": dtype, "context": n, "batch": B, "steps_per_call": steps,
+             "rounds": got, **paired_summary([r["ratio"] for r in got])}
+            for ((name, path, dtype), B), got in per_round.items()]
+
+
+def print_paired(paired: list[dict], what: str):
+    """One line per ``paired_prefill`` or ``paired_decode`` row: its verdict and the rounds'."""
+    for p in paired:
+        at = f"context {p['context']:5d}" + (f" batch {p['batch']:3d}" if "batch" in p else "")
+        print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} {at}: {what} {p['ratio']:.2f}x (the medians of "
+              f"{len(p['rounds'])} alternating rounds: {p['median_ratio_engines_first']:.2f}x with the engines "
+              f"first, {p.get('median_ratio_llama_cpp_first', float('nan')):.2f}x second), faster in "
+              f"{p['rounds_won']}", flush=True)
 
 
 def at_context_end(row: dict) -> bool:
@@ -573,7 +629,7 @@ def summarized(result: dict) -> dict:
     result["streaming_target"] = [{"run": i} | e for i, past in enumerate(result["runs"], 1)
                                   for e in streaming_reach(past)]
     for past in result["runs"]:  # the verdict of paired rounds as ``paired_summary`` gives it now
-        for p in past.get("paired_prefill", []):
+        for p in past.get("paired_prefill", []) + past.get("paired_decode", []):
             p |= paired_summary([r["ratio"] for r in p["rounds"]])
     return result
 
@@ -604,9 +660,10 @@ def main(argv=None) -> dict:
                     help="positions the decode calls start from (default: n - steps - 1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired-rounds", type=int, default=0,
-                    help="also time each engine's prefill against llama.cpp's prompt in this many rounds, the "
-                         "order alternating, each a ratio of timings seconds apart: the verdict is the lower of the "
-                         "two orders' medians, which the host's drift does not move")
+                    help="also time each engine's prefill against llama.cpp's prompt, and its decode into the "
+                         "states at each batch against llama.cpp's, in this many rounds, the order alternating, each "
+                         "a ratio of timings seconds apart: the verdict is the lower of the two orders' medians, "
+                         "which the host's drift does not move")
     ap.add_argument("--donated", action="store_true",
                     help="also time the decode into donated states (the slot pool's calls: no copy of the caches)")
     ap.add_argument("--refill", action="store_true",
@@ -635,7 +692,8 @@ def main(argv=None) -> dict:
     run = {"command": command_line(), "machine": machine_info(), "quick": args.quick,
            "steps_per_call": args.steps, "repeats": args.repeats, "note": args.note,
            "state_only": args.state_only, "batches": list(batches), "configs": {}, "compile_seconds": {},
-           "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": [], "paired_prefill": []}
+           "stream_bytes_per_s": {}, "reread_bytes_per_s": {}, "rows": [], "llama_cpp": [], "paired_prefill": [],
+           "paired_decode": []}
     if not (args.state_only or args.no_prefill):
         run["fma_peak"] = fma_peak()
         print(f"FMA peak: {run['fma_peak']['flops'] / 1e9:.0f} GFLOP/s", flush=True)
@@ -698,23 +756,25 @@ def main(argv=None) -> dict:
         # one folder for the context's same-shape Llama: its GGUF is written once, for the
         # paired rounds and the runs below
         with tempfile.TemporaryDirectory() as tmp:
-            if llama_cpp and args.paired_rounds and prefill:
+            if llama_cpp and args.paired_rounds and (prefill or decode_batches):
                 gguf, _ = pha_llama_cpp.write_gguf(configs("pha", n, args.quick), Path(tmp) / str(n))
                 binary = pha_llama_cpp.build()
 
-                def llama_prompt_rate() -> float:
-                    (row,) = pha_llama_cpp.run(gguf, n, args.steps, [1], threads=args.llama_cpp_threads,
-                                               binary=binary)
-                    return row["prompt_tokens_per_s"]
+                def llama_rows(batches_run) -> list[dict]:
+                    return pha_llama_cpp.run(gguf, n, args.steps, batches_run, threads=args.llama_cpp_threads,
+                                             binary=binary)
 
-                paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng, llama_prompt_rate)
-                for p in paired:
-                    print(f"{p['model']:8s} {p['path']:5s} {p['dtype']:8s} context {n:5d}: prefill over llama.cpp's "
-                          f"prompt {p['ratio']:.2f}x (the medians of {len(p['rounds'])} alternating rounds: "
-                          f"{p['median_ratio_engines_first']:.2f}x with the engines first, "
-                          f"{p.get('median_ratio_llama_cpp_first', float('nan')):.2f}x second), faster in "
-                          f"{p['rounds_won']}", flush=True)
-                run["paired_prefill"] += paired
+                if prefill:
+                    paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng,
+                                            lambda: llama_rows([1])[0]["prompt_tokens_per_s"])
+                    print_paired(paired, "prefill over llama.cpp's prompt")
+                    run["paired_prefill"] += paired
+                if decode_batches:
+                    paired = paired_decode(
+                        engines, n, args.paired_rounds, args.repeats, args.steps, decode_batches, rng,
+                        lambda: {r["batch"]: r["decode_tokens_per_s"] for r in llama_rows(list(decode_batches))})
+                    print_paired(paired, "decode into the states over llama.cpp's")
+                    run["paired_decode"] += paired
             del engines
             if llama_cpp:
                 # right after the MAX engines at this context: the host's speed drifts within
