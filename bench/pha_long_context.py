@@ -430,9 +430,9 @@ def alternating_rounds(rounds: int, ours, theirs) -> list[tuple[bool, object, ob
 def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:
     """Each engine's prefill of one n-token prompt against llama.cpp's prompt, side by side
     in ``rounds`` rounds: a round times the engines (best of ``repeats`` calls after a
-    warm-up) and one llama.cpp run (``llama_prompt_rate()``: its prompt tokens/s), the
-    engines first in even rounds and second in odd ones, and takes their ratio. This
-    host's speed drifts by tens of percent within minutes, more than the ratio sought, so
+    warm-up) and llama.cpp (``llama_prompt_rate()``: its prompt tokens/s, the best of as
+    many runs where ``main`` calls it), the engines first in even rounds and second in odd
+    ones, and takes their ratio. This host's speed drifts by tens of percent within minutes, more than the ratio sought, so
     a best against a best minutes apart can fall either side of 1; ratios of timings
     seconds apart do not move with the drift (``paired_summary`` gives the verdict). One
     row per engine (``engines``: (name, path, dtype) -> engine)."""
@@ -456,8 +456,9 @@ def paired_decode(engines: dict, n: int, rounds: int, repeats: int, steps: int, 
     """Each engine's decode at each batch against llama.cpp's, in rounds as
     ``paired_prefill``'s: a round times every engine's decode into its states (``steps``
     tokens a call from position n - steps - 1, best of ``repeats`` calls after a warm-up:
-    the slot pool's calls, and llama.cpp's, which decodes into its KV cache) and one
-    llama.cpp run at every batch (``llama_decode_rates()``: batch -> its decode tokens/s).
+    the slot pool's calls, and llama.cpp's, which decodes into its KV cache) and llama.cpp
+    at every batch (``llama_decode_rates()``: batch -> its decode tokens/s, the best of as
+    many runs where ``main`` calls it).
     One row per engine and batch."""
     from srm_max.runtime.call_types import SamplingArrays
 
@@ -760,19 +761,21 @@ def main(argv=None) -> dict:
                 gguf, _ = pha_llama_cpp.write_gguf(configs("pha", n, args.quick), Path(tmp) / str(n))
                 binary = pha_llama_cpp.build()
 
-                def llama_rows(batches_run) -> list[dict]:
-                    return pha_llama_cpp.run(gguf, n, args.steps, batches_run, threads=args.llama_cpp_threads,
-                                             binary=binary)
+                def llama_best(batches_run, rate: str) -> dict:
+                    """llama.cpp's best ``rate`` per batch over ``--repeats`` runs: the engines' timings
+                    in a round are each the best of as many calls."""
+                    runs = [pha_llama_cpp.run(gguf, n, args.steps, batches_run, threads=args.llama_cpp_threads,
+                                              binary=binary) for _ in range(args.repeats)]
+                    return {row["batch"]: max(r[i][rate] for r in runs) for i, row in enumerate(runs[0])}
 
                 if prefill:
                     paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng,
-                                            lambda: llama_rows([1])[0]["prompt_tokens_per_s"])
+                                            lambda: llama_best([1], "prompt_tokens_per_s")[1])
                     print_paired(paired, "prefill over llama.cpp's prompt")
                     run["paired_prefill"] += paired
                 if decode_batches:
-                    paired = paired_decode(
-                        engines, n, args.paired_rounds, args.repeats, args.steps, decode_batches, rng,
-                        lambda: {r["batch"]: r["decode_tokens_per_s"] for r in llama_rows(list(decode_batches))})
+                    paired = paired_decode(engines, n, args.paired_rounds, args.repeats, args.steps, decode_batches,
+                                           rng, lambda: llama_best(list(decode_batches), "decode_tokens_per_s"))
                     print_paired(paired, "decode into the states over llama.cpp's")
                     run["paired_decode"] += paired
             del engines
