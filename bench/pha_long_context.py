@@ -397,11 +397,12 @@ def llama_cpp_rows(contexts, batches, steps: int, repeats: int, workdir: Path, p
 
 
 def paired_summary(ratios: list[float]) -> dict:
-    """The verdict of ``paired_prefill``'s or ``paired_decode``'s rounds (their ratios, engine
-    over llama.cpp, in the order run: even rounds timed the engines first). On a shared host llama.cpp timed
-    right after the engines can run slower than after itself while the engines' rate does
-    not move with the order (docs/pha_engine.md), so each order's rounds get their own
-    median, and ``ratio`` is the lower of the two: a ratio no order of the timings favours."""
+    """The verdict of ``paired_prefill``'s or ``paired_decode``'s rounds (their ratios,
+    engine over llama.cpp, in the order run: even rounds timed the engines first). On a
+    shared host llama.cpp timed right after the engines can run slower than after itself
+    while the engines' rate does not move with the order (docs/pha_engine.md), so each
+    order's rounds get their own median, and ``ratio`` is the lower of the two: a ratio no
+    order of the timings favours."""
     first, second = ratios[0::2], ratios[1::2]
     by_order = {"median_ratio_engines_first": rounds_verdict(first)["median"]}
     if second:
@@ -412,9 +413,9 @@ def paired_summary(ratios: list[float]) -> dict:
 
 
 def alternating_rounds(rounds: int, ours, theirs) -> list[tuple[bool, object, object]]:
-    """``rounds`` rounds of the engines' timing (``ours()``) and one llama.cpp run's
-    (``theirs()``) seconds apart, the engines first in even rounds and second in odd ones:
-    (engines first, ours, theirs) per round."""
+    """``rounds`` rounds of the engines' timing (``ours()``) and llama.cpp's (``theirs()``)
+    seconds apart, the engines first in even rounds and second in odd ones: (engines first,
+    ours, theirs) per round."""
     got = []
     for i in range(rounds):
         if i % 2 == 0:
@@ -430,12 +431,12 @@ def alternating_rounds(rounds: int, ours, theirs) -> list[tuple[bool, object, ob
 def paired_prefill(engines: dict, n: int, rounds: int, repeats: int, rng, llama_prompt_rate) -> list[dict]:
     """Each engine's prefill of one n-token prompt against llama.cpp's prompt, side by side
     in ``rounds`` rounds: a round times the engines (best of ``repeats`` calls after a
-    warm-up) and llama.cpp (``llama_prompt_rate()``: its prompt tokens/s, the best of as
-    many runs where ``main`` calls it), the engines first in even rounds and second in odd
-    ones, and takes their ratio. This host's speed drifts by tens of percent within minutes, more than the ratio sought, so
-    a best against a best minutes apart can fall either side of 1; ratios of timings
-    seconds apart do not move with the drift (``paired_summary`` gives the verdict). One
-    row per engine (``engines``: (name, path, dtype) -> engine)."""
+    warm-up) and llama.cpp (``llama_prompt_rate()``: its prompt tokens/s, in ``main`` the
+    best of as many runs), the engines first in even rounds and second in odd ones, and
+    takes their ratio. This host's speed drifts by tens of percent within minutes, more than
+    the ratio sought, so a best against a best minutes apart can fall either side of 1;
+    ratios of timings seconds apart do not move with the drift (``paired_summary`` gives the
+    verdict). One row per engine (``engines``: (name, path, dtype) -> engine)."""
     prompts = {key: [rng.integers(0, e.config.vocab_size, n).tolist()] for key, e in engines.items()}
     per_round: dict = {key: [] for key in engines}
 
@@ -457,9 +458,8 @@ def paired_decode(engines: dict, n: int, rounds: int, repeats: int, steps: int, 
     ``paired_prefill``'s: a round times every engine's decode into its states (``steps``
     tokens a call from position n - steps - 1, best of ``repeats`` calls after a warm-up:
     the slot pool's calls, and llama.cpp's, which decodes into its KV cache) and llama.cpp
-    at every batch (``llama_decode_rates()``: batch -> its decode tokens/s, the best of as
-    many runs where ``main`` calls it).
-    One row per engine and batch."""
+    at every batch (``llama_decode_rates()``: batch -> its decode tokens/s, in ``main`` the
+    best of as many runs). One row per engine and batch."""
     from srm_max.runtime.call_types import SamplingArrays
 
     calls = {}
@@ -481,6 +481,13 @@ def paired_decode(engines: dict, n: int, rounds: int, repeats: int, steps: int, 
     return [{"model": name, "path": path, "dtype": dtype, "context": n, "batch": B, "steps_per_call": steps,
              "rounds": got, **paired_summary([r["ratio"] for r in got])}
             for ((name, path, dtype), B), got in per_round.items()]
+
+
+def best_by_batch(runs: list[list[dict]], rate: str) -> dict:
+    """llama.cpp's best ``rate`` per batch over its ``runs`` (each a list of
+    ``pha_llama_cpp.run`` rows): its side of a paired round, as the engines' side is each
+    the best of as many calls."""
+    return {row["batch"]: max(r[i][rate] for r in runs) for i, row in enumerate(runs[0])}
 
 
 def print_paired(paired: list[dict], what: str):
@@ -762,11 +769,9 @@ def main(argv=None) -> dict:
                 binary = pha_llama_cpp.build()
 
                 def llama_best(batches_run, rate: str) -> dict:
-                    """llama.cpp's best ``rate`` per batch over ``--repeats`` runs: the engines' timings
-                    in a round are each the best of as many calls."""
-                    runs = [pha_llama_cpp.run(gguf, n, args.steps, batches_run, threads=args.llama_cpp_threads,
-                                              binary=binary) for _ in range(args.repeats)]
-                    return {row["batch"]: max(r[i][rate] for r in runs) for i, row in enumerate(runs[0])}
+                    return best_by_batch([pha_llama_cpp.run(gguf, n, args.steps, batches_run, binary=binary,
+                                                            threads=args.llama_cpp_threads)
+                                          for _ in range(args.repeats)], rate)
 
                 if prefill:
                     paired = paired_prefill(engines, n, args.paired_rounds, args.repeats, rng,

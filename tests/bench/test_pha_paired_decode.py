@@ -26,10 +26,10 @@ class Decoding:
         return np.zeros((1, batch, 4), np.float32)
 
 
-def test_paired_decode_rounds_each_batch_against_one_llama_cpp_run_per_round(monkeypatch):
-    """Each round times every engine's decode into its states at every batch and one
-    llama.cpp run that gives its decode rate at every batch, the engines first in even
-    rounds; each (engine, batch) gets its rounds' ratios and the paired verdict."""
+def test_paired_decode_times_each_batch_against_llama_cpp_at_every_batch_in_each_round(monkeypatch):
+    """Each round times every engine's decode into its states at every batch and llama.cpp
+    once for its decode rate at every batch, the engines first in even rounds; each
+    (engine, batch) gets its rounds' ratios and the paired verdict."""
     order = []
     engine = Decoding()
     seconds = iter([0.04, 0.02, 0.01, 0.04])  # best call per round and batch: batch 1, then 4
@@ -71,3 +71,15 @@ def test_summarize_recomputes_the_paired_decode_verdict():
                               "ratio": 1.8}]}
     (paired,) = bench.summarized({"runs": [run]})["runs"][0]["paired_decode"]
     assert paired["ratio"] == 0.97 and paired["median_ratio_engines_first"] == 1.75 and paired["rounds_won"] == 2
+
+
+def test_llama_cpp_side_of_a_round_is_its_best_run_per_batch():
+    """llama.cpp's side of a paired round is its best of as many runs as the engines' calls,
+    per batch and per rate on its own (one run can have the best prompt, another the best
+    decode)."""
+    runs = [[{"batch": 1, "decode_tokens_per_s": 900.0, "prompt_tokens_per_s": 5000.0},
+             {"batch": 16, "decode_tokens_per_s": 2000.0, "prompt_tokens_per_s": 6000.0}],
+            [{"batch": 1, "decode_tokens_per_s": 1100.0, "prompt_tokens_per_s": 4000.0},
+             {"batch": 16, "decode_tokens_per_s": 1800.0, "prompt_tokens_per_s": 6500.0}]]
+    assert bench.best_by_batch(runs, "decode_tokens_per_s") == {1: 1100.0, 16: 2000.0}
+    assert bench.best_by_batch(runs, "prompt_tokens_per_s") == {1: 5000.0, 16: 6500.0}
