@@ -49,21 +49,26 @@ def run_phase_times(kernels: Path, out: Path, args: argparse.Namespace) -> dict[
 
 
 def summarize(rounds: list[dict[str, tuple[dict, dict]]]) -> dict[str, dict]:
-    """Per cell: the median step and product times of A and B, the median of the rounds'
-    ratios A / B, and the rounds B won (its step faster)."""
+    """Per cell: the median step, product and cache-phase times of A and B, the median of
+    the rounds' ratios A / B of each, and the rounds B won (its step faster)."""
     out = {}
     for key in rounds[0]:
         pairs = [r[key] for r in rounds]
         step_ratios = [a["step_us"] / b["step_us"] for a, b in pairs]
         step = rounds_verdict(step_ratios)
         products = rounds_verdict(a["product_us"] / b["product_us"] for a, b in pairs)
+        cache_ratios = [a["cache_us"] / b["cache_us"] for a, b in pairs if a["cache_us"] and b["cache_us"]]
         out[key] = {
             "step_us_a": round(statistics.median(a["step_us"] for a, _ in pairs), 1),
             "step_us_b": round(statistics.median(b["step_us"] for _, b in pairs), 1),
             "product_us_a": round(statistics.median(a["product_us"] for a, _ in pairs), 1),
             "product_us_b": round(statistics.median(b["product_us"] for _, b in pairs), 1),
+            "cache_us_a": round(statistics.median(a["cache_us"] for a, _ in pairs), 1),
+            "cache_us_b": round(statistics.median(b["cache_us"] for _, b in pairs), 1),
             "step_ratio": round(step["median"], 3),
             "product_ratio": round(products["median"], 3),
+            # a model without attention or GSS has no cache phase
+            "cache_ratio": round(rounds_verdict(cache_ratios)["median"], 3) if cache_ratios else None,
             "rounds_b_won": step["above_1"],
             "rounds": step["rounds"],
             "step_ratios": [round(r, 3) for r in step_ratios],
@@ -96,8 +101,8 @@ def main(argv=None) -> int:
                                                  for key in rows["a"]), flush=True)
     cells = summarize(rounds)
     for key, c in cells.items():
-        print(f"{key}: step {c['step_us_a']} -> {c['step_us_b']} us, A / B {c['step_ratio']} "
-              f"(products {c['product_ratio']}), B won {c['rounds_b_won']} of {c['rounds']}")
+        print(f"{key}: step {c['step_us_a']} -> {c['step_us_b']} us, A / B {c['step_ratio']} (products "
+              f"{c['product_ratio']}, cache phases {c['cache_ratio']}), B won {c['rounds_b_won']} of {c['rounds']}")
     write_json(args.out, {
         "what": "the PHA decode op of --base (A) against the working tree's (B): interleaved rounds of "
                 "bench/pha_phase_times.py, per cell the medians and the median of the rounds' ratios A / B",

@@ -221,15 +221,16 @@ struct Step(ImplicitlyCopyable, Movable):
 
 # ------------------------------------------------------------------ products
 @always_inline
-def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
+def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool, fetch_every: Int = 1](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
     ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """t[r, v*W ..] = sum_k x[r, k] * p[k, v*W ..] for R rows and NVT vectors of
     columns; p's rows are ps apart. Accumulators in registers (a fixed-size stack
     array with constant indices after unrolling); t's rows are PANEL apart. With
-    fetch, step k also prefetches the cache line at ``ahead + k ahead_step``: a
-    parameter, so that no branch splits the loop's body (which costs registers)."""
+    fetch, every ``fetch_every``-th step k (a divisor of KU) also prefetches the cache line at
+    ``ahead + (k / fetch_every) ahead_step``: parameters, so that no branch splits the
+    loop's body (which costs registers)."""
     # allocated here, not in the loops: a stack array there would grow the stack at
     # every iteration
     var acc = stack_allocation[R * NVT * W, Float32]()
@@ -240,9 +241,9 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
     while k + KU <= K:
         comptime for kk in range(KU):
             var wp = p.unsafe_offset((k + kk) * ps)
-            comptime if fetch:
+            comptime if fetch and kk % fetch_every == 0:
                 prefetch[PrefetchOptions().for_read().low_locality().to_data_cache()](
-                    ahead.unsafe_offset((k + kk) * ahead_step)
+                    ahead.unsafe_offset((k + kk) // fetch_every * ahead_step)
                 )
             load_weights[NVT, WD](wv, wp)
             comptime for r in range(R):
@@ -263,16 +264,16 @@ def _tile[R: Int, NVT: Int, WD: DType, fetch: Bool](
 
 
 @no_inline
-def _tile_apart[R: Int, NVT: Int, WD: DType, fetch: Bool](
+def _tile_apart[R: Int, NVT: Int, WD: DType, fetch: Bool, fetch_every: Int](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
     ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """``_tile`` as a function of its own."""
-    _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
+    _tile[R, NVT, WD, fetch, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
 
 
 @always_inline
-def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
+def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool, fetch_every: Int = 1](
     t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin], ps: Int, K: Int,
     ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
@@ -281,26 +282,26 @@ def _tile_here[R: Int, NVT: Int, WD: DType, fetch: Bool](
     the stack through the k loop, slower at every batch of bench/cpu_decode.py's model.
     AVX2's tiles are inlined: called, they are no faster, and slower at batch 16."""
     comptime if W > 8:
-        _tile_apart[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
+        _tile_apart[R, NVT, WD, fetch, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
     else:
-        _tile[R, NVT, WD, fetch](t, x, ldx, p, ps, K, ahead, ahead_step)
+        _tile[R, NVT, WD, fetch, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
 
 
 @always_inline
-def _unit_tile[WD: DType](
+def _unit_tile[WD: DType, fetch_every: Int = 1](
     rows: Int, nv: Int, fetch: Bool, t: F32P, x: F32P, ldx: Int, p: Pointer[Scalar[WD], MutUntrackedOrigin],
     ps: Int, K: Int, ahead: Pointer[Scalar[WD], MutUntrackedOrigin], ahead_step: Int,
 ):
     """A register tile of a unit (both decode ops' products): ``rows`` rows by ``nv``
     vectors, run as the compiled shape of that size. Only the tiles of the standard width
-    NV prefetch (``fetch``: the later tiles of a unit). The shapes compiled are those a
+    NV prefetch (``fetch``, a line per ``fetch_every`` steps of k). The shapes compiled are those a
     unit can ask for, no more (each grows the op's code): up to NV vectors at any rows,
     and the wider sub-panels ``_tile_vectors`` gives units of 1-2 rows (the whole panel)
     and 3-4 rows (4 vectors)."""
     if fetch and nv == NV:
         comptime for R in range(1, MR + 1):
             if rows == R:
-                _tile_here[R, NV, WD, True](t, x, ldx, p, ps, K, ahead, ahead_step)
+                _tile_here[R, NV, WD, True, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
         return
     comptime for R in range(1, MR + 1):
         comptime for NVT in range(1, NV1 + 1):

@@ -67,7 +67,7 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    MR, NV, PANEL, _claim, _claim_share, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
+    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
     _padded, _layer_norm, _rnd,
 )
 
@@ -300,9 +300,11 @@ def _seg_units(seg: I64P, B: Int) -> Int:
     return _panels(Int(seg[unsafe_offset=S_N])) * _chunks(B)
 
 
-def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
+def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_lines: Int):
     """One unit of a segment: a panel of output columns for a chunk of rows (as
-    decode_step.mojo's ``_product_unit``)."""
+    decode_step.mojo's ``_product_unit``). Its tiles prefetch the first ``next_lines``
+    cache lines from address ``next_panel`` (where this worker's next unit reads:
+    ``_run_units_starting_in``)."""
     var K = Int(seg[unsafe_offset=S_K])
     var N = Int(seg[unsafe_offset=S_N])
     var ldx = Int(seg[unsafe_offset=S_LDX])
@@ -318,20 +320,27 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
     var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
+    # A tile reads its sub-panel's column of cache lines, one line a step of k, each a
+    # wait on memory unless prefetched. So every tile of the unit prefetches its share of
+    # the next unit's panel, a line every KU steps: spread over the whole unit, the
+    # prefetches overlap its computing; crowded into a few tiles, they fill the miss
+    # buffers and those tiles wait (bench/product_prefetch.py).
+    comptime LINE = 64 // size_of[WD]()
+    var ahead = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=next_panel)
+    var lines_per_tile = K // KU
+    var next_lines_here = 0 if next_panel == Int(p) else next_lines  # more batch rows than a unit's: the same panel
+    var tiles = 0  # this unit's tiles so far
     var c0 = 0
     while c0 < width:
         var nv = min(nv_max, (width - c0) // W)
         var r = r0
-        var tile = 0
         while r < r1:
             var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * ldx)
             var pc = p.unsafe_offset(c0)
-            # The first sub-panel's first tile waits on its columns streaming in, the later
-            # tiles find them in the L1. So the later tiles prefetch the next sub-panels'
-            # columns, one each (a cache line per step of k, a panel row apart), for theirs.
-            var fetch = c0 == 0 and tile >= 1 and tile * NV * W < width
-            _unit_tile[WD](rows, nv, fetch, t, xr, ldx, pc, width, K, p.unsafe_offset(tile * NV * W), width)
+            var line = tiles * lines_per_tile
+            var fetch = line < next_lines_here
+            _unit_tile[WD, KU](rows, nv, fetch, t, xr, ldx, pc, width, K, ahead.unsafe_offset(line * LINE), LINE)
             var cs = q * PANEL + c0
             for i in range(rows):
                 for vv in range(nv):
@@ -342,7 +351,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int):
                         for j in range(N - c):
                             _finish[WD, 1](seg, r + i, c + j, t.unsafe_load[width=1](i * PANEL + vv * W + j))
             r += rows
-            tile += 1
+            tiles += 1
         c0 += nv * W
 
 
@@ -905,27 +914,48 @@ def _run_unit[WD: DType, kind: Int](a: Pha, l: Int, u: Int, ws: F32P, mut scratc
         _choose_unit[WD, kind](a, u, scratch)
 
 
-def _unit_cost(seg: I64P, by_reads: Bool) -> Int:
-    """What one unit of a segment counts in its phase's claims: with ``by_reads`` its panel's
-    rows in 64s (with fewer batch rows than a register tile, a unit's time is its panel's
-    read), else 1 (claims of single units)."""
-    return (Int(seg[unsafe_offset=S_K]) + 63) // 64 if by_reads else 1
+def _unit_cost(seg: I64P) -> Int:
+    """What one unit of a segment counts in its phase's claims: its panel's rows in 64s (a
+    unit's time is its panel's read, or at more batch rows its tiles' K steps)."""
+    return (Int(seg[unsafe_offset=S_K]) + 63) // 64
 
 
-def _phase_cost(a: Pha, kind: Int, l: Int, by_reads: Bool) -> Int:
+def _phase_cost(a: Pha, kind: Int, l: Int) -> Int:
     """What a product phase's units count in all (``_unit_cost``)."""
     var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
     var total = 0
     for i in range(Int(at[unsafe_offset=1])):
         var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
-        total += _seg_units(seg, a.B) * _unit_cost(seg, by_reads)
+        total += _seg_units(seg, a.B) * _unit_cost(seg)
     return total
 
 
-def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int, by_reads: Bool):
+def _panel_at[WD: DType](a: Pha, at: I64P, cost: Int) -> Tuple[Int, Int]:
+    """The address and the cache lines of the panel of the product phase's first unit whose
+    cost (``_unit_cost``, counted from the phase's first unit) starts at or after ``cost``;
+    (0, 0) past the last."""
+    var base = 0
+    for i in range(Int(at[unsafe_offset=1])):
+        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        var n = _seg_units(seg, a.B)
+        var c = _unit_cost(seg)
+        var j = max(0, (cost - base + c - 1) // c)
+        if j < n:
+            var q = j // _chunks(a.B)
+            var K = Int(seg[unsafe_offset=S_K])
+            var width = min(PANEL, _padded(Int(seg[unsafe_offset=S_N])) - q * PANEL)
+            return (Int(seg[unsafe_offset=S_MAT]) + q * PANEL * K * size_of[WD](), K * width * size_of[WD]() // 64)
+        base += n * c
+    return (0, 0)
+
+
+def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int, counter: I64P):
     """The units of a product phase whose cost (``_unit_cost``), counted from the phase's
     first unit, starts in [first, end): claims of cost intervals that cover the phase run
-    each unit once."""
+    each unit once. With a register tile's rows or more, each unit's tiles prefetch the
+    panel of this worker's next unit: the next of the run, after the run's last the one
+    the claims' counter has reached (the start of this worker's next claim, unless the
+    other workers claim first)."""
     var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
     var base = 0
     for i in range(Int(at[unsafe_offset=1])):
@@ -933,30 +963,39 @@ def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end
             return
         var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
         var n = _seg_units(seg, a.B)
-        var c = _unit_cost(seg, by_reads)
+        var c = _unit_cost(seg)
         var j0 = max(0, (first - base + c - 1) // c)
         var j1 = min(n, (end - base + c - 1) // c)
         for j in range(j0, j1):
-            _product_unit[WD](a, seg, j)
+            var next_panel = 0
+            var next_lines = 0
+            if a.B >= MR:
+                var after = base + (j + 1) * c
+                if after >= end:
+                    after = Int(Atomic[Int64].load(counter))
+                next_panel, next_lines = _panel_at[WD](a, at, after)
+            _product_unit[WD](a, seg, j, next_panel, next_lines)
         base += n * c
 
 
 def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut scratch: RowScratch) -> Int:
     """Claim and run units of one phase until none is left, then wait for the units
     other workers claimed (counter: claimed; counter + 8: done). Product phases are
-    claimed as decode_step.mojo's ``_claim_share`` says: in runs with fewer batch rows
-    than a register tile, a unit at a time above (runs were no faster at 16 rows:
-    bench/pha_phase_times.py, run A/B). A phase's segments may have units of different
-    sizes (a panel of K rows reads K rows), so runs are sized by the units' cost, not
-    their count: by count, a run of small units holds a fraction of the bytes, and one
-    worker is left with the large units while the other waits. Returns when (with
-    PHASE_TIMES) this worker's own units were done, before its wait."""
+    claimed in runs (decode_step.mojo's ``_claim`` with a share): with fewer batch rows
+    than a register tile a unit is a panel read in a fraction of a microsecond, and a claim
+    per unit would make the counter's cache line travel between the cores for each; with
+    more, a worker knows its next unit within a run and prefetches its panel
+    (``_run_units_starting_in``). A phase's segments may have units of different sizes (a
+    panel of K rows reads K rows), so runs are sized by the units' cost, not their count:
+    by count, a run of small units holds a fraction of the bytes, and one worker is left
+    with the large units while the other waits. Returns when (with PHASE_TIMES) this
+    worker's own units were done, before its wait."""
     comptime products = kind == P_IN or kind == P_HID or kind == P_GATE or kind == P_HEAD
     var share = 0
     var n: Int
     comptime if products:
-        share = _claim_share(a.B, a.workers)
-        n = _phase_cost(a, kind, l, share > 0)
+        share = a.workers * CLAIM_SHARE
+        n = _phase_cost(a, kind, l)
     else:
         n = _units(a, kind)
     var done = counter.unsafe_offset(8)
@@ -965,7 +1004,7 @@ def _phase[WD: DType, kind: Int](a: Pha, l: Int, counter: I64P, ws: F32P, mut sc
         if first >= n:
             break
         comptime if products:
-            _run_units_starting_in[WD](a, kind, l, first, end, share > 0)
+            _run_units_starting_in[WD](a, kind, l, first, end, counter)
         else:
             for u in range(first, end):
                 _run_unit[WD, kind](a, l, u, ws, scratch)

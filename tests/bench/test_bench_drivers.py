@@ -22,7 +22,8 @@ def _build(driver: Path, include: Path, out: Path) -> str | None:
 
 
 def test_every_bench_driver_builds(tmp_path):
-    assert {d.stem for d in DRIVERS} >= {"decode_op", "fma_peak", "pha_attention_loop", "product_read_rate"}
+    assert {d.stem for d in DRIVERS} >= {"decode_op", "fma_peak", "pha_attention_loop", "product_prefetch",
+                                         "product_read_rate"}
     include = link_ops(ROOT / "mojo", tmp_path / "include")
     with ThreadPoolExecutor(max_workers=2) as pool:  # each build is a mojo process
         errors = dict(zip(DRIVERS, pool.map(lambda d: _build(d, include, tmp_path), DRIVERS)))
