@@ -20,6 +20,7 @@ Prints a line per batch; ``--out`` also writes the rounds as JSON.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,26 @@ def build(include: Path, output: Path, cpu_target: str | None, driver: Path = DR
     if done.returncode != 0 or not output.is_file():
         raise SystemExit(f"building {driver.name} against {include / PACKAGE} failed:\n{done.stdout}{done.stderr}")
     return output
+
+
+def driver_parser(description: str, out: Path | None, out_help: str | None = None) -> argparse.ArgumentParser:
+    """The options of a benchmark that builds one driver and times it on every core in
+    interleaved rounds: ``--rounds``, ``--workers``, ``--cpu-target`` and ``--out``
+    (default ``out``); ``parse_driver_args`` reads them."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p.add_argument("--out", type=Path, default=out, help=out_help or (f"default {out.name}" if out else None))
+    return p
+
+
+def parse_driver_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``driver_parser``'s options parsed, refusing a non-positive ``--rounds`` or ``--workers``."""
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.workers < 1:
+        p.error("--rounds and --workers must be positive")
+    return args
 
 
 def value_after(output: str, first: str, key: str) -> float:

@@ -17,14 +17,12 @@ the verdict per total and K is each mode's ratio to ``own``.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops, run_driver
+from bench.decode_op_ab import ROOT, build, driver_parser, link_ops, parse_driver_args, run_driver
 
 DRIVER = Path(__file__).with_name("product_prefetch.mojo")
 OUT = Path(__file__).with_name("results") / "product_prefetch.json"
@@ -59,14 +57,7 @@ def measure(binary: Path, rounds: int, workers: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.workers < 1:
-        p.error("--rounds and --workers must be positive")
+    args = parse_driver_args(driver_parser(__doc__.split("\n\n")[0], OUT), argv)
     with tempfile.TemporaryDirectory(prefix="product_prefetch-") as tmp:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_prefetch", args.cpu_target, DRIVER)
         rows = measure(binary, args.rounds, args.workers)

@@ -25,14 +25,12 @@ count on). Written to product_read_rate_sweep.json by default.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, write_json
-from bench.decode_op_ab import ROOT, build, link_ops, run_driver
+from bench.decode_op_ab import ROOT, build, driver_parser, link_ops, parse_driver_args, run_driver
 
 DRIVER = Path(__file__).with_name("product_read_rate.mojo")
 OUT = Path(__file__).with_name("results") / "product_read_rate.json"
@@ -103,15 +101,9 @@ def sweep(binary: Path, rounds: int, workers: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--cpu-target", default=None, help="LLVM CPU name to build for (default: this host)")
+    p = driver_parser(__doc__.split("\n\n")[0], None, f"default {OUT.name}, or {SWEEP_OUT.name} with --sweep")
     p.add_argument("--sweep", action="store_true", help="phase sizes and totals instead (see above)")
-    p.add_argument("--out", type=Path, default=None, help=f"default {OUT.name}, or {SWEEP_OUT.name} with --sweep")
-    args = p.parse_args(argv)
-    if args.rounds < 1 or args.workers < 1:
-        p.error("--rounds and --workers must be positive")
+    args = parse_driver_args(p, argv)
     with tempfile.TemporaryDirectory(prefix="product_read_rate-") as tmp:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_read_rate", args.cpu_target, DRIVER)
         rows = (sweep if args.sweep else measure)(binary, args.rounds, args.workers)
