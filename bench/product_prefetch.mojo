@@ -12,7 +12,7 @@ every worker after each) for at least 2048 units, the best of 3 runs reported. M
 
 - ``none``: no software prefetch (the hardware's prefetchers alone);
 - ``own``: the first sub-panel's later tiles prefetch the unit's other sub-panels, a line per
-  step of k (the PHA op's products before the next unit's prefetch);
+  step of k;
 - ``crowded``: the first sub-panel's later tiles prefetch the next unit's panel, a line per
   step of k (as decode_step.mojo's SRM op does);
 - ``spread``: every tile prefetches its share of the next unit's panel, a line per KU steps
