@@ -112,9 +112,9 @@ def main() raises:
     if len(args) != 5:
         raise Error("usage: product_prefetch MODE TOTAL_KIB K WORKERS (MODE: none, own, crowded, spread)")
     var name = String(args[1])
-    var mode = NONE if name == "none" else (OWN if name == "own" else (CROWDED if name == "crowded" else SPREAD))
     if name != "none" and name != "own" and name != "crowded" and name != "spread":
         raise Error("unknown mode " + name)
+    var mode = NONE if name == "none" else (OWN if name == "own" else (CROWDED if name == "crowded" else SPREAD))
     var total_kib = atol(args[2])
     var K = atol(args[3])
     var workers = atol(args[4])
