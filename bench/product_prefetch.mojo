@@ -14,9 +14,9 @@ every worker after each) for at least 2048 units, the best of 3 runs reported. M
 - ``own``: the first sub-panel's later tiles prefetch the unit's other sub-panels, a line per
   step of k;
 - ``crowded``: the first sub-panel's later tiles prefetch the next unit's panel, a line per
-  step of k (as decode_step.mojo's SRM op does);
+  step of k;
 - ``spread``: every tile prefetches its share of the next unit's panel, a line per KU steps
-  of k (mojo/pha_decode_step.mojo ``_product_unit``).
+  of k (mojo/decode_step.mojo ``_product_unit``, as both decode ops do).
 
 The next unit is the next of the worker's run, after the run's last the one the claims'
 counter has reached. Built by bench/product_prefetch.py against ``mojo/`` (imported as the

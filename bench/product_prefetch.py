@@ -1,5 +1,5 @@
 """How the decode ops' products at batch 16 keep their panels coming: a unit of 16 batch rows
-times a 64-column panel, as the PHA op runs it, with each way of prefetching the panels
+times a 64-column panel, as the decode ops run it, with each way of prefetching the panels
 (bench/product_prefetch.mojo, built against ``mojo/``).
 
     python -m bench.product_prefetch [--rounds 5] [--cpu-target x86-64-v3] [--out PATH]
@@ -8,8 +8,8 @@ At batch 16 a unit's tiles compute about as long as its panel takes to stream in
 product runs near the FMA peak only if the next panel streams while this one computes.
 The modes: ``none`` (the hardware's prefetchers alone), ``own`` (the unit's later sub-panels
 prefetched by its first sub-panel's tiles), ``crowded`` (the next unit's
-panel prefetched by a few tiles, a line per step of k: the SRM op) and ``spread`` (every
-tile a share of it, a line per 4 steps: the PHA op's). Panels of K 256 and 512 cycle
+panel prefetched by a few tiles, a line per step of k) and ``spread`` (every tile a share of
+it, a line per 4 steps: both decode ops'). Panels of K 256 and 512 cycle
 through 128 KiB (the L2 cache holds them: the tiles' own rate), 16 MiB (the last-level
 cache) and 64 MiB (memory). Each cell is the median of ``--rounds`` interleaved rounds;
 the verdict per total and K is each mode's ratio to ``own``.

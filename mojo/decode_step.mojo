@@ -373,8 +373,17 @@ def _mixer_head[WD: DType, n: Int](a: Step, l: Int, r: Int, c: Int, h: Int, u: S
     a.y.unsafe_store(r * a.d + c, _rnd[WD](y))
 
 
-def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
-    """One unit of a product: a panel of output columns for a chunk of rows."""
+@always_inline
+def _fetch_line(tiles: Int, K: Int) -> Int:
+    """The first cache line of the next unit's panel that a unit's tile prefetches after
+    ``tiles`` tiles of the unit: a tile of K steps of k prefetches a line every KU steps."""
+    return tiles * (K // KU)
+
+
+def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int, next_u: Int):
+    """One unit of a product: a panel of output columns for a chunk of rows. With a register
+    tile's rows or more its tiles prefetch the panel of unit ``next_u`` (this worker's next
+    unit of the phase, or none at ``_units``)."""
     var K: Int
     var x: F32P
     var base: Int
@@ -403,29 +412,30 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
     var p = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=base).unsafe_offset(
         layer * Np * K + q * PANEL * K
     )
-    # The first tile of a unit waits on its panel streaming in from memory, the others
-    # find it in cache. So the later tiles prefetch, a cache line per step of k, the
-    # panel of the unit this worker probably takes next (claims go round the workers),
-    # if that is another panel: its first tile then finds it in cache too.
+    # A tile reads its sub-panel's column of cache lines, one line a step of k, each a wait
+    # on memory unless prefetched. So every tile of the unit prefetches its share of the next
+    # unit's panel, a line every KU steps of k (``_fetch_line``): spread over the whole unit,
+    # the prefetches overlap its computing; crowded into a few tiles (the next panel from the
+    # first sub-panel's tiles, a line a step), the units ran slower (bench/product_prefetch.py).
     comptime LINE = 64 // size_of[WD]()
-    var next_q = (u + a.workers) // chunks
-    var fetch_next = next_q != q and next_q < panels
-    var next_panel = p.unsafe_offset((next_q - q) * PANEL * K)
+    var next_q = next_u // chunks
+    var next_lines = 0  # none beyond the last unit, nor at a unit's own panel (row chunks of one panel)
+    if a.B >= MR and next_u < panels * chunks and next_q != q:
+        next_lines = K * min(PANEL, Np - next_q * PANEL) * size_of[WD]() // 64
+    var ahead = p.unsafe_offset((next_q - q) * PANEL * K)
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
     var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
+    var tiles = 0  # this unit's tiles so far
     var c0 = 0
     while c0 < width:  # sub-panels of up to nv_max vectors
         var nv = min(nv_max, (width - c0) // W)
         var r = r0
-        var tile = 0
         while r < r1:
             var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * K)
             var pc = p.unsafe_offset(c0)
-            var ahead = next_panel.unsafe_offset((tile - 1) * K * LINE)
-            # the first sub-panel's tiles prefetch the whole next panel
-            var fetch = fetch_next and c0 == 0 and tile >= 1 and (tile - 1) * K * LINE < PANEL * K
+            var line = _fetch_line(tiles, K)
             comptime if kind == PROJ:
                 # The mixer's epilogue reads these rows' states, which a whole step has
                 # pushed out of the caches: asked for now, they arrive while the tile runs.
@@ -437,7 +447,8 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                     prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
                         sp.unsafe_offset(nv * W - 1)
                     )
-            _unit_tile[WD](rows, nv, fetch, t, xr, K, pc, width, K, ahead, LINE)
+            var ahead_here = ahead.unsafe_offset(line * LINE)
+            _unit_tile[WD, KU](rows, nv, line < next_lines, t, xr, K, pc, width, K, ahead_here, LINE)
             var cs = q * PANEL + c0
             if nv == NV and cs + NV * W <= N:
                 # The usual tile: a row's columns in one wide epilogue, whose independent
@@ -445,7 +456,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                 for i in range(rows):
                     _epilogue[kind, WD, NV * W](a, l, r + i, cs, t.unsafe_load[width=NV * W](i * PANEL))
                 r += rows
-                tile += 1
+                tiles += 1
                 continue
             for i in range(rows):
                 for v in range(nv):
@@ -456,7 +467,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int):
                         for j in range(N - c):
                             _epilogue[kind, WD, 1](a, l, r + i, c + j, t.unsafe_load[width=1](i * PANEL + v * W + j))
             r += rows
-            tile += 1
+            tiles += 1
         c0 += nv * W
 
 
@@ -608,26 +619,21 @@ def _claim(counter: I64P, n: Int, share: Int) -> Tuple[Int, Int]:
     return (first, min(n, first + run))
 
 
-def _claim_share(rows: Int, workers: Int) -> Int:
-    """How a product phase with ``rows`` batch rows is claimed (``_claim``'s share). With
-    fewer rows than a register tile a unit is one panel read once, in a fraction of a
-    microsecond, and a claim per unit made the counter's cache line travel between the
-    cores for each and gave the workers alternate panels, which breaks the streams the
-    prefetchers follow (bench/product_read_rate.py): such phases are claimed in runs.
-    Larger units (a panel times several tiles of rows, computing more than reading) are
-    claimed one at a time, which keeps the next-panel prefetch's guess of a worker's
-    next unit right."""
-    return workers * CLAIM_SHARE if rows < MR else 0
-
-
 def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P, mut scratch: RowScratch):
     """Claim and run units of one phase until none is left, then wait for the
     units other workers claimed (counter: claimed; counter + 8: done). ``scratch``: the
-    worker's for drawing tokens."""
+    worker's for drawing tokens. Product phases are claimed in runs (``_claim`` with a
+    share): with fewer batch rows than a register tile a unit is one panel read in a fraction
+    of a microsecond, and a claim per unit would make the counter's cache line travel
+    between the cores for each and give the workers alternate panels, which breaks the
+    streams the prefetchers follow (bench/product_read_rate.py); with more, a worker knows
+    its next unit (the next of its run, after the run's last the one the counter has
+    reached) and its tiles prefetch that unit's panel (``_product_unit``)."""
+    comptime products = kind == FC1 or kind == FC2 or kind == PROJ or kind == OUT or kind == HEAD
     var n = _units[kind](a)
     var share = 0
-    comptime if kind == FC1 or kind == FC2 or kind == PROJ or kind == OUT or kind == HEAD:
-        share = _claim_share(a.B, a.workers)
+    comptime if products:
+        share = a.workers * CLAIM_SHARE
     var done = counter.unsafe_offset(8)
     while True:
         var first, end = _claim(counter, n, share)
@@ -641,7 +647,8 @@ def _phase[kind: Int, WD: DType](a: Step, l: Int, counter: I64P, mut scratch: Ro
             elif kind == DRAW:
                 _draw_unit[WD](a, u, scratch)
             else:
-                _product_unit[kind, WD](a, l, u)
+                var next_u = u + 1 if u + 1 < end else Int(Atomic[Int64].load(counter))
+                _product_unit[kind, WD](a, l, u, next_u)
         _ = Atomic[Int64].fetch_add(done, Int64(end - first))
     while Int(Atomic[Int64].load(done)) < n:
         pass

@@ -67,8 +67,8 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels,
-    _padded, _layer_norm, _rnd,
+    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _fetch_line, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks,
+    _panels, _padded, _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -320,14 +320,9 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_li
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
     var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
-    # A tile reads its sub-panel's column of cache lines, one line a step of k, each a
-    # wait on memory unless prefetched. So every tile of the unit prefetches its share of
-    # the next unit's panel, a line every KU steps: spread over the whole unit, the
-    # prefetches overlap its computing; crowded into a few tiles, they fill the miss
-    # buffers and those tiles wait (bench/product_prefetch.py).
+    # every tile prefetches its share of the next unit's panel (decode_step.mojo's ``_product_unit``)
     comptime LINE = 64 // size_of[WD]()
     var ahead = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=next_panel)
-    var lines_per_tile = K // KU
     var next_lines_here = 0 if next_panel == Int(p) else next_lines  # more batch rows than a unit's: the same panel
     var tiles = 0  # this unit's tiles so far
     var c0 = 0
@@ -338,7 +333,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_li
             var rows = _tile_rows(r1 - r)
             var xr = x.unsafe_offset(r * ldx)
             var pc = p.unsafe_offset(c0)
-            var line = tiles * lines_per_tile
+            var line = _fetch_line(tiles, K)
             var fetch = line < next_lines_here
             _unit_tile[WD, KU](rows, nv, fetch, t, xr, ldx, pc, width, K, ahead.unsafe_offset(line * LINE), LINE)
             var cs = q * PANEL + c0
@@ -920,12 +915,24 @@ def _unit_cost(seg: I64P) -> Int:
     return (Int(seg[unsafe_offset=S_K]) + 63) // 64
 
 
+@always_inline
+def _segments(a: Pha, kind: Int, l: Int) -> I64P:
+    """A product phase's entry in ``seg_at``: its first segment, then how many."""
+    return a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
+
+
+@always_inline
+def _segment(a: Pha, at: I64P, i: Int) -> I64P:
+    """Segment i of the product phase whose ``seg_at`` entry is ``at``."""
+    return a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+
+
 def _phase_cost(a: Pha, kind: Int, l: Int) -> Int:
     """What a product phase's units count in all (``_unit_cost``)."""
-    var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
+    var at = _segments(a, kind, l)
     var total = 0
     for i in range(Int(at[unsafe_offset=1])):
-        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        var seg = _segment(a, at, i)
         total += _seg_units(seg, a.B) * _unit_cost(seg)
     return total
 
@@ -936,7 +943,7 @@ def _panel_at[WD: DType](a: Pha, at: I64P, cost: Int) -> Tuple[Int, Int]:
     (0, 0) past the last."""
     var base = 0
     for i in range(Int(at[unsafe_offset=1])):
-        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        var seg = _segment(a, at, i)
         var n = _seg_units(seg, a.B)
         var c = _unit_cost(seg)
         var j = max(0, (cost - base + c - 1) // c)
@@ -956,12 +963,12 @@ def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end
     panel of this worker's next unit: the next of the run, after the run's last the one
     the claims' counter has reached (the start of this worker's next claim, unless the
     other workers claim first)."""
-    var at = a.seg_at.unsafe_offset(2 * _product_phase(kind, l, a.L))
+    var at = _segments(a, kind, l)
     var base = 0
     for i in range(Int(at[unsafe_offset=1])):
         if base >= end:
             return
-        var seg = a.segs.unsafe_offset((Int(at[unsafe_offset=0]) + i) * SEGF)
+        var seg = _segment(a, at, i)
         var n = _seg_units(seg, a.B)
         var c = _unit_cost(seg)
         var j0 = max(0, (first - base + c - 1) // c)
