@@ -1,13 +1,13 @@
 """How the decode ops' products at batch 16 keep their panels coming: one unit (16 batch rows
-times a panel of 64 columns, K rows, float32) as the PHA op runs it, its panels cycling
+times a panel of 64 columns, K rows, float32) as the decode ops run it, its panels cycling
 through TOTAL_KIB of memory, with each way of prefetching the panels.
 
     product_prefetch MODE TOTAL_KIB K WORKERS
     -> mode MODE total_kib T k K workers W flops F best_s S gflops G
 
 A unit is 4 sub-panels of 2 vectors, each multiplied by 4 register tiles of 4 rows
-(mojo/decode_step.mojo ``_tile_here``); the workers claim the units in runs as the PHA op
-claims its product phases (``_claim`` with a share), passes over the panels (a wait for
+(mojo/decode_step.mojo ``_tile_here``); the workers claim the units in runs as the decode ops
+claim their product phases (``_claim`` with a share), passes over the panels (a wait for
 every worker after each) for at least 2048 units, the best of 3 runs reported. MODE:
 
 - ``none``: no software prefetch (the hardware's prefetchers alone);
@@ -27,7 +27,7 @@ from std.sys import argv
 from std.time import perf_counter_ns
 from max.algorithm import sync_parallelize
 
-from ops.decode_step import CLAIM_SHARE, F32P, I64P, KU, PANEL, W, _claim, _tile_here
+from ops.decode_step import CLAIM_SHARE, F32P, I64P, KU, PANEL, W, _claim, _fetch_line, _tile_here
 
 comptime F32 = DType.float32
 comptime ROWS = 16  # batch rows of a unit
@@ -57,7 +57,7 @@ def _unit[mode: Int](p: F32P, next: F32P, x: F32P, t: F32P, K: Int):
                 _tile_here[TILE_ROWS, NVT, F32, True](t, xr, K, pc, PANEL, K, next.unsafe_offset((i - 1) * K * LINE),
                                                       LINE)
             elif mode == SPREAD:
-                var line = (s * TILES + i) * (K // KU)
+                var line = _fetch_line(s * TILES + i, K)
                 _tile_here[TILE_ROWS, NVT, F32, True, KU](t, xr, K, pc, PANEL, K, next.unsafe_offset(line * LINE),
                                                           LINE)
             else:
