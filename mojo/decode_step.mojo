@@ -380,6 +380,16 @@ def _fetch_line(tiles: Int, K: Int) -> Int:
     return tiles * (K // KU)
 
 
+@always_inline
+def _next_panel_lines[WD: DType](B: Int, weights: Int, same_panel: Bool) -> Int:
+    """The cache lines of the next unit's panel (``weights`` weights) that a unit's tiles
+    prefetch: none below a register tile's rows (such units' panels stream in order) nor when
+    the next unit takes this unit's own panel (another chunk of its rows)."""
+    if B < MR or same_panel:
+        return 0
+    return weights * size_of[WD]() // 64
+
+
 def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int, next_u: Int):
     """One unit of a product: a panel of output columns for a chunk of rows. With a register
     tile's rows or more its tiles prefetch the panel of unit ``next_u`` (this worker's next
@@ -419,9 +429,9 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int, next_u: Int):
     # first sub-panel's tiles, a line a step), the units ran slower (bench/product_prefetch.py).
     comptime LINE = 64 // size_of[WD]()
     var next_q = next_u // chunks
-    var next_lines = 0  # none beyond the last unit, nor at a unit's own panel (row chunks of one panel)
-    if a.B >= MR and next_u < panels * chunks and next_q != q:
-        next_lines = K * min(PANEL, Np - next_q * PANEL) * size_of[WD]() // 64
+    var next_lines = 0  # none beyond the phase's last unit
+    if next_u < panels * chunks:
+        next_lines = _next_panel_lines[WD](a.B, K * min(PANEL, Np - next_q * PANEL), next_q == q)
     var ahead = p.unsafe_offset((next_q - q) * PANEL * K)
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0

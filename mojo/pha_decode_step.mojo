@@ -67,8 +67,8 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _fetch_line, _unit_tile, _tile_rows, _tile_vectors, _row_chunk, _chunks,
-    _panels, _padded, _layer_norm, _rnd,
+    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _fetch_line, _next_panel_lines, _unit_tile, _tile_rows, _tile_vectors,
+    _row_chunk, _chunks, _panels, _padded, _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -300,10 +300,10 @@ def _seg_units(seg: I64P, B: Int) -> Int:
     return _panels(Int(seg[unsafe_offset=S_N])) * _chunks(B)
 
 
-def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_lines: Int):
+def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_weights: Int):
     """One unit of a segment: a panel of output columns for a chunk of rows (as
-    decode_step.mojo's ``_product_unit``). Its tiles prefetch the first ``next_lines``
-    cache lines from address ``next_panel`` (where this worker's next unit reads:
+    decode_step.mojo's ``_product_unit``). Its tiles prefetch the panel of ``next_weights``
+    weights at address ``next_panel`` (where this worker's next unit reads:
     ``_run_units_starting_in``)."""
     var K = Int(seg[unsafe_offset=S_K])
     var N = Int(seg[unsafe_offset=S_N])
@@ -323,7 +323,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_li
     # every tile prefetches its share of the next unit's panel (decode_step.mojo's ``_product_unit``)
     comptime LINE = 64 // size_of[WD]()
     var ahead = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=next_panel)
-    var next_lines_here = 0 if next_panel == Int(p) else next_lines  # more batch rows than a unit's: the same panel
+    var next_lines = _next_panel_lines[WD](a.B, next_weights, next_panel == Int(p))
     var tiles = 0  # this unit's tiles so far
     var c0 = 0
     while c0 < width:
@@ -334,7 +334,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_li
             var xr = x.unsafe_offset(r * ldx)
             var pc = p.unsafe_offset(c0)
             var line = _fetch_line(tiles, K)
-            var fetch = line < next_lines_here
+            var fetch = line < next_lines
             _unit_tile[WD, KU](rows, nv, fetch, t, xr, ldx, pc, width, K, ahead.unsafe_offset(line * LINE), LINE)
             var cs = q * PANEL + c0
             for i in range(rows):
@@ -938,7 +938,7 @@ def _phase_cost(a: Pha, kind: Int, l: Int) -> Int:
 
 
 def _panel_at[WD: DType](a: Pha, at: I64P, cost: Int) -> Tuple[Int, Int]:
-    """The address and the cache lines of the panel of the product phase's first unit whose
+    """The address and the weights of the panel of the product phase's first unit whose
     cost (``_unit_cost``, counted from the phase's first unit) starts at or after ``cost``;
     (0, 0) past the last."""
     var base = 0
@@ -951,7 +951,7 @@ def _panel_at[WD: DType](a: Pha, at: I64P, cost: Int) -> Tuple[Int, Int]:
             var q = j // _chunks(a.B)
             var K = Int(seg[unsafe_offset=S_K])
             var width = min(PANEL, _padded(Int(seg[unsafe_offset=S_N])) - q * PANEL)
-            return (Int(seg[unsafe_offset=S_MAT]) + q * PANEL * K * size_of[WD](), K * width * size_of[WD]() // 64)
+            return (Int(seg[unsafe_offset=S_MAT]) + q * PANEL * K * size_of[WD](), K * width)
         base += n * c
     return (0, 0)
 
@@ -975,13 +975,13 @@ def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end
         var j1 = min(n, (end - base + c - 1) // c)
         for j in range(j0, j1):
             var next_panel = 0
-            var next_lines = 0
-            if a.B >= MR:
+            var next_weights = 0
+            if a.B >= MR:  # spares the walk where _next_panel_lines would prefetch nothing
                 var after = base + (j + 1) * c
                 if after >= end:
                     after = Int(Atomic[Int64].load(counter))
-                next_panel, next_lines = _panel_at[WD](a, at, after)
-            _product_unit[WD](a, seg, j, next_panel, next_lines)
+                next_panel, next_weights = _panel_at[WD](a, at, after)
+            _product_unit[WD](a, seg, j, next_panel, next_weights)
         base += n * c
 
 
