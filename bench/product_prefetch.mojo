@@ -16,7 +16,8 @@ every worker after each) for at least 2048 units, the best of 3 runs reported. M
 - ``crowded``: the first sub-panel's later tiles prefetch the next unit's panel, a line per
   step of k;
 - ``spread``: every tile prefetches its share of the next unit's panel, a line per KU steps
-  of k (mojo/decode_step.mojo ``_product_unit``, as both decode ops do).
+  of k (mojo/decode_step.mojo ``_product_unit``, as both decode ops do with AVX2; with AVX-512
+  they do not prefetch the next panel, ``PREFETCH_NEXT_PANEL``).
 
 The next unit is the next of the worker's run, after the run's last the one the claims'
 counter has reached. Built by bench/product_prefetch.py against ``mojo/`` (imported as the

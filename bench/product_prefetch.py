@@ -9,7 +9,8 @@ product runs near the FMA peak only if the next panel streams while this one com
 The modes: ``none`` (the hardware's prefetchers alone), ``own`` (the unit's later sub-panels
 prefetched by its first sub-panel's tiles), ``crowded`` (the next unit's
 panel prefetched by a few tiles, a line per step of k) and ``spread`` (every tile a share of
-it, a line per 4 steps: both decode ops'). Panels of K 256 and 512 cycle
+it, a line per 4 steps: both decode ops' with AVX2, whose tiles of 4 rows by 2 vectors this
+unit has; with AVX-512 the ops prefetch no next panel). Panels of K 256 and 512 cycle
 through 128 KiB (the L2 cache holds them: the tiles' own rate), 16 MiB (the last-level
 cache) and 64 MiB (memory). Each cell is the median of ``--rounds`` interleaved rounds;
 the verdict per total and K is each mode's ratio to ``own``.

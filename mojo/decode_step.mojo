@@ -294,15 +294,17 @@ def _unit_tile[WD: DType, fetch_every: Int = 1](
 ):
     """A register tile of a unit (both decode ops' products): ``rows`` rows by ``nv``
     vectors, run as the compiled shape of that size. Only the tiles of the standard width
-    NV prefetch (``fetch``, a line per ``fetch_every`` steps of k). The shapes compiled are those a
+    NV prefetch (``fetch``, a line per ``fetch_every`` steps of k), and only where
+    PREFETCH_NEXT_PANEL (elsewhere no prefetching shape is compiled). The shapes compiled are those a
     unit can ask for, no more (each grows the op's code): up to NV vectors at any rows,
     and the wider sub-panels ``_tile_vectors`` gives units of 1-2 rows (the whole panel)
     and 3-4 rows (4 vectors)."""
-    if fetch and nv == NV:
-        comptime for R in range(1, MR + 1):
-            if rows == R:
-                _tile_here[R, NV, WD, True, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
-        return
+    comptime if PREFETCH_NEXT_PANEL:
+        if fetch and nv == NV:
+            comptime for R in range(1, MR + 1):
+                if rows == R:
+                    _tile_here[R, NV, WD, True, fetch_every](t, x, ldx, p, ps, K, ahead, ahead_step)
+            return
     comptime for R in range(1, MR + 1):
         comptime for NVT in range(1, NV1 + 1):
             comptime if NVT <= NV or R <= 2 or (R <= 4 and NVT <= 4):
@@ -380,12 +382,29 @@ def _fetch_line(tiles: Int, K: Int) -> Int:
     return tiles * (K // KU)
 
 
+# Whether a unit's tiles prefetch the next unit's panel: with AVX2, yes. AVX-512's batch-16
+# unit is 3 tiles (6 + 6 + 4 rows by the whole panel), whose shares at a line every KU steps
+# cover a fifth of the next panel; on the AVX-512 EPYC (Zen 4) the PHA op's products ran faster
+# with no prefetch of it than with that fifth, and slower with more (bench/pha_op_ab.py,
+# docs/pha_engine.md); the SRM op ran level. Our reading: the hardware prefetchers there
+# follow the panels, which lie one after another in memory, and the software's lines add
+# to the same queue.
+comptime PREFETCH_NEXT_PANEL = W == 8
+
+
+@always_inline
+def _prefetches_next_panel(B: Int) -> Bool:
+    """Whether a product unit at batch B prefetches the next unit's panel: not below a
+    register tile's rows (such units' panels stream in order)."""
+    return PREFETCH_NEXT_PANEL and B >= MR
+
+
 @always_inline
 def _next_panel_lines[WD: DType](B: Int, weights: Int, same_panel: Bool) -> Int:
     """The cache lines of the next unit's panel (``weights`` weights) that a unit's tiles
-    prefetch: none below a register tile's rows (such units' panels stream in order) nor when
-    the next unit takes this unit's own panel (another chunk of its rows)."""
-    if B < MR or same_panel:
+    prefetch: none where ``_prefetches_next_panel`` says so, nor when the next unit takes this
+    unit's own panel (another chunk of its rows)."""
+    if not _prefetches_next_panel(B) or same_panel:
         return 0
     return weights * size_of[WD]() // 64
 

@@ -67,8 +67,8 @@ from max.gpu.host import DeviceContext
 from .row_logprobs import score_token
 from .row_sampler import RowScratch, choose_token, first_argmax
 from .decode_step import (
-    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _fetch_line, _next_panel_lines, _unit_tile, _tile_rows, _tile_vectors,
-    _row_chunk, _chunks, _panels, _padded, _layer_norm, _rnd,
+    CLAIM_SHARE, KU, MR, NV, PANEL, _claim, _fetch_line, _next_panel_lines, _prefetches_next_panel, _unit_tile,
+    _tile_rows, _tile_vectors, _row_chunk, _chunks, _panels, _padded, _layer_norm, _rnd,
 )
 
 comptime F32 = DType.float32
@@ -976,7 +976,7 @@ def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end
         for j in range(j0, j1):
             var next_panel = 0
             var next_weights = 0
-            if a.B >= MR:  # spares the walk where _next_panel_lines would prefetch nothing
+            if _prefetches_next_panel(a.B):  # else no walk: _next_panel_lines gives nothing
                 var after = base + (j + 1) * c
                 if after >= end:
                     after = Int(Atomic[Int64].load(counter))
