@@ -410,9 +410,9 @@ def _next_panel_lines[WD: DType](B: Int, weights: Int, same_panel: Bool) -> Int:
 
 
 def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int, next_u: Int):
-    """One unit of a product: a panel of output columns for a chunk of rows. With a register
-    tile's rows or more its tiles prefetch the panel of unit ``next_u`` (this worker's next
-    unit of the phase, or none at ``_units``)."""
+    """One unit of a product: a panel of output columns for a chunk of rows. Where
+    ``_prefetches_next_panel`` says so its tiles prefetch the panel of unit ``next_u`` (this
+    worker's next unit of the phase, or none at ``_units``)."""
     var K: Int
     var x: F32P
     var base: Int
@@ -442,7 +442,7 @@ def _product_unit[kind: Int, WD: DType](a: Step, l: Int, u: Int, next_u: Int):
         layer * Np * K + q * PANEL * K
     )
     # A tile reads its sub-panel's column of cache lines, one line a step of k, each a wait
-    # on memory unless prefetched. So every tile of the unit prefetches its share of the next
+    # on memory unless prefetched. So (with AVX2) every tile of the unit prefetches its share of the next
     # unit's panel, a line every KU steps of k (``_fetch_line``): spread over the whole unit,
     # the prefetches overlap its computing; crowded into a few tiles (the next panel from the
     # first sub-panel's tiles, a line a step), the units ran slower (bench/product_prefetch.py).

@@ -320,7 +320,7 @@ def _product_unit[WD: DType](a: Pha, seg: I64P, u: Int, next_panel: Int, next_we
     var t = stack_allocation[MR * PANEL, Float32]()
     var unit_rows = r1 - r0
     var nv_max = _tile_vectors[WD](unit_rows) if unit_rows <= MR else NV
-    # every tile prefetches its share of the next unit's panel (decode_step.mojo's ``_product_unit``)
+    # with AVX2 every tile prefetches its share of the next unit's panel (decode_step.mojo's ``_product_unit``)
     comptime LINE = 64 // size_of[WD]()
     var ahead = Pointer[Scalar[WD], MutUntrackedOrigin](unsafe_from_address=next_panel)
     var next_lines = _next_panel_lines[WD](a.B, next_weights, next_panel == Int(p))
@@ -959,7 +959,7 @@ def _panel_at[WD: DType](a: Pha, at: I64P, cost: Int) -> Tuple[Int, Int]:
 def _run_units_starting_in[WD: DType](a: Pha, kind: Int, l: Int, first: Int, end: Int, counter: I64P):
     """The units of a product phase whose cost (``_unit_cost``), counted from the phase's
     first unit, starts in [first, end): claims of cost intervals that cover the phase run
-    each unit once. With a register tile's rows or more, each unit's tiles prefetch the
+    each unit once. Where ``_prefetches_next_panel`` says so, each unit's tiles prefetch the
     panel of this worker's next unit: the next of the run, after the run's last the one
     the claims' counter has reached (the start of this worker's next claim, unless the
     other workers claim first)."""
