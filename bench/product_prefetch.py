@@ -63,9 +63,9 @@ def main(argv=None) -> int:
         binary = build(link_ops(ROOT / "mojo", Path(tmp)), Path(tmp) / "product_prefetch", args.cpu_target, DRIVER)
         rows = measure(binary, args.rounds, args.workers)
     write_json(args.out, {
-        "what": "a batch-16 product unit (16 rows x a 64-column float32 panel, the decode ops' tiles and claims in runs) "
-                "with each way of prefetching the panels (bench/product_prefetch.mojo); medians of interleaved "
-                "rounds, GFLOP/s on all workers",
+        "what": "a batch-16 product unit (16 rows x a 64-column float32 panel, the decode ops' tiles and claims "
+                "in runs) with each way of prefetching the panels (bench/product_prefetch.mojo); medians of "
+                "interleaved rounds, GFLOP/s on all workers",
         "modes": MODES, "workers": args.workers, "rounds": args.rounds, "cpu_target": args.cpu_target or "host",
         "command": command_line(), "machine": machine_info(), "rows": rows})
     print(f"wrote {args.out}")
