@@ -3,6 +3,7 @@ working tree's (B), in interleaved rounds.
 
     python -m bench.decode_op_ab [--base HEAD] [--cpu-target x86-64-v3] [--batches 1 16 64 256]
                                  [--dtype float32] [--workers 2] [--rounds 8] [--calls 5] [--out PATH]
+                                 [--note "what B changes"]
 
 Builds bench/decode_op.mojo (the op alone on bench/cpu_decode.py's model, greedy calls of 32
 steps, float32 or bfloat16 matrices) against ``mojo/`` at ``--base`` and against the working
@@ -14,7 +15,8 @@ round's ratio B/A compares two runs a few seconds apart, so the machine's drift 
 change's effect, and how many rounds B won says how consistent it is. Comparing two runs of
 bench/cpu_decode.py cannot show a change of a few percent on such a machine.
 
-Prints a line per batch; ``--out`` also writes the rounds as JSON.
+Prints a line per batch; ``--out`` also writes the rounds as JSON, with what B is (``--note``
+and the working tree's changes to ``mojo/``: ``working_tree_change``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ def commit_of(revision: str) -> str:
     """The commit a revision names (the JSON keeps it: HEAD moves on)."""
     return subprocess.run(["git", "-C", str(ROOT), "rev-parse", revision], check=True, capture_output=True,
                           text=True).stdout.strip()
+
+
+def working_tree_change(base: str, note: str, root: Path = ROOT) -> dict:
+    """What B is, for the JSON: ``note`` (the change in words, ``--note``) and the working
+    tree's ``mojo/`` as a diff against ``base`` (empty when B is A), so the result names the
+    exact code it timed."""
+    done = subprocess.run(["git", "-C", str(root), "diff", base, "--", "mojo"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"cannot compare the working tree's mojo/ with {base!r}: {done.stderr.strip()}")
+    return {"note": note, "mojo_diff": done.stdout}
 
 
 def link_ops(source: Path, into: Path) -> Path:
@@ -146,10 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=5, help="calls per run; a run reports their median")
     p.add_argument("--out", type=Path, default=None, help="also write the rounds here as JSON")
+    p.add_argument("--note", default="", help="what the working tree's op (B) changes, kept in the JSON")
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.rounds < 1 or args.calls < 1 or args.workers < 1:
         p.error("--batches, --rounds, --calls and --workers must be positive")
 
+    b_is = working_tree_change(args.base, args.note)  # before the rounds: the tree may change meanwhile
     with tempfile.TemporaryDirectory(prefix="decode_op_ab-") as tmp:
         tmp = Path(tmp)
         a = build(export_ops(args.base, tmp / "a"), tmp / "decode_op_a", args.cpu_target)
@@ -174,7 +188,7 @@ def main(argv=None) -> int:
         write_json(args.out, {
             "what": "the CPU decode op alone (bench/decode_op.mojo): mojo/ at a revision (A) against the "
                     "working tree (B), interleaved rounds",
-            "base": args.base, "base_commit": commit_of(args.base), "dtype": args.dtype,
+            "base": args.base, "base_commit": commit_of(args.base), "b": b_is, "dtype": args.dtype,
             "cpu_target": args.cpu_target or "host", "workers": args.workers,
             "calls_per_run": args.calls, "command": command_line(), "machine": machine_info(), "rows": rows,
         })

@@ -3,7 +3,7 @@ working tree's (B), in interleaved rounds of bench/pha_phase_times.py.
 
     python -m bench.pha_op_ab [--base HEAD] [--models pha pha-attn] [--contexts 512 2048]
                               [--batches 1 16] [--dtypes float32 bfloat16] [--rounds 6]
-                              [--repeats 7] [--out PATH]
+                              [--repeats 7] [--out PATH] [--note "what B changes"]
 
 Each round runs bench/pha_phase_times.py once with the kernel sources of ``--base`` and once
 with the working tree's (``SRM_MAX_MOJO_DIR``; the order alternating between rounds), and
@@ -11,7 +11,8 @@ takes, per model, dtype, context and batch, the ratio of the two runs' step time
 above 1 where B is faster) and of their product phases' times. Two runs a few seconds apart
 share the machine's drift over minutes, which on a shared VM moves a run's times by tens of
 percent; the median of the rounds' ratios is the change's effect, and how many rounds B won
-says how consistent it is.
+says how consistent it is. The JSON says what B is: ``--note`` and the working tree's
+changes to ``mojo/`` (``decode_op_ab.working_tree_change``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import command_line, machine_info, rounds_verdict, write_json
-from bench.decode_op_ab import PACKAGE, ROOT, commit_of, export_ops
+from bench.decode_op_ab import PACKAGE, ROOT, commit_of, export_ops, working_tree_change
 from srm_max.runtime import cpu_target
 
 OUT = Path(__file__).with_name("results") / "pha_op_ab.json"
@@ -86,9 +87,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--note", default="", help="what the working tree's op (B) changes, kept in the JSON")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:
         p.error("--rounds and --repeats must be positive")
+    b_is = working_tree_change(args.base, args.note)  # before the rounds: the tree may change meanwhile
     rounds = []
     with tempfile.TemporaryDirectory(prefix="pha_op_ab-") as tmp:
         base = export_ops(args.base, Path(tmp) / "base") / PACKAGE
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
     write_json(args.out, {
         "what": "the PHA decode op of --base (A) against the working tree's (B): interleaved rounds of "
                 "bench/pha_phase_times.py, per cell the medians and the median of the rounds' ratios A / B",
-        "base": args.base, "base_commit": commit_of(args.base), "rounds": args.rounds, "repeats": args.repeats,
+        "base": args.base, "base_commit": commit_of(args.base), "b": b_is,
+        "rounds": args.rounds, "repeats": args.repeats,
         "command": command_line(), "cpu_target": cpu_target.requested() or "the host's",
         "machine": machine_info(), "cells": cells})
     print(f"wrote {args.out}")

@@ -1,9 +1,14 @@
-"""bench/pha_op_ab.py: its summary of interleaved rounds (running the op is the benchmark:
-not here)."""
+"""bench/pha_op_ab.py: its summary of interleaved rounds, and what both A/B tools record of B
+(running the op is the benchmark: not here)."""
 
 from __future__ import annotations
 
+import subprocess
+
+import pytest
+
 from bench import pha_op_ab
+from bench.decode_op_ab import working_tree_change
 
 
 def _row(step: float, products: float, cache: float = 100.0) -> dict:
@@ -31,3 +36,26 @@ def test_a_model_without_cache_phases_has_no_cache_ratio():
     key = "pha float32 n=512 B=1"
     c = pha_op_ab.summarize([{key: (_row(300, 150, 0.0), _row(200, 100, 0.0))}])[key]
     assert c["cache_ratio"] is None and c["step_ratio"] == 1.5
+
+
+def test_the_json_names_what_b_is_the_note_and_the_working_trees_mojo_diff(tmp_path):
+    """Both A/B tools keep, beside the base commit, what the working tree's op is: the
+    --note and the diff of its mojo/ against the base (empty when nothing changed)."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "mojo").mkdir()
+    (tmp_path / "mojo" / "op.mojo").write_text("comptime AHEAD = 32\n")
+    (tmp_path / "README").write_text("not the op\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "base")
+    assert working_tree_change("HEAD", "", tmp_path) == {"note": "", "mojo_diff": ""}
+    (tmp_path / "mojo" / "op.mojo").write_text("comptime AHEAD = 128\n")
+    (tmp_path / "README").write_text("changed, but not the op\n")
+    b = working_tree_change("HEAD", "rows fetched 128 ahead", tmp_path)
+    assert b["note"] == "rows fetched 128 ahead"
+    assert "-comptime AHEAD = 32" in b["mojo_diff"] and "+comptime AHEAD = 128" in b["mojo_diff"]
+    assert "README" not in b["mojo_diff"]
+    with pytest.raises(SystemExit, match="no-such-revision"):
+        working_tree_change("no-such-revision", "", tmp_path)
