@@ -72,7 +72,7 @@ def sample(logits: TensorValue, temperature: TensorValue, top_k: TensorValue,
            device: DeviceRef) -> TensorValue:
     """Per-sample sampling in the graph: logits [B, V] -> ids [B] int64.
 
-    temperature [B] f32 (0 = greedy), top_k [B] int64 (0 = off), top_p [B] f32
+    temperature [B] f32 (0 = greedy), top_k [B] int64 (0 = off, as is any k >= V), top_p [B] f32
     (1 = off), seed [B] uint64, counter [B] int64 (position of the new token),
     mode [] int64 on the host (``MODE_*``: all greedy / no filters / filters).
     Order as in HF: temperature, then top-k, then top-p on the renormalised rest.
@@ -122,7 +122,7 @@ def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
     """[B] f32: the smallest scaled logit top-k then top-p keep (-3e38: no filter).
 
     With w = exp(s - max s) on the scaled logits s: the top-k set is the k largest (k = V
-    when off; of the tokens tied with the k-th largest value, the first in token-id
+    when off or past V; of the tokens tied with the k-th largest value, the first in token-id
     order); total = the sum of w over the top-k set in token-id order; over the k largest
     values in descending order, before = the sum of w before each one; top-p keeps those
     with before < p * total (the first always). Ties with the last kept value are kept
@@ -135,7 +135,9 @@ def _threshold(logits, temperature, top_k, top_p, device) -> TensorValue:
     V = int(scaled.shape[-1])
     vals, _ = ops.top_k(scaled, k=V, axis=-1)  # descending
     rank = const(np.arange(V, dtype=np.int64).reshape(1, V), I64, device)
-    k_eff = top_k + ops.cast(top_k <= 0, I64) * V
+    # k off (0) or of V or more: every token (a k past V would index past the row)
+    k_eff = ops.min(top_k, ops.constant(V, I64, device=device))
+    k_eff = k_eff + ops.cast(k_eff <= 0, I64) * V
     keep = ops.cast(rank < ops.unsqueeze(k_eff, -1), F32)
     w = ops.exp(vals - vals[:, :1]) * keep
     before = ops.cumsum(w, axis=-1, exclusive=True)

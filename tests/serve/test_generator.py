@@ -148,6 +148,19 @@ def test_top_k_minus_one_is_off(generator):
             == [s.ids for s in generator.sample_many([p], 2, top_k=0, **kw)])
 
 
+@pytest.mark.parametrize("top_k", [TINY.vocab_size, TINY.vocab_size + 1, 2**31, 2**63 - 1])
+def test_a_top_k_of_the_vocabulary_or_more_keeps_every_token(generator, top_k):
+    """k >= V filters nothing: the same tokens as k = 0, the first (drawn by the prefill's
+    sample graph) and the rest (the decode op), alone and with top-p, up to the largest k the
+    API takes."""
+    p = random_prompt(9, 5)
+    for top_p in (1.0, 0.9):
+        kw = dict(max_new_tokens=6, temperature=1.0, top_p=top_p)
+        for seed in (3, 8):
+            assert generator.generate(p, top_k=top_k, seed=seed, **kw).ids == \
+                generator.generate(p, top_k=0, seed=seed, **kw).ids
+
+
 def test_progress_callback(generator):
     calls = []
     generator.generate([random_prompt(3), random_prompt(4)], max_new_tokens=9, steps_per_call=4,
