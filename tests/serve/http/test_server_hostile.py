@@ -133,6 +133,37 @@ def test_top_k_outside_its_range_is_400(app, value):
     refused(app, '{"prompt": "ab", "top_k": %s}' % value, "top_k")
 
 
+CHAT = '{"messages": [{"role": "user", "content": "ab"}], %s}'
+
+
+@pytest.mark.parametrize("field,value,says,path", [
+    ("best_of", "2", "not supported", "/v1/completions"), ("best_of", "true", "an integer", "/v1/completions"),
+    ("best_of", "1.0", "an integer", "/v1/completions"), ("suffix", '"x"', "not supported", "/v1/completions"),
+    ("suffix", "0", "a string", "/v1/completions"), ("presence_penalty", "0.5", "not supported", "/v1/completions"),
+    ("frequency_penalty", "false", "a number", "/v1/chat/completions"),
+    ("logit_bias", '{"5": 10}', "not supported", "/v1/completions"),
+    ("logit_bias", "0", "an object", "/v1/chat/completions"),
+    ("tools", '[{"type": "function"}]', "not supported", "/v1/chat/completions"),
+    ("tools", '""', "a list", "/v1/chat/completions"),
+    ("tool_choice", '"auto"', "not supported", "/v1/chat/completions"),
+    ("function_call", "false", "not supported", "/v1/chat/completions"),
+    ("response_format", '{"type": "json_object"}', "not supported", "/v1/chat/completions"),
+])
+def test_an_unsupported_option_or_one_of_the_wrong_type_is_400(app, field, value, says, path):
+    option = '"%s": %s' % (field, value)
+    body = CHAT % option if "chat" in path else '{"prompt": "ab", %s}' % option
+    refused(app, body, field, path=path, says=(says,))
+
+
+def test_an_option_that_does_nothing_is_accepted_as_its_own_type(app):
+    both = '"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}'
+    status, answer = post(app, '{"prompt": "ab", "best_of": 1, "suffix": "", %s}' % both)
+    assert status == 503 and "not running" in answer["error"]["message"]  # every check passed
+    chat = CHAT % (both + ', "tools": [], "tool_choice": "none", "response_format": {"type": "text"}')
+    status, answer = post(app, chat, "/v1/chat/completions")
+    assert status == 503 and "not running" in answer["error"]["message"]
+
+
 def test_the_bounds_that_apply_are_accepted(gen):
     body = {"prompt": "ab", "temperature": MAX_TEMPERATURE, "top_p": 1e-30, "top_k": 2**63 - 1, "seed": 2**64 - 1}
     job = parse_completion(body, gen, MODEL, 8)

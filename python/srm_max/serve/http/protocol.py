@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...errors import ContextLengthError, GenerationError
+from ...scalars import is_plain_real
 from ..sampling import brief_repr, check_prompts, check_stop, check_temperature, check_text, check_top_k, \
     check_top_p, is_int, nth_seed, resolve_seed
 from ..scoring import MAX_TOP_N
@@ -163,21 +164,32 @@ def check_model(body: dict, model_name: str) -> None:
 
 
 def refuse_unsupported(body: dict) -> None:
-    """Options whose answer would differ from what was asked: refused, not ignored."""
+    """Options whose answer would differ from what was asked: refused, not ignored. A value
+    that does nothing (best_of 1, a penalty of 0, no bias, no tools) is accepted only as
+    the type the option takes."""
     def refuse(name, what):
         raise bad_request(f"{name} is not supported by this server ({what})", name, "unsupported_parameter")
 
-    if body.get("best_of") not in (None, 1):
+    def of_type(name, accept, what):
+        value = body.get(name)
+        if value is not None and not accept(value):
+            raise bad_request(f"{name} must be {what}, got {brief_repr(value)}", name)
+        return value
+
+    if of_type("best_of", is_int, "an integer") not in (None, 1):
         refuse("best_of", "use n and choose on the client")
-    if body.get("suffix") not in (None, ""):
+    if of_type("suffix", lambda v: isinstance(v, str), "a string") not in (None, ""):
         refuse("suffix", "no insertion mode")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        if of_type(name, is_plain_real, "a number") not in (None, 0):
             refuse(name, "no penalties in the sampler")
-    if body.get("logit_bias"):
+    if of_type("logit_bias", lambda v: isinstance(v, dict), "an object of token ids to biases"):
         refuse("logit_bias", "no logit bias in the sampler")
-    for name in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(name):
+    for name in ("tools", "functions"):
+        if of_type(name, lambda v: isinstance(v, list), "a list"):
+            refuse(name, "no tool calls")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
             refuse(name, "no tool calls")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
