@@ -41,6 +41,20 @@ def test_chunk_bytes_are_the_compact_json_of_the_chunk(model, chat):
     assert event(b"{}") == b"data: {}\r\n\r\n"
 
 
+@pytest.mark.parametrize("model", ["srm-max", 'a "quoted" model/é'])
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_whole_answer_is_the_json_of_the_completion_choices_last(model, chat):
+    """``completion_json`` (encoded a choice at a time) holds exactly ``completion``'s fields
+    and values, as UTF-8; with the choices in index order, whatever order they finished in."""
+    answer = Answer(job(chat), model)
+    finals = [Delta(1, "</script>\u2028 é€😀", [0, 65535], "stop"), Delta(0, 'q"uote\\ \n\x00 \ufffd', [7], "length")]
+    got = answer.completion_json(finals)
+    assert json.loads(got.decode("utf-8")) == answer.completion(finals)
+    assert [c["index"] for c in json.loads(got)["choices"]] == [0, 1]
+    assert list(json.loads(got))[-1] == "choices" and "é€😀".encode() in got
+    assert json.loads(answer.completion_json([]))["choices"] == []
+
+
 def test_mailbox_wakes_the_loop_once_per_flush_with_every_post_in_order():
     loop = asyncio.new_event_loop()
     try:

@@ -203,7 +203,10 @@ async def _collect(request: Request, engine_loop: EngineLoop, req: ServedRequest
                 finals[d.index] = d
     finally:
         watcher.cancel()
-    return JSONResponse(answer.completion(list(finals.values())))
+    # many samples with their log-probabilities make an answer of hundreds of MB, seconds to
+    # put together and encode: in a worker thread, while the event loop answers the others
+    body = await asyncio.to_thread(answer.completion_json, list(finals.values()))
+    return Response(body, media_type="application/json")
 
 
 async def _events(engine_loop: EngineLoop, req: ServedRequest, answer: Answer, queue: asyncio.Queue):
