@@ -59,10 +59,10 @@ def loaded_tasks(tasks):  # noqa: F811
     the datasets library's JSON reader crashed this process (SIGSEGV) beside the running
     server."""
     pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     folder, docs = tasks
-    return [list(get_task_dict(sorted(docs), TaskManager(include_path=str(folder), include_defaults=False)).values())
+    return [list(TaskManager(include_path=str(folder), include_defaults=False).load(sorted(docs))["tasks"].values())
             for _ in range(2)]
 
 
