@@ -4,10 +4,11 @@
                    init [B, H, hd], w [H, n], beta [H, n], lam [H])
         -> y [B, T, H, hd], final_state [B, H, hd]    (float32 but lengths and start)
 
-Sample b's token t (t = 0 .. T-1, T <= n) sits at the absolute position
-p = start[b] + t: a sample continues from the state ``init[b]`` it had after
-start[b] tokens (start 0 with a zero init: a fresh prompt). w and beta are the
-whole per-position tables, read at p (clamped to [0, n-1]: padding can run past n).
+Sample b's token t (t = 0 .. T-1) sits at the absolute position p = start[b] + t:
+a sample continues from the state ``init[b]`` it had after start[b] tokens (start 0
+with a zero init: a fresh prompt). w and beta are the whole per-position tables, read
+at p clamped to [0, n-1]: a prompt padded to whole chunks can run past n (T > n when
+n is not a multiple of the chunk), and the padding's outputs are never read.
 Heads 0 .. H/2-1 are column-repeat, H/2 .. H-1 are row-repeat:
     column:  s_t = u_t + lam*s_{t-1};         y_t = w[h,p]*s_t + beta[h,p]
     row:     r_t = w[h,p]*u_t + lam*r_{t-1};   y_t = r_t + beta[h,p]
@@ -62,10 +63,6 @@ struct SrmMixerScan:
             raise Error("srm_mixer_scan: init must be [B, H, hd]")
         if beta.dim_size(1) != n:
             raise Error("srm_mixer_scan: w and beta must have the same length n")
-        if T > n:
-            raise Error(
-                "srm_mixer_scan: sequence length T=", T, " exceeds context n=", n
-            )
         var half = H // 2
 
         comptime if target == "cpu":

@@ -56,8 +56,6 @@ def mixer_scan(u, lengths, w, beta, lam, start=None, init=None):
     if u.ndim != 4 or lengths.shape != (u.shape[0],):
         raise ValueError(f"bad shapes: u {u.shape}, lengths {lengths.shape}")
     _check_params(w, beta, lam, u.shape[2])
-    if u.shape[1] > w.shape[1]:
-        raise ValueError(f"sequence length {u.shape[1]} exceeds context n={w.shape[1]}")
     if lengths.size and (lengths.min() < 0 or lengths.max() > u.shape[1]):
         raise ValueError(f"lengths must lie in [0, {u.shape[1]}]; got {lengths.tolist()}")
     y, fin = model(OP_SCAN).execute(u, lengths, start, init, w, beta, lam)

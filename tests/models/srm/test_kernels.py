@@ -124,20 +124,22 @@ def test_scan_rejects_bad_input():
     rng = np.random.default_rng(0)
     w, beta, lam = make_params(rng, 2, 4)
     with pytest.raises(ValueError):
-        K.mixer_scan(np.zeros((1, 5, 2, 3)), [5], w, beta, lam)  # T > n
-    with pytest.raises(ValueError):
         K.mixer_scan(np.zeros((1, 3, 2, 3)), [4], w, beta, lam)  # length > T
 
 
-def test_scan_kernel_raises_when_t_exceeds_n(scan_model):
-    # bypass the wrapper: the kernel itself refuses T > n (an Error raised in
-    # Mojo arrives as ValueError from execute)
+@pytest.mark.parametrize("start", [0, 3])
+def test_scan_past_n_reads_the_last_position_for_the_padding(start):
+    """A prompt padded to whole chunks runs past n when n is not a multiple of the chunk:
+    positions clamp to n - 1, and every output and the final state are the reference's."""
     rng = np.random.default_rng(0)
-    w, beta, lam = make_params(rng, 2, 4)
-    u = np.zeros((1, 5, 2, 3), np.float32)
-    with pytest.raises(ValueError, match="srm_mixer_scan"):
-        scan_model.execute(u, np.array([5], np.int64), np.zeros(1, np.int64), np.zeros((1, 2, 3), np.float32),
-                           w, beta, lam)
+    B, T, H, hd, n = 2, 7, 2, 3, 4
+    w, beta, lam = make_params(rng, H, n)
+    u = rng.standard_normal((B, T, H, hd)).astype(np.float32)
+    y, fin = K.mixer_scan(u, [T, 2], w, beta, lam, start=[start, start])
+    clamped = np.minimum(np.arange(start + T), n - 1)  # the tables as the positions read them
+    y_ref, fin_ref = ref_scan(u, [T, 2], w[:, clamped][:, start:], beta[:, clamped][:, start:], lam)
+    close(y, y_ref, rtol=1e-5, atol=1e-5)
+    close(fin, fin_ref, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------- step
