@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from .format import PARITY_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights, write_checkpoint_files
+from .format import (PARITY_FILE, TOKENIZER_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights,
+                     write_checkpoint_files)
 from ..files import check_replaceable
 from ..models import registry
 from ..models.config_io import unknown_fields
@@ -97,12 +98,16 @@ def _read_torch(path: Path) -> tuple[dict[str, np.ndarray], str]:
 
     import torch
 
+    if path.stat().st_size == 0:
+        raise ConvertError(f"{path}: empty file, not a PyTorch checkpoint")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ConvertError(f"{path}: refused to load: not a plain tensor state dict ({str(e).splitlines()[0]})") from None
+        raise ConvertError(f"{path}: refused to load: not a plain tensor state dict{_detail(e)}") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read torch file (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+        raise ConvertError(f"{path}: cannot read torch file, truncated or corrupt{_detail(e)}") from None
+    except Exception as e:  # the weights-only unpickler fails on junk with KeyError, IndexError, ...
+        raise ConvertError(f"{path}: not a PyTorch checkpoint{_detail(e, with_type=True)}") from None
     if isinstance(obj, dict) and not any(isinstance(v, torch.Tensor) for v in obj.values()):
         for wrapper in ("state_dict", "model_state_dict", "model"):
             if isinstance(obj.get(wrapper), dict):
@@ -112,14 +117,36 @@ def _read_torch(path: Path) -> tuple[dict[str, np.ndarray], str]:
         raise ConvertError(f"{path}: expected a state dict, found {type(obj).__name__}")
     tensors, dtypes = {}, set()
     for key, value in obj.items():
+        if not isinstance(key, str):
+            raise ConvertError(f"{path}: key {key!r} is a {type(key).__name__}, not a string")
         if not isinstance(value, torch.Tensor):
             raise ConvertError(f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor")
         if not value.is_floating_point():
             raise ConvertError(f"{path}: tensor {key!r} has unsupported dtype {value.dtype}")
+        # A meta tensor has no values to convert; a sparse one is not a dense weight matrix.
+        if value.is_meta:
+            raise ConvertError(f"{path}: tensor {key!r} is on the meta device (it holds no values)")
+        if value.layout != torch.strided:
+            raise ConvertError(f"{path}: tensor {key!r} has layout {value.layout}; expected a dense tensor")
         dtypes.add(str(value.dtype).removeprefix("torch."))
-        tensors[key] = value.detach().to(torch.float32).numpy()
+        try:
+            tensors[key] = value.detach().to(torch.float32).numpy()
+        except (TypeError, RuntimeError) as e:  # a tensor subclass or storage numpy cannot take
+            raise ConvertError(f"{path}: tensor {key!r} cannot be read as an array{_detail(e)}") from None
     source_dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
     return tensors, source_dtype if source_dtype in FLOAT_DTYPES else "float32"
+
+
+def _detail(error: Exception, with_type: bool = False) -> str:
+    """`` (the error's first line)``, the type first if ``with_type`` (a bare ``KeyError``
+    says only ``101``); nothing for an error with no message and no type asked for."""
+    text = str(error)
+    # torch's weights-only error opens with advice to load unsafely; the cause comes after this.
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if with_type:
+        reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
+    return f" ({reason})" if reason else ""
 
 
 def split_prefixes(key: str) -> tuple[tuple[str, ...], str]:
@@ -218,7 +245,14 @@ def parse_override(text: str) -> tuple[str, object]:
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
-        raise ConvertError(f"override {text!r}: value {value!r} is not valid JSON") from None
+        raise ConvertError(f"override {key!r}: value {_shorten(value)} is not valid JSON") from None
+    except (ValueError, RecursionError):  # an int of more digits than Python converts, or deep nesting
+        raise ConvertError(f"override {key!r}: value {_shorten(value)} is too large or too deeply nested") from None
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    """``text`` quoted, cut to ``limit`` characters so that a huge argument does not flood the error."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def convert(
@@ -241,8 +275,12 @@ def convert(
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
     check_parity_tokens(parity_tokens, "--parity-tokens", ConvertError)
-    tokenizer_read = read_tokenizer(tokenizer, ConvertError) if tokenizer is not None else None
+    check_apart(src, dst)
     weights_path = resolve_source(src)
+    check_apart(weights_path, dst)  # a checkpoint-N folder may be a link to somewhere else
+    if tokenizer is None:
+        tokenizer = tokenizer_beside(weights_path)
+    tokenizer_read = read_tokenizer(tokenizer, ConvertError) if tokenizer is not None else None
     if show_progress is None:
         show_progress = sys.stderr.isatty() and weights_path.stat().st_size > 64 * 2**20
     raw, source_dtype = read_source(weights_path, show_progress)
@@ -269,6 +307,28 @@ def convert(
     except OSError as e:  # a full disk, a read-only folder: the old DST (if any) is untouched
         raise ConvertError(f"{dst}: cannot write ({e.strerror or e}); nothing was written") from None
     return certificate
+
+
+def check_apart(src: Path, dst: Path) -> None:
+    """Refuse an output that is the source, holds it or lies inside it: with ``--force`` the
+    output directory is replaced as a whole, so the source and whatever sits beside it (its
+    tokenizer, other checkpoints) would be lost. Compared as real paths, so links and ``..``
+    cannot hide the overlap."""
+    source, output = src.resolve(), dst.resolve()
+    if output == source or output in source.parents:
+        raise ConvertError(f"{dst}: the output would replace the source {src} (it is the source or holds it); "
+                           "choose another output path")
+    if source in output.parents:
+        raise ConvertError(f"{dst}: the output lies inside the source {src}; choose a path outside it")
+
+
+def tokenizer_beside(weights_path: Path) -> Path | None:
+    """The tokenizer.json of a source that is a checkpoint of this project's format, so that
+    converting it (to another dtype, say) keeps its tokenizer; None for any other source."""
+    folder = weights_path.parent
+    if weights_path.name == WEIGHTS_FILE and (folder / TOKENIZER_FILE).is_file() and _is_ours(folder / "config.json"):
+        return folder / TOKENIZER_FILE
+    return None
 
 
 def source_forward(config, raw: dict[str, np.ndarray], dtype: str) -> SourceForward:

@@ -38,6 +38,17 @@ FLOAT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
 
 
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a repeated key (``json`` would keep the last one silently, so
+    two readers could disagree on which tensor a name means)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
 class SafetensorsFile:
     """The validated header of a safetensors file; tensors are read on demand."""
 
@@ -62,24 +73,42 @@ class SafetensorsFile:
         except OSError as e:  # no permission to read it, an I/O error
             raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicate_keys)
         except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
             raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict) or not all(isinstance(v, str) for v in self.metadata.values()):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (__metadata__ is not a map of strings)")
         self.data_start = 8 + header_len
         data_size = size - self.data_start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             self.entries[name] = self._check_entry(name, info, data_size)
+        self._check_tiling(data_size)
+
+    def _check_tiling(self, data_size: int) -> None:
+        """The tensors must cover the data buffer exactly, in some order: an overlap would let
+        two tensors share bytes, and a gap or a tail is data no tensor accounts for (the
+        safetensors format refuses both)."""
+        expected_begin, previous = 0, None
+        for name, (_, _, begin, end) in sorted(self.entries.items(), key=lambda item: item[1][2:]):
+            if begin != expected_begin:
+                problem = f"overlaps tensor {previous!r}" if begin < expected_begin else "leaves a gap before it"
+                raise CheckpointError(f"{self.path}: tensor {name!r}: data_offsets [{begin}, {end}] {problem} "
+                                      "(the tensors must tile the data exactly)")
+            expected_begin, previous = end, name
+        if expected_begin != data_size:
+            raise CheckpointError(f"{self.path}: the tensors cover {expected_begin} bytes of data but the file holds "
+                                  f"{data_size} (unaccounted bytes after the last tensor)")
 
     def _check_entry(self, name, info, data_size):
         where = f"{self.path}: tensor {name!r}"
         if not isinstance(info, dict):
             raise CheckpointError(f"{where}: header entry is not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _STORED:
+        if not isinstance(dtype, str) or dtype not in _STORED:  # a list or object is not hashable
             raise CheckpointError(f"{where}: unsupported dtype {dtype!r}")
         if not isinstance(shape, list) or not all(is_plain_int(s) and s >= 0 for s in shape):
             raise CheckpointError(f"{where}: invalid shape {shape!r}")
@@ -97,7 +126,9 @@ class SafetensorsFile:
             )
         expected = math.prod(shape) * _STORED[dtype].itemsize
         if end - begin != expected:
-            raise CheckpointError(f"{where}: {end - begin} bytes stored for shape {shape} of {dtype} ({expected} needed)")
+            raise CheckpointError(
+                f"{where}: {end - begin} bytes stored for shape {shape} of {dtype} ({expected} needed)"
+            )
         return dtype, tuple(shape), begin, end
 
     def dtype(self, name: str) -> str:
