@@ -10,6 +10,62 @@ import sys
 
 from .errors import SRMError
 
+# The arguments of each command that name a file or folder, by attribute and how the usage names
+# them. An empty one is refused: Path("") is the current directory, and an empty option would
+# otherwise be taken as not given (--config "" as "infer the config", --model "" as the cwd).
+_PATH_ARGUMENTS = {
+    "convert": {"src": "SRC", "dst": "DST", "tokenizer": "--tokenizer", "config": "--config"},
+    "generate": {"model": "--model"},
+    "compile": {"path": "DIR"},
+    "verify": {"path": "DIR"},
+    "eval": {"path": "DIR", "text": "--text"},
+}
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    for name, shown in _PATH_ARGUMENTS.get(args.command, {}).items():
+        if getattr(args, name, None) == "":
+            raise SRMError(f"{shown}: an empty path names no file or directory")
+
+
+class _OutputError(Exception):
+    """Writing the command's output (stdout) failed: a full disk, a closed terminal."""
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: a failed write raises ``_OutputError``, so that it is
+    told apart from the OSErrors of the files the command reads and writes. A reader that went
+    away stays a ``BrokenPipeError``, which is not an error to report."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _checked(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _OutputError(e.strerror or str(e)) from e
+
+    def write(self, text: str) -> int:
+        return self._checked(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._checked(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what could not be
+    written does not fail again (with a message of its own and exit status 120)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture)
+        pass
+
 
 def _convert(args: argparse.Namespace) -> int:
     from .checkpoints.convert import convert, parse_override
@@ -154,9 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
         _show_progress(not args.quiet)
+    stdout = sys.stdout
+    sys.stdout = _Output(stdout)
     try:
-        return {"convert": _convert, "generate": _generate, "compile": _compile, "verify": _verify,
-                "serve": _serve, "eval": _eval, "train": _train}[args.command](args)
+        _check_paths(args)
+        status = {"convert": _convert, "generate": _generate, "compile": _compile, "verify": _verify,
+                  "serve": _serve, "eval": _eval, "train": _train}[args.command](args)
+        sys.stdout.flush()  # a failed write of buffered output is reported here, not at exit
+        return status
+    except _OutputError as e:
+        print(f"srm-max {args.command}: error: cannot write the output to stdout: {e}", file=sys.stderr)
+        sys.stdout = stdout
+        _discard_stdout()
+        return 1
     except SRMError as e:
         print(f"srm-max {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -164,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"srm-max {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # whoever read the output went away (``... | head``): nothing to report, and the
-        # interpreter's final flush of stdout must not fail again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # whoever read the output went away (``... | head``): nothing to report
+        sys.stdout = stdout
+        _discard_stdout()
         return 1
+    finally:
+        if isinstance(sys.stdout, _Output):
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

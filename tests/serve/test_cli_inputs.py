@@ -109,3 +109,24 @@ def test_an_empty_file_is_refused_before_a_model_is_loaded(tmp_path, monkeypatch
     for content in (b"", b"\xef\xbb\xbf"):  # a byte order mark alone is no text either
         (tmp_path / "empty.txt").write_bytes(content)
         refused(capsys, ["eval", "--text", str(tmp_path / "empty.txt")], "the file is empty")
+
+
+# ------------------------------------------------------------------ paths
+EMPTY_PATHS = [
+    (["convert", "", "dst"], "SRC"),
+    (["convert", "src", ""], "DST"),
+    (["convert", "src", "dst", "--config", ""], "--config"),
+    (["convert", "src", "dst", "--tokenizer", ""], "--tokenizer"),
+    (["generate", "hi", "--model", ""], "--model"),
+    (["compile", ""], "DIR"),
+    (["verify", ""], "DIR"),
+    (["eval", "", "--text", "t.txt"], "DIR"),
+    (["eval", "--text", ""], "--text"),
+]
+
+
+@pytest.mark.parametrize("argv,shown", EMPTY_PATHS, ids=[" ".join(argv) for argv, _ in EMPTY_PATHS])
+def test_an_empty_path_is_refused(monkeypatch, capsys, argv, shown):
+    # Path("") is the current directory and an empty option reads as not given: neither is what was asked
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    refused(capsys, argv, f"{shown}: an empty path names no file or directory")

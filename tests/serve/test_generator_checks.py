@@ -151,3 +151,20 @@ def test_mismatched_tokenizer(tiny_weights, engine):
 def test_text_needs_a_tokenizer(generator):
     with pytest.raises(GenerationError, match="tokenizer"):
         generator.generate("w1 w2")
+
+
+@pytest.mark.parametrize("top_p", [1e-50, 1.4e-45, 1e-40, 1.17e-38])
+def test_a_top_p_the_engine_flushes_to_0_is_refused(top_p):
+    # float32 subnormals are flushed to 0 by the engine, where top_p 0 would mean no filter
+    from srm_max.serve.sampling import check_top_p
+
+    with pytest.raises(GenerationError, match="rounds to 0 .*smallest normal number"):
+        check_top_p(top_p)
+
+
+def test_the_smallest_normal_top_p_is_accepted():
+    from srm_max.serve.sampling import check_top_p
+
+    tiny = float(np.finfo(np.float32).tiny)
+    assert check_top_p(tiny) == tiny
+    assert check_top_p(1e-30) == 1e-30

@@ -101,8 +101,8 @@ BAD_INPUTS = [
     (["--save-every", "-1"], "--save-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--seed", str(2**32)], "--seed must be an integer from 0 to 4294967295"),
-    (["--lr", "-1"], "--lr must be a number > 0, got -1.0"),
-    (["--lr", "nan"], "--lr must be a number > 0, got nan"),
+    (["--lr", "-1"], "--lr must be a number > 0 and <= 1000, got -1.0"),
+    (["--lr", "nan"], "--lr must be a number > 0 and <= 1000, got nan"),
     (["--min-lr-ratio", "2"], "--min-lr-ratio must be a number from 0 to 1, got 2.0"),
     (["--grad-clip", "inf"], "--grad-clip must be a number >= 0 (0: no clipping), got inf"),
     (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
@@ -112,6 +112,16 @@ BAD_INPUTS = [
     (["--out", "{a_file}"], "--out {a_file}: exists and is not a directory"),
     (["--out", "{a_file}/run"], "--out {a_file}/run: {a_file} is not a directory"),
     (["--resume", "--force"], "--resume and --force exclude each other"),
+    (["--lr", "1e308"], "--lr must be a number > 0 and <= 1000, got 1e+308"),
+    (["--weight-decay", "1e308"], "--weight-decay must be a number from 0 to 1000, got 1e+308"),
+    (["--batch-size", str(10**20)], f"--batch-size must be an integer from 1 to 1048576, got {10**20}"),
+    (["--batch-size", str(10**12)], f"--batch-size must be an integer from 1 to 1048576, got {10**12}"),
+    (["--steps", str(10**20)], f"--steps must be an integer from 1 to 2147483647, got {10**20}"),
+    (["--threads", str(10**21)], f"--threads must be an integer from 0 to 4096, got {10**21}"),
+    (["--out", ""], "--out: an empty path names no file or directory"),
+    (["--tokenizer", ""], "--tokenizer: an empty path names no file or directory"),
+    (["--train-text", ""], "--train-text: an empty path names no file or directory"),
+    (["--val-text", ""], "--val-text: an empty path names no file or directory"),
 ]
 
 
@@ -270,3 +280,15 @@ def test_python_m_srm_max_train_reports_errors_as_srm_max_train(tmp_path, corpus
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err == "srm-max train: error: --steps must be an integer >= 1, got 0\n"
+
+
+def test_a_diverged_run_is_an_error_that_says_what_it_left(tmp_path, corpus_args, capsys):
+    out = tmp_path / "run"
+    err = refused(capsys, run(out, corpus_args, "--lr", "1000", "--steps", "12", "--save-every", "2"), "loss is nan")
+    assert "lower --lr" in err and f"{out} holds " in err and "config.json" in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc, where no folder can be made")
+def test_an_out_that_cannot_be_made_is_an_error(tmp_path, corpus_args, capsys):
+    out = Path("/proc/srm_max_train_run")
+    refused(capsys, run(out, corpus_args, "--steps", "1"), f"--out {out}: ")

@@ -14,7 +14,9 @@ JSON escape ``"\\ud800"``) has no UTF-8 form, so no tokenizer can read it. Bytes
 not text (nor token ids, although they iterate as ints): they are refused. A
 real-valued parameter must be finite and keep its meaning in the engine's
 float32: a value that overflows to inf, or a nonzero one that rounds to 0, is
-refused.
+refused. Rounding to 0 includes float32's subnormal range (below its smallest normal
+number, about 1.18e-38): the engine flushes subnormals to 0, so a top_p there would
+switch the filter off.
 """
 
 from __future__ import annotations
@@ -55,16 +57,19 @@ def _per_sample(name: str, value, batch: int) -> list[tuple[str, object]]:
     return [(name, value)] * batch
 
 
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32; the engine flushes smaller ones to 0
+
+
 def _fits_float32(x: float) -> bool:
     with np.errstate(over="ignore", under="ignore"):
         y = np.float32(x)
-    return bool(np.isfinite(y)) and (y != 0 or x == 0)
+    return bool(np.isfinite(y)) and (abs(y) >= _F32_TINY or x == 0)
 
 
 def check_real(value, name: str, rule: str, accept: Callable[[float], bool]) -> float:
     """``value`` as a float: a real number (not a bool), finite, that ``accept`` takes (else a
     GenerationError "``name`` must be ``rule``") and that the engine's float32 holds: no
-    overflow to inf, no nonzero value rounded to 0 (else a GenerationError saying which)."""
+    overflow to inf, no nonzero value rounded or flushed to 0 (else a GenerationError saying which)."""
     if is_real(value):
         try:
             x = float(value)
@@ -73,8 +78,9 @@ def check_real(value, name: str, rule: str, accept: Callable[[float], bool]) -> 
         if math.isfinite(x) and accept(x):
             if _fits_float32(x):
                 return x
-            what = "rounds to 0" if abs(x) < 1 else "overflows to inf"
-            raise GenerationError(f"{name}: {brief_repr(value)} {what} in the engine's float32")
+            what = ("rounds to 0 in the engine's float32 (below its smallest normal number, "
+                    f"{_F32_TINY:.3g})" if abs(x) < 1 else "overflows to inf in the engine's float32")
+            raise GenerationError(f"{name}: {brief_repr(value)} {what}")
     raise GenerationError(f"{name} must be {rule}, got {brief_repr(value)}")
 
 

@@ -44,7 +44,7 @@ import torch
 
 from ..models import registry
 from ..scalars import out_of_range
-from .config import PRECISIONS, TrainConfig, flag
+from .config import MAX_BATCH_SIZE, MAX_LR, MAX_STEPS, MAX_WEIGHT_DECAY, PRECISIONS, TrainConfig, flag
 from .data import check_windows, load_data, load_tokenizer
 from .errors import TrainError
 from .loop import train
@@ -85,12 +85,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="parallel (the paper's mixed block, default) or sequential (ablation)")
     pha.add_argument("--no-deepnorm", action="store_true", help="plain post-LN instead of DeepNorm")
     pha.add_argument("--untie-embeddings", action="store_true", help="a separate output layer")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step per process")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"sequences per step per process (at most {MAX_BATCH_SIZE})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps (at most {MAX_STEPS})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (> 0, at most {MAX_LR:g})")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"AdamW's (at most {MAX_WEIGHT_DECAY:g})")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip)
     p.add_argument("--precision", choices=PRECISIONS, default=d.precision)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -104,7 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continue the run in OUT from OUT/checkpoints/latest (from the start if it has none)")
     p.add_argument("--force", action="store_true",
                    help="start over in OUT: remove the run there (model, checkpoints, metrics, results) first")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help=f"torch CPU threads (0: torch default; at most {MAX_THREADS})")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p.parse_args(argv)
@@ -114,6 +116,12 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
 
+
+# More threads than any machine has cores; torch.set_num_threads fails on a value beyond a C int.
+MAX_THREADS = 4096
+# The arguments that name a file or folder: an empty one names none (an empty --out would be
+# the current directory, an empty --train-text the corpus), so it is refused.
+_PATH_ARGUMENTS = ("out", "tokenizer", "train_text", "val_text")
 
 # The smallest value of each size argument the model configs read (0: the default size).
 _SIZE_MINIMA = {"d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_expansion": 1, "ffn_dim": 0, "n_kv_heads": 0,
@@ -149,6 +157,11 @@ def check_arguments(args: argparse.Namespace) -> TrainConfig:
     if bad is not None:
         name, wording, value = bad
         raise TrainError(f"{flag(name)} must be {wording}, got {value}")
+    if args.threads > MAX_THREADS:
+        raise TrainError(f"--threads must be an integer from 0 to {MAX_THREADS}, got {args.threads}")
+    for name in _PATH_ARGUMENTS:
+        if getattr(args, name) == "":
+            raise TrainError(f"{flag(name)}: an empty path names no file or directory")
     if args.val_text and not args.train_text:
         raise TrainError("--val-text needs --train-text (without it the corpus's own validation split is used)")
     checked_device(args.device)
@@ -176,6 +189,27 @@ def load_checked_data(args: argparse.Namespace, tokenizer) -> tuple[torch.Tensor
     return train_ids, val_ids
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    # torch reports a failed CPU allocation as a plain RuntimeError; only its message tells
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+
+
+def train_in_out(args: argparse.Namespace, cfg: TrainConfig, model, train_ids, val_ids, model_cfg) -> dict:
+    """``train`` into ``--out``, with the failures a run can meet after the checks (a folder it
+    cannot write, too little memory) as a ``TrainError`` naming the cause; a diverged loss is
+    one already."""
+    try:
+        return train(model, train_ids, val_ids, cfg, args.out, model_config=model_cfg, resume=args.resume,
+                     force=args.force, device=args.device, progress=not args.quiet)
+    except OSError as e:
+        raise TrainError(f"--out {args.out}: {e.strerror or e} ({e.filename or args.out})") from None
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise TrainError(f"out of memory with --batch-size {cfg.batch_size} and --context-length "
+                         f"{cfg.context_length}: lower them") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train as the arguments say; ``TrainError`` (an ``SRMError``) for a bad one, before any
     work and with nothing written (``srm-max train`` prints it as one line and exits 2)."""
@@ -198,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.arch}: {n_params:,} parameters; {train_ids.numel():,} train tokens, "
                   f"{0 if val_ids is None else val_ids.numel():,} validation tokens; "
                   f"{cfg.batch_size * cfg.context_length * world:,} tokens/step", file=sys.stderr)
-        results = train(model, train_ids, val_ids, cfg, args.out, model_config=model_cfg, resume=args.resume,
-                        force=args.force, device=args.device, progress=not args.quiet)
+        results = train_in_out(args, cfg, model, train_ids, val_ids, model_cfg)
         if rank == 0 and not args.quiet:
             print(json.dumps({k: results.get(k) for k in ("step", "val_loss", "val_ppl", "tokens_per_s")}))
     finally:

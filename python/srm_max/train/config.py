@@ -15,11 +15,20 @@ MAX_SEED = 2**32 - 1
 # The smallest value of each integer setting.
 _INT_MINIMA = {"context_length": 1, "batch_size": 1, "steps": 1, "warmup_steps": 0, "seed": 0, "log_every": 1,
                "eval_every": 0, "eval_max_windows": 0, "save_every": 0, "keep_checkpoints": 0, "stop_at_step": 0}
+# The largest value of the integer settings that have a natural one: a step count an int32
+# holds (more would never finish) and a batch of about a million sequences per process (beyond
+# that torch fails with an allocation error or an overflow rather than a message).
+MAX_STEPS = 2**31 - 1
+MAX_BATCH_SIZE = 2**20
+_INT_MAXIMA = {"batch_size": MAX_BATCH_SIZE, "steps": MAX_STEPS}
+# Above this a learning rate or weight decay overflows AdamW's float32 arithmetic long before
+# it could train anything; the bound is far above any useful value.
+MAX_LR = MAX_WEIGHT_DECAY = 1e3
 # The finite values each real setting accepts, and how the message words them.
 _REAL_RANGES = {
-    "lr": (lambda v: v > 0, "a number > 0"),
+    "lr": (lambda v: 0 < v <= MAX_LR, f"a number > 0 and <= {MAX_LR:g}"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
-    "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "weight_decay": (lambda v: 0 <= v <= MAX_WEIGHT_DECAY, f"a number from 0 to {MAX_WEIGHT_DECAY:g}"),
     "grad_clip": (lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
 }
 
@@ -58,6 +67,9 @@ class TrainConfig:
         bad = out_of_range(self, int_minima=_INT_MINIMA)
         if bad is None and self.seed > MAX_SEED:
             bad = "seed", f"an integer from 0 to {MAX_SEED}", self.seed
+        for name, largest in _INT_MAXIMA.items():
+            if bad is None and getattr(self, name) > largest:
+                bad = name, f"an integer from {_INT_MINIMA[name]} to {largest}", getattr(self, name)
         bad = bad or out_of_range(self, real_ranges=_REAL_RANGES)
         if bad is not None:
             name, wording, value = bad

@@ -34,9 +34,28 @@ from ..progress import Progress
 from .checkpoints import Resumed, latest_checkpoint, restore_checkpoint, save_training_state, save_final_model, unwrap
 from .config import TrainConfig
 from .data import batch_generator, eval_windows, sample_batch
+from .errors import TrainError
 from .optim import autocast_context, grad_scaler, lr_at, make_optimizer, resolve_precision
 from .run_dir import (CONFIG_FILE, FINAL_MODEL_FILE, METRICS_FILE, RESULTS_FILE, check_out, keep_metrics_through,
                       start_over)
+
+
+class TrainingDiverged(TrainError, FloatingPointError):
+    """The loss stopped being finite. A ``TrainError``, so ``srm-max train`` reports it as one
+    line, and a ``FloatingPointError`` for callers of :func:`train` that catch that."""
+
+
+def _left_behind(out: Path) -> str:
+    """What a run that stops here leaves in ``out``, so the message says what to keep or remove."""
+    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    try:
+        ckpt = latest_checkpoint(out)
+    except TrainError:
+        ckpt = None
+    found = ", ".join(names) if names else "nothing"
+    if ckpt is None:
+        return f"{out} holds {found}; no checkpoint to resume from (start over with --force)"
+    return f"{out} holds {found}; --resume continues from its newest checkpoint, {ckpt.name}"
 
 
 @torch.no_grad()
@@ -155,7 +174,8 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
                 logits = ddp_model(x)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at step {step}; lower --lr or use fp32")
+                raise TrainingDiverged(f"loss is {loss.item()} at step {step}; lower --lr or use fp32. "
+                                       + _left_behind(out))
             optimizer.zero_grad(set_to_none=True)
             if scaler is not None:
                 scaler.scale(loss).backward()
