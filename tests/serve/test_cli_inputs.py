@@ -1,7 +1,7 @@
-"""``srm-max generate`` and ``srm-max eval`` refuse bad input with one line on stderr and exit 2:
+"""``srm-max generate``, ``eval`` and ``serve`` refuse bad input with one line on stderr and exit 2:
 generate before it prints anything (a checkpoint without a tokenizer before it builds an
-engine), eval a text with no token to score rather than report a perplexity of nan; and eval
-does not score a byte order mark."""
+engine), eval a text with no token to score rather than report a perplexity of nan, serve an
+option out of its bounds before the model loads; and eval does not score a byte order mark."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from srm_max import Generator
 from srm_max.checkpoints.format import save_checkpoint
-from srm_max.cli import main
+from srm_max.cli import build_parser, main
+from srm_max.serve.http.run import MAX_BATCH, MAX_STEPS_PER_CALL, MAX_WAITING, checked_options
 from tests.support.graphs import graphs
 from tests.support.stand_ins import NoWork
 from tests.support.tiny import TINY
@@ -130,3 +131,44 @@ def test_an_empty_path_is_refused(monkeypatch, capsys, argv, shown):
     # Path("") is the current directory and an empty option reads as not given: neither is what was asked
     monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
     refused(capsys, argv, f"{shown}: an empty path names no file or directory")
+
+
+# ------------------------------------------------------------------ srm-max serve
+SERVE_BAD = [
+    (["--max-batch", str(10**12)], f"--max-batch must be 'auto' or an integer from 1 to {MAX_BATCH}, got "
+                                   "'1000000000000'"),
+    (["--max-batch", str(MAX_BATCH + 1)], f"from 1 to {MAX_BATCH}, got '{MAX_BATCH + 1}'"),
+    (["--max-batch", "0"], "--max-batch must be 'auto' or an integer"),
+    (["--max-batch", "\u00b2"], "--max-batch must be 'auto' or an integer"),  # a digit to isdigit, not to int
+    (["--max-batch", "9" * 5000], "--max-batch must be 'auto' or an integer"),  # past int()'s digit limit
+    (["--max-waiting", str(10**12)], f"--max-waiting must be an integer from 1 to {MAX_WAITING}, got 1000000000000"),
+    (["--max-waiting", "0"], f"--max-waiting must be an integer from 1 to {MAX_WAITING}, got 0"),
+    (["--steps-per-call", str(10**9)], f"--steps-per-call must be an integer from 1 to {MAX_STEPS_PER_CALL}, got "
+                                       "1000000000"),
+    (["--steps-per-call", "-1"], "--steps-per-call must be an integer from 1"),
+    (["--prefix-cache-mb", "1e30"], "--prefix-cache-mb must be a finite number from 0 to"),
+    (["--prefix-cache-mb", "nan"], "got nan"),
+    (["--prefix-cache-mb", "inf"], "got inf"),
+    (["--prefix-cache-mb", "-1"], "got -1"),
+    (["--port", "65536"], "--port must be from 0 to 65535, got 65536"),
+    (["--api-key", ""], "--api-key must be a non-empty string of printable ASCII"),
+    (["--api-key", "s\u00e9cret"], "--api-key must be a non-empty string of printable ASCII"),
+]
+
+
+@pytest.mark.parametrize("argv,says", SERVE_BAD, ids=[" ".join(argv)[:30] for argv, _ in SERVE_BAD])
+def test_serve_refuses_an_option_out_of_bounds_before_loading_a_model(monkeypatch, capsys, argv, says):
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("a model was loaded")))
+    refused(capsys, ["serve", *argv], says)
+
+
+def test_serve_takes_each_bound_and_its_help_names_it(monkeypatch, capsys):
+    monkeypatch.delenv("SRM_MAX_API_KEY", raising=False)
+    bounds = ["--max-batch", str(MAX_BATCH), "--max-waiting", str(MAX_WAITING),
+              "--steps-per-call", str(MAX_STEPS_PER_CALL), "--prefix-cache-mb", "0"]
+    assert checked_options(build_parser().parse_args(["serve", *bounds])) is None
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for shown in (f"1 to {MAX_BATCH}", f"1 to {MAX_WAITING}", f"1 to {MAX_STEPS_PER_CALL}", "the machine's memory"):
+        assert shown in usage, shown

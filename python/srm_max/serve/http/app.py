@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..sampling import DEFAULT_STEPS_PER_CALL
 from .errors import APIError, error_body
-from .guard import Guard
+from .guard import BODY_READ_TIMEOUT_S, Guard
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import Answer, CheckedRequest, dumps, parse_body, parse_chat, parse_completion, queue_full
 from .engine_loop import EngineLoop, EngineLoopStopped, QueueFull
@@ -59,12 +59,14 @@ class Server:
 def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_waiting: int = 1024,
                steps_per_call: int = DEFAULT_STEPS_PER_CALL, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, chat_template: str | None = None,
-               on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_engine_failure: Callable[[BaseException], None] | None = None,
+               body_timeout_s: float = BODY_READ_TIMEOUT_S) -> FastAPI:
     """The app; its engine loop starts and stops with the app's lifespan.
 
     ``max_batch``: the most samples decoded together; ``max_waiting``: the most samples
     queued for a slot (beyond it: 429); ``chat_template``: Jinja, or None for no chat
-    (``app.state.chat_template``, read at each chat request).
+    (``app.state.chat_template``, read at each chat request); ``body_timeout_s``: the longest
+    wait for the next piece of a request body (then 408, and the connection closes).
     """
     server = Server(generator, model_name, max_waiting, Metrics())
     server.engine_loop = EngineLoop(generator, max_batch, max_waiting, steps_per_call, server.metrics, server.flush,
@@ -72,7 +74,8 @@ def create_app(generator, model_name: str = "srm-max", max_batch: int = 64, max_
     app = FastAPI(title="srm-max", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.chat_template = chat_template
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=server.metrics)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=server.metrics,
+                       body_timeout_s=body_timeout_s)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _server_error)

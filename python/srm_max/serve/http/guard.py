@@ -1,5 +1,5 @@
-"""What every request passes before a route sees it: the API key, the body size limit,
-and the count of answers by endpoint and status.
+"""What every request passes before a route sees it: the API key, the body size limit, the
+body-read timeout, and the count of answers by endpoint and status.
 
 A plain ASGI middleware, not Starlette's ``BaseHTTPMiddleware``: that one
 wraps streamed responses and hides a client's disconnect from them.
@@ -7,6 +7,7 @@ wraps streamed responses and hides a client's disconnect from them.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from .errors import APIError
@@ -14,14 +15,20 @@ from .metrics import Metrics
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 _BODY_METHODS = (b"POST", b"PUT", b"PATCH")
+# The longest wait for the next piece of a request body: uvicorn has no such limit, so a client
+# whose Content-Length promises more than it sends would hold its connection and task forever.
+# Between pieces, not for the whole body: a slow but steady upload of any size still arrives.
+BODY_READ_TIMEOUT_S = 30.0
 
 
 class Guard:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Metrics,
+                 body_timeout_s: float = BODY_READ_TIMEOUT_S):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -48,7 +55,11 @@ class Guard:
         # read the whole (bounded) body here, so a chunked upload cannot pass the limit
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                return await _answer(self._too_slow(), counted)
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -67,6 +78,12 @@ class Guard:
             return await receive()  # then the real channel: its disconnect reaches the route
 
         return await self.app(scope, replay, counted)
+
+    def _too_slow(self) -> APIError:
+        # the connection closes after the answer: the body's unread rest, should it come after
+        # all, would be read as the next request
+        return APIError(408, f"The request body stopped arriving: nothing came for {self.body_timeout_s:g} s",
+                        code="request_timeout", headers={"Connection": "close"})
 
     def _authorized(self, header: bytes) -> bool:
         # latin-1 maps each byte to one character and back: the token's bytes as the client sent them
