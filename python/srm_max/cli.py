@@ -9,10 +9,10 @@ import os
 import sys
 
 from .errors import SRMError
+from .files import check_no_empty_paths
 
 # The arguments of each command that name a file or folder, by attribute and how the usage names
-# them. An empty one is refused: Path("") is the current directory, and an empty option would
-# otherwise be taken as not given (--config "" as "infer the config", --model "" as the cwd).
+# them: an empty one is refused (files.check_no_empty_paths).
 _PATH_ARGUMENTS = {
     "convert": {"src": "SRC", "dst": "DST", "tokenizer": "--tokenizer", "config": "--config"},
     "generate": {"model": "--model"},
@@ -23,9 +23,7 @@ _PATH_ARGUMENTS = {
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    for name, shown in _PATH_ARGUMENTS.get(args.command, {}).items():
-        if getattr(args, name, None) == "":
-            raise SRMError(f"{shown}: an empty path names no file or directory")
+    check_no_empty_paths(args, _PATH_ARGUMENTS.get(args.command, {}), SRMError)
 
 
 class _OutputError(Exception):

@@ -1,4 +1,5 @@
-"""Atomic writes: a file or a directory appears complete or not at all.
+"""Atomic writes: a file or a directory appears complete or not at all; and the rules every
+path a user names is held to (not empty, and a regular file where a file is read).
 
 Every write that a reader might see half-done (a checkpoint, a compiled graph in
 the cache, a results file) goes through this module:
@@ -17,6 +18,12 @@ concurrent writers of the same path never write into one temporary file, and
 what a kill leaves behind is never mistaken for the real thing. Atomic here
 means against a killed or failing process: nothing is fsynced, so a power loss
 may still lose the newest write.
+
+``check_regular_file(path, error)`` is the one check every reader of a file a user
+names (a config, weights, tokenizer, certificate, text) makes before opening it:
+opening a named pipe blocks until something writes to it, and a directory or a
+device is no file to read either. ``check_no_empty_paths(args, arguments, error)``
+refuses an empty path argument of a command line.
 """
 
 from __future__ import annotations
@@ -26,12 +33,41 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, SRMError
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular_file(path: str | Path, error: type[SRMError] = CheckpointError, name: str | None = None) -> None:
+    """Raise ``error`` when ``path`` exists (symbolic links followed) but is no regular file: a
+    directory, a named pipe, a device, a socket. Checked with ``os.stat``, never by opening it,
+    since opening a named pipe blocks until a writer comes. A path that cannot be looked up
+    (missing, no permission) passes: the reader's own open reports that in its words. ``name``:
+    how the message shows the path (``--text notes.txt``); default the path itself."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # ValueError: a path with a NUL byte, which open refuses too
+        return
+    if not stat.S_ISREG(mode):
+        kind = next((kind for test, kind in _KINDS if test(mode)), "a special file")
+        raise error(f"{path if name is None else name}: is {kind}, not a regular file")
+
+
+def check_no_empty_paths(args: object, arguments: Mapping[str, str], error: type[SRMError]) -> None:
+    """``error`` naming the first of ``arguments`` (attribute of ``args`` -> how the usage shows
+    it) that is an empty string. ``Path("")`` is the current directory, and an empty option
+    would otherwise be taken as not given (``--config ""`` as "infer the config"), so an empty
+    path never means what was typed."""
+    for name, shown in arguments.items():
+        if getattr(args, name, None) == "":
+            raise error(f"{shown}: an empty path names no file or directory")
 
 
 def _temporary_name(path: Path) -> Path:
@@ -158,5 +194,5 @@ def _remove(path: Path) -> None:
         pass
 
 
-__all__ = ["atomic_file", "atomic_write_bytes", "atomic_write_text", "atomic_directory", "check_replaceable",
-           "exchange_paths"]
+__all__ = ["atomic_file", "atomic_write_bytes", "atomic_write_text", "atomic_directory", "check_no_empty_paths",
+           "check_regular_file", "check_replaceable", "exchange_paths"]

@@ -53,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.stream and len(args.prompt) != 1:
         raise GenerationError("--stream takes exactly one prompt")
     path = model_dir(args.model)
-    if path.is_dir() and not (path / TOKENIZER_FILE).is_file():
+    if path.is_dir() and not (path / TOKENIZER_FILE).exists():
         raise GenerationError(f"{path} has no {TOKENIZER_FILE}; text prompts need one")
     seed = resolve_seed(getattr(args, "seed", None), "--seed")
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

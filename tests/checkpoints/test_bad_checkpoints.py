@@ -209,7 +209,7 @@ def test_a_config_json_that_cannot_be_read_is_named_everywhere(good_dir, tmp_pat
     word_tokenizer(CONFIG.vocab_size).save(str(good_dir / "tokenizer.json"))  # generate asks for one first
     (good_dir / "config.json").unlink()
     (good_dir / "config.json").mkdir()
-    problem = f"{good_dir / 'config.json'}: cannot read the config file (Is a directory)"
+    problem = f"{good_dir / 'config.json'}: is a directory, not a regular file"
     with pytest.raises(CheckpointError, match=re.escape(problem)):
         load_checkpoint(good_dir)
     with pytest.raises(CheckpointError, match=re.escape(problem)):
@@ -222,7 +222,7 @@ def test_a_config_json_that_cannot_be_read_is_named_everywhere(good_dir, tmp_pat
     src = tmp_path / "src.safetensors"
     shutil.copyfile(good_dir / "model.safetensors", src)
     assert cli_main(["convert", str(src), str(tmp_path / "out"), "--config", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"srm-max convert: error: {tmp_path}: cannot read the config file (Is a directory)\n"
+    assert capsys.readouterr().err == f"srm-max convert: error: {tmp_path}: is a directory, not a regular file\n"
     assert not (tmp_path / "out").exists()
 
 

@@ -55,7 +55,7 @@ def test_verify_passes_a_good_checkpoint_without_tokenizer(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("spoil,problem", [
-    (lambda p: (p.unlink(), p.mkdir()), r"corrupt parity certificate \(cannot read it: Is a directory\)"),
+    (lambda p: (p.unlink(), p.mkdir()), r"is a directory, not a regular file"),
     (lambda p: p.write_text("[]"), r"corrupt parity certificate \(a JSON list, expected an object\)"),
     (lambda p: p.write_text('"passed"'), r"corrupt parity certificate \(a JSON str, expected an object\)"),
     (lambda p: p.write_text("{"), r"corrupt parity certificate \(Expecting property name"),

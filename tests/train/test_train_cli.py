@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,7 +66,7 @@ def inputs(tmp_path) -> dict[str, Path]:
     """Unusable inputs, by the names the cases below use."""
     paths = {"missing": tmp_path / "missing", "folder": tmp_path / "folder", "not_json": tmp_path / "not_json.json",
              "no_eot": tmp_path / "no_eot.json", "latin1": tmp_path / "latin1.txt", "empty": tmp_path / "empty.txt",
-             "a_file": tmp_path / "a_file"}
+             "a_file": tmp_path / "a_file", "device": Path(os.devnull)}
     paths["folder"].mkdir()
     paths["not_json"].write_text("{ not json")
     word_tokenizer(8).save(str(paths["no_eot"]))
@@ -77,11 +79,13 @@ def inputs(tmp_path) -> dict[str, Path]:
 # (arguments after the good ones, what the error says); {name} is the path of inputs[name]
 BAD_INPUTS = [
     (["--tokenizer", "{missing}"], "--tokenizer {missing}: no such file or directory"),
-    (["--tokenizer", "{folder}"], "--tokenizer {folder}: is a directory"),
+    (["--tokenizer", "{folder}"], "--tokenizer {folder}: is a directory, not a regular file"),
+    (["--tokenizer", "{device}"], "--tokenizer {device}: is a character device, not a regular file"),
     (["--tokenizer", "{not_json}"], "--tokenizer {not_json}: not a valid tokenizer.json"),
     (["--tokenizer", "{no_eot}"], "--tokenizer {no_eot}: has no <|endoftext|> token"),
     (["--train-text", "{missing}"], "--train-text {missing}: no such file or directory"),
-    (["--train-text", "{folder}"], "--train-text {folder}: is a directory"),
+    (["--train-text", "{folder}"], "--train-text {folder}: is a directory, not a regular file"),
+    (["--val-text", "{device}"], "--val-text {device}: is a character device, not a regular file"),
     (["--train-text", "{latin1}"], "--train-text {latin1}: not valid UTF-8 text: byte 3 is 0xe9"),
     (["--train-text", "{empty}"], "--train-text {empty}: 1 token, too few for --context-length 16"),
     (["--val-text", "{empty}"], "--val-text {empty}: 1 token, too few for --context-length 16"),
@@ -132,6 +136,31 @@ def test_a_bad_input_is_refused_before_any_work(tmp_path, corpus_args, inputs, u
     refused(capsys, ["--out", str(tmp_path / "run"), *corpus_args, *TINY, "--steps", "2",
                      *[arg.format(**names) for arg in extra]], says.format(**names))
     assert snapshot(tmp_path) == before  # --out not made, no file touched
+
+
+# Run in a child process with a time limit: a read that opened a named pipe would block (the
+# tokenizers library's holding the GIL, so no thread could step in) and must fail, not hang, the test.
+PIPE_RUNS = """
+import json, sys
+from srm_max.cli import main
+print(json.dumps([main(["train", *argv]) for argv in json.loads(sys.argv[1])]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_for_a_file_is_refused_without_reading_it(tmp_path, corpus_args):
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    flags = ("--tokenizer", "--train-text", "--val-text")
+    given = dict(zip(corpus_args[::2], corpus_args[1::2]))
+    runs = [["--out", str(tmp_path / "run"), *[a for item in (given | {flag: str(pipe)}).items() for a in item],
+             *TINY, "--steps", "2"] for flag in flags]
+    done = subprocess.run([sys.executable, "-c", PIPE_RUNS, json.dumps(runs)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout == "[2, 2, 2]\n", done.stderr
+    assert done.stderr.splitlines() == [f"srm-max train: error: {flag} {pipe}: is a named pipe (FIFO), not a regular "
+                                        "file" for flag in flags]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
 
 
 def test_val_text_without_train_text_is_refused(tmp_path, corpus_args, untrained, capsys):

@@ -38,7 +38,7 @@ import numpy as np
 from .. import __version__
 from .format import (PARITY_FILE, TOKENIZER_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights,
                      write_checkpoint_files)
-from ..files import check_replaceable
+from ..files import check_regular_file, check_replaceable
 from ..models import registry
 from ..models.config_io import unknown_fields
 from ..models.registry import config_from_dict, load_config
@@ -56,12 +56,14 @@ def resolve_source(src: Path) -> Path:
     """The weights file inside whatever the user pointed at."""
     if not src.exists():
         raise ConvertError(f"{src}: source not found")
-    if src.is_file():
+    if not src.is_dir():
+        check_regular_file(src, ConvertError)
         if src.suffix in TORCH_SUFFIXES or src.suffix == ".safetensors":
             return src
         raise ConvertError(f"{src}: unknown source type {src.suffix!r} (expected .pt, .pth, .bin or .safetensors)")
     for name in (WEIGHTS_FILE, "pytorch_model.bin"):
-        if (src / name).is_file():
+        if (src / name).exists():  # taken whatever it is, so that a pipe or folder in its place is named
+            check_regular_file(src / name, ConvertError)
             return src / name
     steps = sorted(
         (int(m.group(1)), p) for p in src.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and p.is_dir()
@@ -73,6 +75,7 @@ def resolve_source(src: Path) -> Path:
 
 def read_source(path: Path, show_progress: bool) -> tuple[dict[str, np.ndarray], str]:
     """Raw tensors (float32 numpy) and the source's float dtype name."""
+    check_regular_file(path, ConvertError)
     if path.suffix == ".safetensors":
         try:
             st = SafetensorsFile(path)
@@ -230,7 +233,10 @@ def _inferred_from(tensors: dict[str, np.ndarray], keys: list[str]) -> str:
 
 
 def _is_ours(path: Path) -> bool:
-    """A config.json of this project (not, say, a Trainer's own)."""
+    """A config.json of this project (not, say, a Trainer's own); never one that is not a
+    regular file (a named pipe would block the read)."""
+    if not path.is_file():
+        return False
     try:
         return json.loads(path.read_text()).get("architecture") in registry.names()
     except (ValueError, AttributeError, OSError, RecursionError):

@@ -19,7 +19,7 @@ from ..models import registry
 from ..models.registry import load_config
 from ..models.architecture import ModelConfig
 from ..errors import CheckpointError
-from ..files import atomic_directory
+from ..files import atomic_directory, check_regular_file
 from ..weight_shapes import shape_problem
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, write_safetensors
 
@@ -97,6 +97,7 @@ def write_checkpoint_files(
     config.save(directory / CONFIG_FILE)
     write_safetensors(directory / WEIGHTS_FILE, weights, dtype, metadata={"format": "srm-max"})
     if tokenizer is not None:
+        check_regular_file(tokenizer)
         shutil.copyfile(tokenizer, directory / TOKENIZER_FILE)
         write_tokenizer_config(directory, config.context_length, Path(tokenizer).parent / TOKENIZER_CONFIG_FILE)
 

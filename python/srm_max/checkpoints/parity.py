@@ -29,6 +29,7 @@ import numpy as np
 from ..models import registry
 from ..models.architecture import ModelConfig
 from ..errors import CheckpointError, SRMError
+from ..files import check_regular_file
 from ..scalars import is_int, is_plain_int
 
 # float64 work, so disagreement beyond rounding means a broken model or mixer.
@@ -139,11 +140,12 @@ def read_certificate(path: str | Path) -> dict:
     """The certificate in ``path``, its run settings (tokens, batch, seed) checked, so that
     recomputing it fails only on the weights."""
     path = Path(path)
+    check_regular_file(path)
     try:
         certificate = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: parity certificate not found") from None
-    except OSError as e:  # a directory in its place, no permission to read it
+    except OSError as e:  # no permission to read it, an I/O error
         raise CheckpointError(f"{path}: corrupt parity certificate (cannot read it: {e.strerror or e})") from None
     except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
         raise CheckpointError(f"{path}: corrupt parity certificate ({e})") from None

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..bfloat16 import from_bfloat16_bits, to_bfloat16_bits
 from ..errors import CheckpointError
+from ..files import check_regular_file
 from ..scalars import is_plain_int
 
 # safetensors dtype name -> numpy dtype of the stored bytes (bfloat16 as raw uint16)
@@ -54,6 +55,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        check_regular_file(self.path)
         try:
             size = self.path.stat().st_size
             with open(self.path, "rb") as f:
@@ -68,8 +70,6 @@ class SafetensorsFile:
                 raw = f.read(header_len)
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: file not found") from None
-        except IsADirectoryError:
-            raise CheckpointError(f"{self.path}: is a directory, expected a .safetensors file") from None
         except OSError as e:  # no permission to read it, an I/O error
             raise CheckpointError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:

@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import SRMError
+from ..files import check_regular_file
 
 
 def read_tokenizer(path: str | Path, error: type[SRMError]):
     """The ``tokenizers.Tokenizer`` in ``path``, or ``error`` naming the file and why not."""
     from tokenizers import Tokenizer
 
+    check_regular_file(path, error)
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises plain Exception subclasses

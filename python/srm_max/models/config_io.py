@@ -10,6 +10,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..files import check_regular_file
 
 
 def unknown_fields(cls, keys: Iterable[str]) -> str | None:
@@ -42,11 +43,12 @@ def dataclass_from_dict(cls, data, source: str):
 
 def read_json(path: str | Path):
     path = Path(path)
+    check_regular_file(path)
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: config file not found") from None
-    except OSError as e:  # a directory in its place, no permission to read it
+    except OSError as e:  # no permission to read it, an I/O error
         raise CheckpointError(f"{path}: cannot read the config file ({e.strerror or e})") from None
     except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None

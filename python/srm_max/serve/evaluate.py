@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GenerationError
+from ..files import check_regular_file
 from ..progress import Progress
 from .logprobs import check_max_length, rolling_prefix
 from .scoring import rolling_windows, score_windows, tokens_per_call
@@ -82,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from .generator import Generator
 
+    if args.text != "-":
+        check_regular_file(args.text, GenerationError, f"--text {args.text}")
     try:
         # utf-8-sig: a byte order mark some editors write first is not part of the text
         raw = sys.stdin.buffer.read() if args.text == "-" else Path(args.text).read_bytes()

@@ -42,6 +42,7 @@ import sys
 import numpy as np
 import torch
 
+from ..files import check_no_empty_paths
 from ..models import registry
 from ..scalars import out_of_range
 from .config import MAX_BATCH_SIZE, MAX_LR, MAX_STEPS, MAX_WEIGHT_DECAY, PRECISIONS, TrainConfig, flag
@@ -119,9 +120,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 # More threads than any machine has cores; torch.set_num_threads fails on a value beyond a C int.
 MAX_THREADS = 4096
-# The arguments that name a file or folder: an empty one names none (an empty --out would be
-# the current directory, an empty --train-text the corpus), so it is refused.
-_PATH_ARGUMENTS = ("out", "tokenizer", "train_text", "val_text")
+# The arguments that name a file or folder: an empty one is refused (files.check_no_empty_paths;
+# an empty --out would be the current directory, an empty --train-text the corpus).
+_PATH_ARGUMENTS = {name: flag(name) for name in ("out", "tokenizer", "train_text", "val_text")}
 
 # The smallest value of each size argument the model configs read (0: the default size).
 _SIZE_MINIMA = {"d_model": 1, "n_layers": 1, "n_heads": 1, "ffn_expansion": 1, "ffn_dim": 0, "n_kv_heads": 0,
@@ -159,9 +160,7 @@ def check_arguments(args: argparse.Namespace) -> TrainConfig:
         raise TrainError(f"{flag(name)} must be {wording}, got {value}")
     if args.threads > MAX_THREADS:
         raise TrainError(f"--threads must be an integer from 0 to {MAX_THREADS}, got {args.threads}")
-    for name in _PATH_ARGUMENTS:
-        if getattr(args, name) == "":
-            raise TrainError(f"{flag(name)}: an empty path names no file or directory")
+    check_no_empty_paths(args, _PATH_ARGUMENTS, TrainError)
     if args.val_text and not args.train_text:
         raise TrainError("--val-text needs --train-text (without it the corpus's own validation split is used)")
     checked_device(args.device)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints.tokenizer import read_tokenizer
+from ..files import check_regular_file
 from .corpus import END_OF_TEXT, load_plays
 from .errors import TrainError
 
@@ -62,9 +63,9 @@ def tokenize_documents(tokenizer, documents: Iterable[str], eot_id: int) -> torc
 def load_tokenizer(path: str | Path):
     """The ``tokenizers.Tokenizer`` of ``--tokenizer``."""
     file = Path(path)
-    if not file.is_file():
-        raise TrainError(f"--tokenizer {path}: {'is a directory' if file.is_dir() else 'no such file or directory'}")
-    try:
+    if not file.exists():
+        raise TrainError(f"--tokenizer {path}: no such file or directory")
+    try:  # read_tokenizer refuses a directory, a named pipe, any file not regular
         return read_tokenizer(file, TrainError)
     except TrainError as e:
         raise TrainError(f"--tokenizer {e}") from None
@@ -72,11 +73,12 @@ def load_tokenizer(path: str | Path):
 
 def read_text(path: str | Path, flag: str) -> str:
     """The UTF-8 text of a ``--train-text`` or ``--val-text`` file."""
+    check_regular_file(path, TrainError, f"{flag} {path}")
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TrainError(f"{flag} {path}: not valid UTF-8 text: byte {e.start} is {e.object[e.start]:#04x}") from None
-    except OSError as e:  # missing, a directory, not readable
+    except OSError as e:  # missing, not readable
         reason = e.strerror or str(e)
         raise TrainError(f"{flag} {path}: {reason[:1].lower()}{reason[1:]}") from None
 
