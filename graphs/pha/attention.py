@@ -14,7 +14,8 @@ from .model import StateLayout, _Consts, _masked_softmax, _qkv
 
 
 def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, lengths: TensorValue, a: dict, c,
-                 K: _Consts, tiled: bool = False, dense_op: Dense = None, kept: Rows = None):
+                 K: _Consts, tiled: bool = False, dense_op: Dense = None, kept: Rows = None,
+                 query_at: TensorValue | None = None):
     """x [B, T, E] at positions 0..T-1 -> (out [B, T, E], (keys, values) [B, T, Hkv*dh]),
     the keys and values at the T positions (``model.PrefillStates`` places them in the
     state's caches).
@@ -26,14 +27,15 @@ def attn_prefill(x: TensorValue, pos: TensorValue, pos_cols: TensorValue, length
     path and the op's reference. ``dense_op``: the projections through the linear op.
     ``kept``: out only at the rows it keeps ([B, R, E]; ``prefill.pha_layers``' ``out_at``),
     the output projection on those rows alone, and the op's attention for those queries alone
-    (the keys and values still come from every row).
+    (the keys and values still come from every row). ``query_at`` [B, R] (tiled only): the
+    positions of the queries the op computes, ``kept.at`` or every position, made once by the
+    caller for every block.
     """
     if tiled:
         q, k = qk_rope_op(linear(x, a["q"], op_device=dense_op), linear(x, a["k"], op_device=dense_op), pos,
                           a["scale"], K)
         v = linear(x, a["v"], op_device=dense_op)
-        at = kept.at if kept else ops.broadcast_to(ops.unsqueeze(pos, 0), [x.shape[0], pos.shape[0]])
-        att = tiled_attention(kept(q) if kept else q, k, v, lengths, at, c, K.device)
+        att = tiled_attention(kept(q) if kept else q, k, v, lengths, query_at, c, K.device)
         return linear(att, a["o"], op_device=dense_op), (k, v)
     q, k, v = _qkv(x, ops.unsqueeze(ops.cast(pos, F32), -1), a, c, K, dense_op)
     att = full_attention(q, k, v, pos, pos_cols, c, K)

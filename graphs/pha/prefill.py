@@ -61,6 +61,8 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
     chunk_rows, chunk_cols = floor_div_nonnegative(pos[:, 0], C), floor_div_nonnegative(pos_cols[:, 0], C)
     flat_pos, flat_cols = ops.reshape(pos, [-1]), ops.reshape(pos_cols, [-1])
     layer_state = PrefillStates(c, flat_pos, B, device, by_op=tiled)
+    # the attention op's query positions where a block keeps every row: one tensor for all blocks
+    every_position = ops.broadcast_to(ops.unsqueeze(flat_pos, 0), [B, flat_pos.shape[0]]) if tiled else None
     x = _embed(W, ids)  # [B, M, C, E]
     E = x.shape[-1]
     found_by_layer = []
@@ -73,7 +75,8 @@ def pha_layers(W: PHAWeights, ids: TensorValue, pos: TensorValue, pos_cols: Tens
                                                 dense_op, kept)
             elif name == "attn":
                 out, found["attn"] = attn_prefill(ops.reshape(h, [B, -1, E]), flat_pos, flat_cols, lengths,
-                                                  W.attn(l), c, K, tiled, dense_op, kept)
+                                                  W.attn(l), c, K, tiled, dense_op, kept,
+                                                  kept.at if kept else every_position)
                 out = out if kept else ops.reshape(out, [B, M, C, E])
             else:
                 out = _ffn(h, W.ffn(l, int(name.removeprefix("ffn_"))), dense_op)
