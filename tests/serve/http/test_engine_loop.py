@@ -10,6 +10,7 @@ news collected by a sink that sets an event once the request has ended.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -126,3 +127,23 @@ def test_a_dead_loop_tells_its_owner(engine, monkeypatch):
     assert told.wait(WAIT) and inbox.ended.wait(WAIT)
     assert isinstance(loop.failure, RuntimeError) and not loop.alive
     assert [d.finish_reason for d in inbox.deltas] == [ERROR]
+
+
+def test_clients_that_leave_the_queue_during_an_engine_call_free_it_at_once(loop, engine):
+    """With the loop blocked in an engine call, requests that come and go keep getting places
+    (each leaves its own at once), and what they leave behind in the queue stays bounded."""
+    first, inbox = request("first", stream=False, logprobs=None, max_new=3)
+    with engine._lock:  # the engine runs every call under it: the loop blocks at its next one
+        loop.submit(first)
+        limit = time.monotonic() + WAIT
+        while not first.started:  # in its slots: the loop is in (or at) its prefill
+            assert time.monotonic() < limit
+            time.sleep(0.001)
+        for i in range(500):
+            r, _ = request(f"gone{i}", stream=i % 2 == 0, n=loop.max_waiting // 2)
+            loop.submit(r)  # never QueueFull: the ones before it have left
+            loop.cancel(r)
+        assert loop.snapshot()["waiting_samples"] == 0 and len(loop._waiting) <= 2 * loop.max_waiting + 64
+        assert list(loop._live) == ["first"]
+    assert inbox.ended.wait(WAIT) and all(d.finish_reason == "length" for d in inbox.deltas)
+    served_after(loop, stream=False)

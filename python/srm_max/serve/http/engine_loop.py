@@ -58,7 +58,10 @@ class EngineLoop:
         self.flush = flush
         self.metrics.watch(self.snapshot)
         self._cv = threading.Condition()
+        # samples not yet in a slot, in order; those of a request that has ended (its client gone)
+        # stay until popped or compacted away, so a disconnect costs its own samples, not the queue's
         self._waiting: deque[ServedSample] = deque()  # guarded by _cv
+        self._queued = 0  # the unfinished samples in _waiting: what admission counts; guarded by _cv
         self._live: dict[str, ServedRequest] = {}  # admitted and not done; guarded by _cv
         self._busy = 0  # running samples (read by snapshot)
         self._stopping = False
@@ -77,26 +80,30 @@ class EngineLoop:
         with self._cv:
             if self._stopping or not self.alive:
                 raise EngineLoopStopped("the engine loop is not running")
-            if len(self._waiting) + len(request.samples) > self.max_waiting:
+            if self._queued + len(request.samples) > self.max_waiting:
                 raise QueueFull(self._retry_after())
             self._live[request.id] = request
             self._waiting.extend(request.samples)
+            self._queued += len(request.samples)
             self._cv.notify()
 
     def cancel(self, request: ServedRequest) -> None:
-        """The client went away: its samples leave their rows at the loop's next turn."""
+        """The client went away: its waiting samples leave the queue at once (not after the engine
+        call under way, which may be a long prefill: a request arriving meanwhile is admitted, not
+        refused 429), its running ones their rows at the loop's next turn."""
         if request.done or request.cancelled:
             return
         request.cancelled = True
         self.metrics.disconnects.inc()
         with self._cv:
+            self._drop_waiting(request)
             self._cv.notify()
 
     def snapshot(self) -> dict:
         with self._cv:
             running = sum(1 for r in self._live.values() if r.started)
             return {"running": running, "waiting": len(self._live) - running,
-                    "waiting_samples": len(self._waiting), "slots": self.max_batch, "busy": self._busy}
+                    "waiting_samples": self._queued, "slots": self.max_batch, "busy": self._busy}
 
     @property
     def alive(self) -> bool:
@@ -104,7 +111,7 @@ class EngineLoop:
 
     def _retry_after(self) -> int:
         # a guess: the batches queued ahead, each about _TYPICAL_STEPS steps at the measured step time
-        ahead = len(self._waiting) / max(1, self.max_batch)
+        ahead = self._queued / max(1, self.max_batch)
         return int(min(60, max(1, round(ahead * _TYPICAL_STEPS * self._seconds_per_token))))
 
     # ------------------------------------------------------------ lifecycle
@@ -139,6 +146,7 @@ class EngineLoop:
             requests = list(self._live.values())
             self._live.clear()
             self._waiting.clear()
+            self._queued = 0
             self._busy = 0
         for r in requests:
             r.sink([Delta(-1, message, [], ERROR)])
@@ -150,16 +158,20 @@ class EngineLoop:
         pool = self._pool
         with self._cv:
             while True:
-                self._drop_cancelled_waiting()
                 if self._stopping:
                     return False
-                if self._waiting or not pool.idle:
+                if self._queued or not pool.idle:
                     break
+                self._waiting.clear()  # nothing in it is unfinished
                 self._cv.wait()
             free = pool.free_slots - len(pool.pending)
             while self._waiting and free > 0:
-                free -= 1
                 s = self._waiting.popleft()
+                if s.reason is not None:  # its request has ended
+                    continue
+                free -= 1
+                s.admitted = True
+                self._queued -= 1
                 s.request.started = True
                 pool.submit([s])
         try:
@@ -203,8 +215,8 @@ class EngineLoop:
         for r in requests.values():
             self._fail_request(r, message)
         self.flush()
-        with self._cv:  # their samples still waiting go too
-            self._waiting = deque(s for s in self._waiting if s.reason is None)
+        with self._cv:  # their samples still waiting went with them (_fail_request)
+            self._compact()
             self._busy = 0
         self._retire(requests.values())
         self._pool.pending.clear()
@@ -221,15 +233,21 @@ class EngineLoop:
             r.cancelled = True
             r.sink([Delta(-1, message, [], ERROR)])
 
-    def _drop_cancelled_waiting(self) -> None:
-        """Samples of requests whose client went away leave the queue at once (under _cv)."""
-        if any(s.request.cancelled for s in self._waiting):
-            for s in self._waiting:
-                if s.request.cancelled:
-                    self._finish(s, CANCELLED)
+    def _drop_waiting(self, request: ServedRequest) -> None:
+        """The waiting samples of ``request``, whose client went away, leave the queue (under _cv):
+        finished here, skipped when popped; a request with no sample left is forgotten."""
+        for s in request.samples:
+            if not s.admitted:
+                self._finish(s, CANCELLED)
+        if request.done:
+            self._live.pop(request.id, None)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the finished samples from the queue once they outnumber the others (under _cv):
+        clients that come and go while an engine call runs cannot grow it without bound."""
+        if len(self._waiting) > 2 * self._queued + 64:
             self._waiting = deque(s for s in self._waiting if s.reason is None)
-            for rid in [rid for rid, r in self._live.items() if r.done]:
-                del self._live[rid]
 
     def _deliver(self, samples: list[ServedSample]) -> None:
         """Send each request the news of its ``samples`` (one sink call per request), then flush."""
@@ -268,11 +286,15 @@ class EngineLoop:
         self._retire(ended)
 
     def _finish(self, s: ServedSample, reason: str) -> None:
-        """Count a finished sample once."""
-        if s.counted:
-            return
-        s.counted = True
-        s.reason = reason
+        """Count a finished sample once; one still waiting leaves the queue's count. Under the lock:
+        ``cancel`` (an HTTP thread) and the engine thread may end the same request at once."""
+        with self._cv:
+            if s.counted:
+                return
+            s.counted = True
+            s.reason = reason
+            if not s.admitted:
+                self._queued -= 1
         self.metrics.samples_finished.labels(reason).inc()
 
     def _retire(self, requests: Iterable[ServedRequest]) -> None:

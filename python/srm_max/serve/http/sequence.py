@@ -62,6 +62,7 @@ class ServedSample(Sequence):
 
     request: ServedRequest | None = None
     index: int = 0  # the choice index in the response
+    admitted: bool = False  # it has left the engine loop's waiting queue for the scheduler
     sent: int = 0  # tokens the stream has sent
     counted_tokens: int = 0  # tokens counted in the metrics
     last_delivery: float | None = None  # for the inter-token latency
