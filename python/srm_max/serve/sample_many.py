@@ -26,8 +26,8 @@ from itertools import chain, islice
 
 from ..errors import GenerationError
 from ..models import registry
-from .sampling import DEFAULT_STEPS_PER_CALL, brief_repr, check_max_new_tokens, check_prompts, check_scalar_sampling, \
-    check_steps_per_call, check_stop, is_int, resolve_seed
+from .sampling import DEFAULT_STEPS_PER_CALL, MAX_SLOTS, brief_repr, check_max_new_tokens, check_prompts, \
+    check_scalar_sampling, check_steps_per_call, check_stop, is_int, resolve_seed
 from .logprobs import Logprobs, TokenTexts
 from .scheduler import PoolStats, SlotPool
 from .sequence import Sequence
@@ -46,7 +46,7 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 def plan_max_batch(config, memory_budget_bytes: int = 4 << 30, weight_bytes_per_param: int = 4,
-                   max_batch: int = 65536) -> int:
+                   max_batch: int = MAX_SLOTS) -> int:
     """The largest slot pool whose weights, states and step activations fit the budget."""
     weights = config.num_parameters() * weight_bytes_per_param
     state, hidden = registry.of(config).sample_footprint(config)

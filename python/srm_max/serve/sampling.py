@@ -172,6 +172,9 @@ def check_max_new_tokens(max_new_tokens) -> int:
 # Decode steps per engine call for generate, sample_many and the server: more amortise
 # each call's fixed cost, fewer let a finished sample's slot refill (and a request join) sooner.
 DEFAULT_STEPS_PER_CALL = 8
+# The most samples decoded together that a memory plan gives (sample_many.plan_max_batch) and
+# that serve's --max-batch accepts.
+MAX_SLOTS = 65536
 
 
 def check_steps_per_call(steps_per_call) -> int:

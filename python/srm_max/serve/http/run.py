@@ -13,10 +13,11 @@ import os
 import socket
 import sys
 
+# an explicit --max-batch above the plan's cap is refused at once, and once the model has loaded
+# above what the device's memory holds (max_batch_of)
+from ..sampling import MAX_SLOTS as MAX_BATCH
+
 SERVE_MAX_BATCH = 256  # "auto" caps the memory plan here: beyond it a step's latency grows, not throughput
-# An explicit --max-batch is refused above this before the model loads (the memory planner's own cap),
-# and once it has loaded above what the device's memory holds (max_batch_of).
-MAX_BATCH = 65536
 # Waiting samples hold their prompts (and their requests) in memory until a slot frees up: the
 # queue's length bounds that memory, and this bounds the queue's length.
 MAX_WAITING = 1 << 20
