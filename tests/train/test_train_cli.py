@@ -226,7 +226,7 @@ def test_resume_with_other_model_sizes_is_refused(tmp_path, corpus_args, capsys)
     assert main(["train", *run(out, corpus_args, "--steps", "2")]) == 0
     before = snapshot(out)
     refused(capsys, run(out, corpus_args, "--steps", "4", "--resume", "--d-model", "32"),
-            "its weights do not fit this model (size mismatch for")
+            f"{out / 'config.json'}: the run was started with another model: d_model 16 (the arguments give 32)")
     assert snapshot(out) == before
 
 

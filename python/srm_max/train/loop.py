@@ -36,8 +36,8 @@ from .config import TrainConfig
 from .data import batch_generator, eval_windows, sample_batch
 from .errors import TrainError
 from .optim import autocast_context, grad_scaler, lr_at, make_optimizer, resolve_precision
-from .run_dir import (CONFIG_FILE, FINAL_MODEL_FILE, METRICS_FILE, RESULTS_FILE, check_out, keep_metrics_through,
-                      start_over)
+from .run_dir import (CONFIG_FILE, FINAL_MODEL_FILE, METRICS_FILE, RESULTS_FILE, check_out, check_run_config,
+                      keep_metrics_through, start_over)
 
 
 class TrainingDiverged(TrainError, FloatingPointError):
@@ -124,6 +124,8 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
     if resume:
         ckpt = latest_checkpoint(out)
         if ckpt is not None:
+            if model_config is not None:
+                check_run_config(out, model_config)
             before = restore_checkpoint(ckpt, model, optimizer, scaler, device)
             if is_main and progress:
                 print(f"resumed from {ckpt} at step {before.step}", file=sys.stderr)
@@ -137,7 +139,8 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
     if is_main and model_config is not None:
-        model_config.save(out / CONFIG_FILE)
+        # Atomic: a run killed here keeps a whole config, which a resumed run checks its arguments against.
+        atomic_write_text(out / CONFIG_FILE, json.dumps(model_config.to_dict(), indent=2) + "\n")
     tokens_per_step = cfg.batch_size * cfg.context_length * world
     end_step = cfg.steps if not cfg.stop_at_step else min(cfg.steps, cfg.stop_at_step)
     metrics_path = out / METRICS_FILE

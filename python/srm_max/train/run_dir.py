@@ -14,7 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-from ..files import atomic_write_text
+from ..errors import CheckpointError
+from ..files import atomic_write_bytes, check_regular_file
+from ..models.registry import config_from_dict
 from .checkpoints import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint
 from .errors import TrainError
 
@@ -23,6 +25,7 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
 RUN_FILES = (FINAL_MODEL_FILE, CONFIG_FILE, METRICS_FILE, RESULTS_FILE)  # besides CHECKPOINTS_DIR
+_CONFIG_LIMIT = 1 << 20
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -51,6 +54,10 @@ def check_out(out: str | Path, resume: bool = False, force: bool = False) -> Non
         return
     if any(out.iterdir()) and not (resume or force):
         raise TrainError(f"{out}: already exists (use --force to overwrite, or --resume to continue the run in it)")
+    for name in RUN_FILES:
+        # --resume appends to, reads or replaces these, and --force removes them: a named pipe
+        # would block the run, a device swallow its output, a folder fail it after the training.
+        check_regular_file(out / name, TrainError)
     if resume and latest_checkpoint(out) is None:
         found = [name for name in RUN_FILES if (out / name).exists()]
         if FINAL_MODEL_FILE in found or RESULTS_FILE in found:
@@ -79,20 +86,72 @@ def start_over(out: str | Path) -> None:
 def keep_metrics_through(out: str | Path, step: int) -> None:
     """Drop the events of ``metrics.jsonl`` after ``step``, where a resumed run goes on: it
     logs those steps again, and a killed run may have logged some after its last checkpoint
-    (or cut its last line short)."""
+    (or cut its last line short). Every other line stays as it was, byte for byte: a line that
+    is not an event of a step (junk, a note) is dropped only when it comes after the last kept
+    event, so nothing between good lines is lost."""
     path = Path(out) / METRICS_FILE
-    if not path.is_file():
+    check_regular_file(path, TrainError)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict) and isinstance(event.get("step"), int) and event["step"] <= step:
-            kept.append(line + "\n")
-    atomic_write_text(path, "".join(kept))
+    except OSError as e:
+        raise TrainError(f"{path}: cannot be read ({e.strerror or e})") from None
+    lines = data.splitlines(keepends=True)
+    steps = [_event_step(line) for line in lines]
+    last = max((i for i, s in enumerate(steps) if s is not None and s <= step), default=-1)
+    kept = [line if line.endswith(b"\n") else line + b"\n"
+            for line, s in zip(lines[:last + 1], steps) if s is None or s <= step]
+    if b"".join(kept) != data:
+        atomic_write_bytes(path, b"".join(kept))
+
+
+def _event_step(line: bytes) -> int | None:
+    """The step of a metrics line, or None for a line that is no event of one."""
+    try:  # decoded leniently: a stray byte in a note does not make the step unknown (the bytes stay as they were)
+        event = json.loads(line.decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return None
+    step = event.get("step") if isinstance(event, dict) else None
+    return step if type(step) is int else None
+
+
+def check_run_config(out: str | Path, model_config) -> None:
+    """``TrainError`` unless the ``config.json`` of the run in ``out`` is ``model_config``: a resumed
+    run writes its config there, so arguments of another model whose weights still load (another
+    context length, no decay) would replace the run's config silently. A run without one (removed
+    by hand) passes: the weights' own check is what is left."""
+    path = Path(out) / CONFIG_FILE
+    check_regular_file(path, TrainError)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_CONFIG_LIMIT + 1)  # a config is a few hundred bytes; junk is not read whole
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise TrainError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        saved = json.loads(data) if len(data) <= _CONFIG_LIMIT else None
+    except (ValueError, RecursionError):
+        saved = None
+    if isinstance(saved, dict):
+        try:  # read as a config, so that a field this version added (at its default) is no difference
+            saved = config_from_dict(saved, str(path)).to_dict()
+        except CheckpointError:  # another architecture's, say: compared as written, field by field
+            pass
+    if not isinstance(saved, dict):
+        raise TrainError(f"{path}: not a config of this trainer (a JSON object), so these arguments cannot be "
+                         "checked against the run's model; repair or remove it to resume")
+    saved = json.loads(json.dumps(saved))
+    given = json.loads(json.dumps(model_config.to_dict()))  # tuples as the lists the file holds
+    missing = object()
+    differ = [k for k in sorted(saved.keys() | given.keys()) if saved.get(k, missing) != given.get(k, missing)]
+    if differ:
+        shown = ", ".join(f"{k} {saved.get(k)!r} (the arguments give {given.get(k)!r})" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise TrainError(f"{path}: the run was started with another model: {shown}{more}; resume with the model "
+                         "arguments the run started with")
 
 
 __all__ = ["CONFIG_FILE", "FINAL_MODEL_FILE", "METRICS_FILE", "RESULTS_FILE", "RUN_FILES", "check_out",
-           "keep_metrics_through", "start_over"]
+           "check_run_config", "keep_metrics_through", "start_over"]
