@@ -168,13 +168,30 @@ def test_convert_refuses_a_pipe_for_a_config_or_tokenizer(model, tmp_path, optio
     assert not (tmp_path / "out").exists()
 
 
-def test_a_pipe_for_a_config_beside_the_source_is_not_read(model, tmp_path):
-    """A config.json beside the weights is read only when it is this project's; a pipe is not."""
+@pytest.mark.parametrize("kind", ["pipe", "junk"])
+def test_a_damaged_config_beside_the_source_is_named_not_replaced_by_the_shapes(model, tmp_path, kind):
+    """A config.json beside the weights that cannot be read as JSON is likely the run's own,
+    damaged: refused (a pipe never opened), not silently stood in for by the inferred config."""
+    (tmp_path / "src").mkdir()
+    src = write_source("safetensors", model, tmp_path / "src").rename(tmp_path / "src" / "model.safetensors")
+    beside = tmp_path / "src" / "config.json"
+    if kind == "pipe":
+        refused(ConvertError, pipe_at(beside), convert, src, tmp_path / "out", parity_tokens=8)
+    else:
+        beside.write_text('{"architecture": "srm", "d_model": 2')
+        with pytest.raises(ConvertError, match=f"{beside}: cannot be read as a config \\(not JSON\\); pass --config"):
+            convert(src, tmp_path / "out", parity_tokens=8)
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_tools_config_beside_the_source_is_left_to_the_shapes(model, tmp_path):
+    """A config.json of another tool (a Trainer's) is JSON but not this project's: the shapes
+    tell the config, and the tokenizer beside it is not taken for this model's."""
     (tmp_path / "src").mkdir()
     src = write_source("safetensors", model, tmp_path / "src").rename(tmp_path / "src" / "model.safetensors")
     word_tokenizer(CONFIG.vocab_size).save(str(tmp_path / "src" / "tokenizer.json"))
-    pipe = pipe_at(tmp_path / "src" / "config.json")
-    within(pipe, convert, src, tmp_path / "out", parity_tokens=8)
+    (tmp_path / "src" / "config.json").write_text('{"model_type": "llama"}')
+    convert(src, tmp_path / "out", parity_tokens=8)
     assert load_checkpoint(tmp_path / "out").tokenizer_path is None  # the tokenizer is kept only beside ours
 
 
