@@ -96,6 +96,20 @@ def test_a_state_dict_entry_that_is_no_dense_tensor_is_named(edit, message, mode
     assert not (tmp_path / "out").exists()
 
 
+def test_a_torch_file_this_user_may_not_read_is_not_called_corrupt(model, tmp_path, monkeypatch):
+    """torch.load opens the file itself: its PermissionError says the file cannot be read, not
+    that it is truncated (as root ignores file modes, the refusal is simulated)."""
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "model.pt"))
+
+    monkeypatch.setattr(torch, "load", refused)
+    with pytest.raises(ConvertError, match=re.escape(f"{tmp_path / 'model.pt'}: cannot be read (Permission denied)")):
+        convert(tmp_path / "model.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_override_too_large_to_read_is_an_error(model, tmp_path, capsys):
     too_large = r"override 'vocab_size': value '9{60}'\.\.\. \(5000 characters\) is too large"
     with pytest.raises(ConvertError, match=too_large):

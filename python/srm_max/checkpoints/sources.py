@@ -75,6 +75,8 @@ def _read_torch(path: Path) -> tuple[dict[str, np.ndarray], str]:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise ConvertError(f"{path}: refused to load: not a plain tensor state dict{_detail(e)}") from None
+    except PermissionError as e:  # the file is whole, this user may not read it
+        raise ConvertError(f"{path}: cannot be read ({e.strerror or e})") from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConvertError(f"{path}: cannot read torch file, truncated or corrupt{_detail(e)}") from None
     except Exception as e:  # the weights-only unpickler fails on junk with KeyError, IndexError, ...
