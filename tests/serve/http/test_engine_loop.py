@@ -147,3 +147,19 @@ def test_clients_that_leave_the_queue_during_an_engine_call_free_it_at_once(loop
         assert list(loop._live) == ["first"]
     assert inbox.ended.wait(WAIT) and all(d.finish_reason == "length" for d in inbox.deltas)
     served_after(loop, stream=False)
+
+
+def test_a_scrape_reads_the_loops_gauges_from_one_snapshot():
+    """The gauges of one /metrics answer come from one snapshot of the loop, so they agree
+    (busy slots and occupancy, running and waiting) however the loop moves meanwhile."""
+    from srm_max.serve.http.metrics import Metrics
+
+    metrics, states = Metrics(), iter([{"running": 3, "waiting": 1, "waiting_samples": 2, "slots": 8, "busy": 6},
+                                       {"running": 0, "waiting": 0, "waiting_samples": 0, "slots": 8, "busy": 0}])
+    metrics.watch(lambda: next(states))
+    lines = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if line.startswith("srm_")
+                 and "{" not in line)
+    assert {k: float(lines[k]) for k in ("srm_running_requests", "srm_waiting_requests", "srm_waiting_samples",
+                                         "srm_slots", "srm_slots_busy", "srm_slot_occupancy")} == {
+        "srm_running_requests": 3, "srm_waiting_requests": 1, "srm_waiting_samples": 2, "srm_slots": 8,
+        "srm_slots_busy": 6, "srm_slot_occupancy": 0.75}

@@ -51,22 +51,22 @@ class Metrics:
         self.itl = Histogram("srm_inter_token_latency_seconds", "Time per token of a running sample, "
                              "one observation per engine call that gave it tokens", buckets=_LATENCY_BUCKETS,
                              registry=r)
+        self._snapshot: Callable[[], dict] | None = None
 
     def watch(self, snapshot: Callable[[], dict]) -> None:
-        """Read the gauges from ``snapshot()`` (running, waiting, waiting_samples, slots, busy)."""
-        def read(key):
-            return lambda: float(snapshot()[key])
-
-        self.running.set_function(read("running"))
-        self.waiting.set_function(read("waiting"))
-        self.waiting_samples.set_function(read("waiting_samples"))
-        self.slots.set_function(read("slots"))
-        self.slots_busy.set_function(read("busy"))
-        self.occupancy.set_function(lambda: (lambda s: s["busy"] / max(1, s["slots"]))(snapshot()))
+        """Read the loop's gauges (running, waiting, waiting_samples, slots, busy) from
+        ``snapshot()`` when scraped: once per scrape, so that they agree with each other."""
+        self._snapshot = snapshot
 
     def watch_prefix_cache(self, cache) -> None:
         """Read ``srm_prefix_cache_bytes`` from ``cache`` (a PrefixCache, or None: off)."""
         self.prefix_cache_bytes.set_function(lambda: float(cache.bytes if cache is not None else 0))
 
     def render(self) -> bytes:
+        if self._snapshot is not None:
+            s = self._snapshot()
+            for gauge, value in ((self.running, s["running"]), (self.waiting, s["waiting"]),
+                                 (self.waiting_samples, s["waiting_samples"]), (self.slots, s["slots"]),
+                                 (self.slots_busy, s["busy"]), (self.occupancy, s["busy"] / max(1, s["slots"]))):
+                gauge.set(value)
         return generate_latest(self.registry)
