@@ -1,5 +1,5 @@
 """Reading a model's ``config.json`` into its config dataclass, with errors that name
-the file and the field."""
+the file and the field; and writing one, atomically."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..files import check_regular_file
+from ..files import atomic_write_text, check_regular_file
 
 
 def unknown_fields(cls, keys: Iterable[str]) -> str | None:
@@ -54,4 +54,10 @@ def read_json(path: str | Path):
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
-__all__ = ["dataclass_from_dict", "read_json", "unknown_fields"]
+def write_config(data: dict, path: str | Path) -> None:
+    """``data`` as a config.json at ``path``, atomically: a process killed while writing leaves the
+    old file or the new one (a resumed training run checks its arguments against it)."""
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+__all__ = ["dataclass_from_dict", "read_json", "unknown_fields", "write_config"]

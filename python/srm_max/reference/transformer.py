@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.config_io import write_config
 from ..scalars import is_plain_int
 
 TRANSFORMER_ARCHITECTURE = "transformer"
@@ -60,7 +61,7 @@ class TransformerConfig:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "TransformerConfig":

@@ -139,8 +139,7 @@ def train(model: nn.Module, train_tokens: torch.Tensor, val_tokens: torch.Tensor
             model, device_ids=[device.index] if device.type == "cuda" else None)
 
     if is_main and model_config is not None:
-        # Atomic: a run killed here keeps a whole config, which a resumed run checks its arguments against.
-        atomic_write_text(out / CONFIG_FILE, json.dumps(model_config.to_dict(), indent=2) + "\n")
+        model_config.save(out / CONFIG_FILE)
     tokens_per_step = cfg.batch_size * cfg.context_length * world
     end_step = cfg.steps if not cfg.stop_at_step else min(cfg.steps, cfg.stop_at_step)
     metrics_path = out / METRICS_FILE

@@ -13,14 +13,13 @@ the FFN branches, one per entry of ``ffn_dims``.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
 from ...scalars import is_plain_int, is_plain_real
-from ..config_io import dataclass_from_dict, read_json
+from ..config_io import dataclass_from_dict, read_json, write_config
 from .schema import checkpoint_shapes
 
 PHA_ARCHITECTURE = "pha"
@@ -220,7 +219,7 @@ class PHAConfig:
         return dataclass_from_dict(cls, data, source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "PHAConfig":

@@ -6,13 +6,12 @@ architecture shares the checkpoint format.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...errors import CheckpointError
 from ...scalars import is_plain_int, is_plain_real
-from ..config_io import dataclass_from_dict, read_json
+from ..config_io import dataclass_from_dict, read_json, write_config
 
 SRM_ARCHITECTURE = "srm"
 # Far above any real SRM; they stop a hostile config.json from asking for absurd work.
@@ -102,7 +101,7 @@ class SRMConfig:
         return dataclass_from_dict(cls, data, source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_config(self.to_dict(), path)
 
     @classmethod
     def load(cls, path: str | Path) -> "SRMConfig":
