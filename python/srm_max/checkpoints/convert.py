@@ -100,7 +100,7 @@ def choose_config(tensors: dict[str, np.ndarray], weights_path: Path, config_pat
     """The config to convert with (given, found beside the weights, or inferred), and the
     tensors whose shapes it was inferred from (none when it was read from a file)."""
     beside = weights_path.parent / "config.json"
-    if config_path is None and _readable_beside(beside) and _is_ours(beside):
+    if config_path is None and _ours_beside(beside):
         config_path = beside
     if config_path is None:
         arch = registry.recognize(tensors) or registry.get(registry.DEFAULT)
@@ -132,20 +132,21 @@ def _inferred_from(tensors: dict[str, np.ndarray], keys: list[str]) -> str:
     return f"the config was inferred from {shapes}; pass --config if one of these has the wrong shape"
 
 
-def _readable_beside(path: Path) -> bool:
-    """Whether a config.json lies beside the weights; ``ConvertError`` when it does but cannot be
-    read as JSON (a pipe, junk, no permission): likely the run's own config, damaged, which the
-    shapes would silently stand in for (they do not tell every field)."""
+def _ours_beside(path: Path) -> bool:
+    """Whether the config.json beside the weights is this project's (another tool's JSON is left
+    to the shapes); ``ConvertError`` when one lies there but cannot be read as JSON (a pipe, junk,
+    no permission): likely the run's own config, damaged, which the shapes would silently stand
+    in for (they do not tell every field)."""
     if not os.path.lexists(path):
         return False
     check_regular_file(path, ConvertError)
     try:
-        json.loads(path.read_bytes())
+        data = json.loads(path.read_bytes())
     except (OSError, ValueError, RecursionError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else "not JSON"
         raise ConvertError(f"{path}: cannot be read as a config ({reason}); pass --config, or move it away to "
                            "infer the config from the weights' shapes") from None
-    return True
+    return isinstance(data, dict) and data.get("architecture") in registry.names()
 
 
 def _is_ours(path: Path) -> bool:
