@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from srm_max.models.pha.config import PHAConfig
 from srm_max.reference.pha import PHA
@@ -70,6 +72,34 @@ def bf16_rounded(model: PHA) -> PHA:
         for name, p in model.named_parameters():
             if name in names:
                 p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return model
+
+
+def _to_bfloat16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def bf16_products(model: PHA) -> PHA:
+    """``model`` (``bf16_rounded``) computing each product of a bfloat16 matrix as a
+    bfloat16 engine does (``graphs.ops.linear``): its input rounded to bfloat16, the product
+    summed in float32, its output rounded to bfloat16, then the bias added. So it rounds
+    where the engines round, and what is left between them is the order of each product's
+    float32 sums."""
+    from srm_max.graphs.pha import matrix_names
+
+    names = set(matrix_names(model.config))
+
+    def rounding(module: nn.Linear):
+        def forward(x):
+            y = _to_bfloat16(F.linear(_to_bfloat16(x), module.weight))
+            return y if module.bias is None else y + module.bias
+        return forward
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and f"{name}.weight" in names:
+            module.forward = rounding(module)
+    if model.lm_head is None:  # the output layer is the embedding's product
+        model.logits = lambda x: _to_bfloat16(_to_bfloat16(x) @ model.embed.weight.T)
     return model
 
 
