@@ -71,6 +71,7 @@ def test_loader_config_disagrees_with_tensors(good_dir):
 
 @pytest.mark.parametrize("content,message", [
     ("{", "config.json: not valid JSON"),
+    (" " * (1 << 20) + "{}", r"config.json: over 1 MiB, too large for a config file"),
     ('{"vocab_size": 48}', r"missing config field\(s\) \['d_model'"),
     ('{"vocab_size": 48, "d_model": 12, "n_layers": 2, "n_heads": 2, "context_length": 40, "colour": 1}',
      r"unknown config field\(s\) \['colour'\]"),

@@ -189,13 +189,15 @@ def test_a_trainer_state_that_is_not_this_runs_is_refused(out, wider, corpus_arg
 @pytest.mark.parametrize("field, value, says", [
     ("context_length", 32, "another model: context_length 32 (the arguments give 16); resume with the model"),
     ("architecture", "pha", "another model: architecture 'pha' (the arguments give 'srm')"),
-    (None, None, "not a config of this trainer (a JSON object)"),
+    (None, "{ not json", "not valid JSON"),
+    (None, "[1]", "not a config of this trainer (a JSON object)"),
+    (None, " " * (1 << 20) + "{}", "over 1 MiB, too large for a config file; repair or remove it"),
 ])
 def test_a_run_config_of_another_model_than_the_arguments_is_refused(out, corpus_args, capsys, field, value, says):
     """The checkpoint's weights fit the arguments; the run's config.json says another model (its
     context length leaves the weights as they are), which the resumed run would overwrite."""
     config = out / "config.json"
-    config.write_text(json.dumps(json.loads(config.read_text()) | {field: value}) if field else "{ not json")
+    config.write_text(json.dumps(json.loads(config.read_text()) | {field: value}) if field else value)
     before = look(out)
     err = refused(capsys, resume(out, corpus_args), says)
     assert err.startswith(f"srm-max train: error: {config}: ")

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SRMError
 from ..files import atomic_write_text, check_regular_file
 
 
@@ -41,17 +41,28 @@ def dataclass_from_dict(cls, data, source: str):
         raise CheckpointError(f"{source}: {e}") from None
 
 
-def read_json(path: str | Path):
+# A config.json is a few hundred bytes: a file over this is no config, and is not read whole.
+CONFIG_LIMIT = 1 << 20
+
+
+def read_json(path: str | Path, error: type[SRMError] = CheckpointError):
+    """The JSON value in the config file ``path``; ``error`` naming the file when it is missing,
+    unreadable, not a regular file, over ``CONFIG_LIMIT`` bytes or not JSON."""
     path = Path(path)
-    check_regular_file(path)
+    check_regular_file(path, error)
     try:
-        return json.loads(path.read_text())
+        with open(path, "rb") as f:
+            data = f.read(CONFIG_LIMIT + 1)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: config file not found") from None
+        raise error(f"{path}: config file not found") from None
     except OSError as e:  # no permission to read it, an I/O error
-        raise CheckpointError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(data) > CONFIG_LIMIT:
+        raise error(f"{path}: over {CONFIG_LIMIT >> 20} MiB, too large for a config file")
+    try:
+        return json.loads(data)
     except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and Unicode
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        raise error(f"{path}: not valid JSON ({e})") from None
 
 
 def write_config(data: dict, path: str | Path) -> None:
@@ -60,4 +71,4 @@ def write_config(data: dict, path: str | Path) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-__all__ = ["dataclass_from_dict", "read_json", "unknown_fields", "write_config"]
+__all__ = ["CONFIG_LIMIT", "dataclass_from_dict", "read_json", "unknown_fields", "write_config"]

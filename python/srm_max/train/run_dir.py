@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..files import atomic_write_bytes, check_regular_file
+from ..models.config_io import read_json
 from ..models.registry import config_from_dict
 from .checkpoints import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint
 from .errors import TrainError
@@ -25,7 +26,6 @@ CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 RESULTS_FILE = "results.json"
 RUN_FILES = (FINAL_MODEL_FILE, CONFIG_FILE, METRICS_FILE, RESULTS_FILE)  # besides CHECKPOINTS_DIR
-_CONFIG_LIMIT = 1 << 20
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -122,18 +122,12 @@ def check_run_config(out: str | Path, model_config) -> None:
     context length, no decay) would replace the run's config silently. A run without one (removed
     by hand) passes: the weights' own check is what is left."""
     path = Path(out) / CONFIG_FILE
-    check_regular_file(path, TrainError)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_CONFIG_LIMIT + 1)  # a config is a few hundred bytes; junk is not read whole
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return
-    except OSError as e:
-        raise TrainError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
-        saved = json.loads(data) if len(data) <= _CONFIG_LIMIT else None
-    except (ValueError, RecursionError):
-        saved = None
+        saved = read_json(path, TrainError)
+    except TrainError as e:  # unreadable, not a regular file, not JSON
+        raise TrainError(f"{e}; repair or remove it to resume") from None
     if isinstance(saved, dict):
         try:  # read as a config, so that a field this version added (at its default) is no difference
             saved = config_from_dict(saved, str(path)).to_dict()
