@@ -39,9 +39,9 @@ import numpy as np
 from .. import __version__
 from .format import (PARITY_FILE, TOKENIZER_FILE, WEIGHTS_FILE, atomic_directory, check_finite, check_weights,
                      write_checkpoint_files)
-from ..files import check_regular_file, check_replaceable
+from ..files import check_replaceable
 from ..models import registry
-from ..models.config_io import unknown_fields
+from ..models.config_io import read_json, unknown_fields
 from ..models.registry import config_from_dict, load_config
 from ..errors import CheckpointError, ConvertError
 from .parity import SourceForward, check_parity_tokens, compute_parity, reference_class
@@ -132,6 +132,10 @@ def _inferred_from(tensors: dict[str, np.ndarray], keys: list[str]) -> str:
     return f"the config was inferred from {shapes}; pass --config if one of these has the wrong shape"
 
 
+def _names_ours(data) -> bool:
+    return isinstance(data, dict) and data.get("architecture") in registry.names()
+
+
 def _ours_beside(path: Path) -> bool:
     """Whether the config.json beside the weights is this project's (another tool's JSON is left
     to the shapes); ``ConvertError`` when one lies there but cannot be read as JSON (a pipe, junk,
@@ -139,14 +143,11 @@ def _ours_beside(path: Path) -> bool:
     in for (they do not tell every field)."""
     if not os.path.lexists(path):
         return False
-    check_regular_file(path, ConvertError)
     try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else "not JSON"
-        raise ConvertError(f"{path}: cannot be read as a config ({reason}); pass --config, or move it away to "
-                           "infer the config from the weights' shapes") from None
-    return isinstance(data, dict) and data.get("architecture") in registry.names()
+        return _names_ours(read_json(path, ConvertError))
+    except ConvertError as e:
+        raise ConvertError(f"{e}; pass --config, or move it away to infer the config from the weights' "
+                           "shapes") from None
 
 
 def _is_ours(path: Path) -> bool:
@@ -155,8 +156,8 @@ def _is_ours(path: Path) -> bool:
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text()).get("architecture") in registry.names()
-    except (ValueError, AttributeError, OSError, RecursionError):
+        return _names_ours(read_json(path))
+    except CheckpointError:
         return False
 
 
