@@ -15,13 +15,14 @@ draws of sampled tokens are the float32 op's sampler on the bfloat16 logits
 
 Bounds (measured on the 2-core EPYC, Zen 4, AVX-512, over these prompts):
 - against the rounding reference: the same greedy tokens, GSS states within ``ROUNDED_REL``
-  of their largest value (measured 2.1e-6), and the KV caches within one bfloat16 step of
-  each value (``assert_within_bfloat16_step``; measured equal but for float32 sums): the
+  of their largest value (measured up to 2.1e-6), and the KV caches within one bfloat16 step
+  of each value (``assert_within_bfloat16_step``; measured equal but for float32 sums): the
   reference rounds where the op rounds, so what is left is the order of the float32 sums
   inside each product, which can move a product's output across a bfloat16 rounding edge
-  now and then. The reference with its matrices rounded but not its products' inputs and
-  outputs (``bf16_rounded`` alone) is 1e-3 to 8e-3 off in the GSS states and 17 to 160
-  bfloat16 steps off in the caches, so these bounds see a rounding the op skips or adds;
+  now and then (the bound leaves room for that on CPUs whose tiles sum in another order).
+  The reference with its matrices rounded but not its products' inputs and outputs
+  (``bf16_rounded`` alone) is 6.6e-4 to 7.8e-3 off in the GSS states and 17 to 160 bfloat16
+  steps off in the caches, so these bounds see a rounding the op skips or adds;
 - against the float32 reference, teacher-forced along the op's tokens: each new token's
   log-probability within ``REF_LOGPROB`` (measured 2.8e-2) and states within ``REF_REL``
   of their largest value (measured 1.6e-2): the rounding of the weights and of every
@@ -50,7 +51,7 @@ from tests.support.reference_scores import ref_log_softmax
 # the op's engine runs its bfloat16 decode_steps graph only
 pytestmark = graphs(CONFIG, ("decode_steps",), "bfloat16", kernels=True)
 
-ROUNDED_REL = 1e-5
+ROUNDED_REL = 1e-4
 REF_LOGPROB = 6e-2
 REF_REL = 4e-2
 
