@@ -66,10 +66,10 @@ def rounding_reference(reference):
     return bf16_products(bf16_rounded(copy.deepcopy(reference)))
 
 
-def decode_calls(engine, ids, states, lengths, calls, sampling=None, logprobs=None):
-    """The engine's decode calls from ``states`` at positions ``lengths``: (tokens [B, sum
+def decode_calls(engine, ids, states, lengths, calls, logprobs=None):
+    """The engine's greedy decode calls from ``states`` at positions ``lengths``: (tokens [B, sum
     calls], states, positions after, log-probabilities [B, sum calls] or None)."""
-    sampling = sampling or SamplingArrays.greedy(len(lengths))
+    sampling = SamplingArrays.greedy(len(lengths))
     pos, tokens, lps = np.array(lengths), [], []
     for steps in calls:
         res = engine.decode(ids, pos, states, sampling, steps, logprobs=logprobs)
