@@ -42,8 +42,8 @@ def resolve_source(src: Path) -> Path:
 
 
 def read_source(path: Path, show_progress: bool) -> tuple[dict[str, np.ndarray], str]:
-    """Raw tensors (float32 numpy) and the source's float dtype name."""
-    check_regular_file(path, ConvertError)
+    """Raw tensors (float32 numpy) and the source's float dtype name; ``path`` is what
+    ``resolve_source`` returned (a regular file, checked there)."""
     if path.suffix == ".safetensors":
         try:
             st = SafetensorsFile(path)
