@@ -79,12 +79,12 @@ def latest_checkpoint(out: Path) -> Path | None:
     would start the run over (dropping its metrics and checkpoints) or load a foreign one."""
     root = Path(out) / CHECKPOINTS_DIR
     marker = root / LATEST_FILE
-    if not _exists(root):
+    if not path_exists(root):
         return None
     if not root.is_dir():
         raise TrainError(f"{root}: is not a directory (a run keeps its checkpoints in one); move it away, or use "
                          "--force to start over")
-    if not _exists(marker):
+    if not path_exists(marker):
         return None
     check_regular_file(marker, TrainError)
     try:
@@ -97,9 +97,9 @@ def latest_checkpoint(out: Path) -> Path | None:
         shown = ascii(name[:60]) + ("..." if len(name) > 60 else "")
         raise TrainError(f"{marker}: names {shown}, not a checkpoint of this run (a step-NNNNNN folder beside it)")
     ckpt = root / name
-    if _exists(ckpt) and ckpt.resolve().parent != root.resolve():
+    if path_exists(ckpt) and ckpt.resolve().parent != root.resolve():
         raise TrainError(f"{ckpt}: a link out of {root}, not a checkpoint of this run")
-    if _exists(ckpt) and not ckpt.is_dir():
+    if path_exists(ckpt) and not ckpt.is_dir():
         raise TrainError(f"{marker} points at {ckpt}, which is not a directory")
     for path in (ckpt / MODEL_FILE, ckpt / STATE_FILE):
         check_regular_file(path, TrainError)
@@ -108,10 +108,11 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpt
 
 
-def _exists(path: Path) -> bool:
+def path_exists(path: Path) -> bool:
     """Whether ``path`` exists (a link to nothing does); ``TrainError`` when that cannot be told.
     ``os.path.lexists`` says False for a path in a folder this user may not look into, which
-    would make a run's checkpoints look absent and ``--resume`` start it over."""
+    would make a run's files look absent: its checkpoints (``--resume`` would start it over) or
+    its config (the arguments would go unchecked against it)."""
     try:
         os.lstat(path)
     except FileNotFoundError:

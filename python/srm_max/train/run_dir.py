@@ -18,7 +18,7 @@ from ..errors import CheckpointError
 from ..files import atomic_write_bytes, check_regular_file
 from ..models.config_io import read_json
 from ..models.registry import config_from_dict
-from .checkpoints import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint
+from .checkpoints import CHECKPOINTS_DIR, LATEST_FILE, latest_checkpoint, path_exists
 from .errors import TrainError
 
 FINAL_MODEL_FILE = "model.pt"
@@ -122,7 +122,7 @@ def check_run_config(out: str | Path, model_config) -> None:
     context length, no decay) would replace the run's config silently. A run without one (removed
     by hand) passes: the weights' own check is what is left."""
     path = Path(out) / CONFIG_FILE
-    if not os.path.lexists(path):
+    if not path_exists(path):
         return
     try:
         saved = read_json(path, TrainError)
